@@ -1,0 +1,60 @@
+# Two commands do all the set-up on a fresh machine:
+#   make book   create .venv if missing, install everything, build the site into _build/html
+#   make test   the same set-up, then every test: unit tests, strict nbval on every chapter, the site check
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: help install book test unit nbval outputs budgets gpu-check binder-check clean
+
+help:
+	@echo "make book | test | outputs | budgets | gpu-check | binder-check | clean"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Re-install only when the requirements or the package metadata change.
+$(STAMP): requirements.txt pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+book: $(STAMP)
+	$(VENV)/bin/jupyter-book build . -n -W --keep-going
+	@echo "The site is in $(CURDIR)/_build/html (open _build/html/index.html)"
+
+# Unit tests, strict nbval (outputs compared cell by cell; never --nbval-lax) and the site check, in one run.
+test: $(STAMP)
+	$(PY) -m pytest tests chapters --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+
+unit: $(STAMP)
+	$(PY) -m pytest tests -p no:cacheprovider -m "not site"
+
+nbval: $(STAMP)
+	$(PY) -m pytest chapters --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+		-p no:cacheprovider
+
+# The only way stored outputs are regenerated: headless execution in place, widget state stored.
+outputs: $(STAMP)
+	$(PY) scripts/execute_notebooks.py
+
+# Time and peak memory of every chapter (executes without writing).
+budgets: $(STAMP)
+	$(PY) scripts/execute_notebooks.py --check
+
+# Run every chapter on a CUDA GPU (falls back to the CPU, and says so, where there is none).
+gpu-check:
+	GRADACCUM_DEVICE=$${GRADACCUM_DEVICE:-cuda} $(PYTHON) scripts/gpu_check.py
+
+# Install from binder/ alone into a fresh virtual environment and run one chapter there.
+binder-check:
+	bash scripts/binder_check.sh
+
+clean:
+	rm -rf _build

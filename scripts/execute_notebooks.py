@@ -1,0 +1,58 @@
+"""Re-execute the book's notebooks headlessly, in place, storing widget state; report time and peak memory.
+
+This is the only way the stored outputs are regenerated (``make outputs``). Each notebook runs in a fresh
+kernel with its folder as the working directory. Widget state is stored in the notebook's metadata, so the
+static site (built with execution off) shows every widget's first picture.
+
+Usage: python scripts/execute_notebooks.py [--check] [NOTEBOOK ...]   (default: chapters/*.ipynb)
+  --check   execute and report, but do not write the notebooks back (used to measure budgets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = "import resource as _r; print('PEAK_RSS_KB', _r.getrusage(_r.RUSAGE_SELF).ru_maxrss)"
+
+
+def execute(path: Path, write: bool = True, timeout: int = 600) -> tuple[float, float]:
+    """Execute one notebook; return (seconds, peak resident memory of its kernel in MB)."""
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(PROBE))
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", store_widget_state=True,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    start = time.perf_counter()
+    client.execute()
+    seconds = time.perf_counter() - start
+    probe = nb.cells.pop()
+    text = "".join(o.get("text", "") for o in probe.outputs)
+    peak_mb = int(text.split("PEAK_RSS_KB")[1].split()[0]) / 1024
+    if write:
+        nbformat.write(nb, path)
+    return seconds, peak_mb
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("notebooks", nargs="*", type=Path)
+    parser.add_argument("--check", action="store_true", help="do not write the notebooks back")
+    args = parser.parse_args(argv)
+    paths = args.notebooks or sorted((ROOT / "chapters").glob("*.ipynb"))
+    print(f"{'notebook':<44} {'seconds':>8} {'peak MB':>8}")
+    for path in paths:
+        seconds, peak = execute(path, write=not args.check)
+        print(f"{path.name:<44} {seconds:>8.1f} {peak:>8.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

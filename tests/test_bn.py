@@ -1,0 +1,142 @@
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from gradaccum import bn
+from gradaccum.models import make_cnn
+
+
+def test_batch_moments_match_batchnorm():
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 4, 4, dtype=torch.float64)
+    mean, biased, unbiased = bn.batch_moments(x)
+    layer = nn.BatchNorm2d(3, affine=False, momentum=1.0).double().train()
+    out = layer(x)
+    expected = (x - mean[None, :, None, None]) / torch.sqrt(biased[None, :, None, None] + layer.eps)
+    assert torch.allclose(out, expected, atol=1e-12)  # normalizes with the biased variance
+    assert torch.allclose(layer.running_var, unbiased, atol=1e-12)  # stores the unbiased one
+    assert torch.allclose(layer.running_mean, mean, atol=1e-12)
+
+
+def test_batch_moments_errors():
+    with pytest.raises(ValueError):
+        bn.batch_moments(torch.zeros(5))
+    with pytest.raises(ValueError):
+        bn.batch_moments(torch.zeros(1, 3))
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 5, 7])
+def test_mean_variance_formula_is_exact_over_all_subsets(b):
+    """Enumerate every micro-batch of size b from a population of 7: the formula is exact."""
+    pop = np.array([0.3, -1.2, 2.5, 0.0, 4.1, -0.7, 1.9])
+    n = len(pop)
+    means = [pop[list(c)].mean() for c in itertools.combinations(range(n), b)]
+    assert np.var(means) == pytest.approx(bn.predicted_mean_variance(pop.var(), b, n), rel=1e-12, abs=1e-15)
+
+
+def test_biased_variance_factor_is_exact_over_all_pairs_with_replacement():
+    pop = np.array([1.0, 4.0, -2.0, 0.5])
+    b = 3
+    vals = [np.var(pop[list(c)]) for c in itertools.product(range(len(pop)), repeat=b)]  # i.i.d. draws
+    assert np.mean(vals) == pytest.approx(bn.biased_variance_factor(b) * pop.var(), rel=1e-12)
+
+
+def test_predicted_mean_variance_errors():
+    with pytest.raises(ValueError):
+        bn.predicted_mean_variance(1.0, 0, 10)
+    with pytest.raises(ValueError):
+        bn.predicted_mean_variance(1.0, 11, 10)
+
+
+@pytest.mark.parametrize("m, k", [(0.1, 8), (0.01, 3), (0.5, 1)])
+def test_momentum_algebra(m, k):
+    assert bn.effective_momentum(m, k) == pytest.approx(1 - (1 - m) ** k)
+    m2 = bn.corrected_momentum(m, k)
+    assert bn.effective_momentum(m2, k) == pytest.approx(m, rel=1e-12)
+    w = bn.micro_batch_weights(m, k)
+    assert w.sum() == pytest.approx(bn.effective_momentum(m, k)) and np.all(np.diff(w) >= 0)
+
+
+def test_micro_batch_weights_match_pytorch():
+    m, k = 0.2, 5
+    layer = nn.BatchNorm1d(2, momentum=m).double().train()
+    torch.manual_seed(0)
+    micro = [torch.randn(3, 2, dtype=torch.float64) * (j + 1) for j in range(k)]
+    for x in micro:
+        layer(x)
+    predicted = sum(w * x.mean(0) for w, x in zip(bn.micro_batch_weights(m, k), micro))
+    assert torch.allclose(layer.running_mean, predicted, atol=1e-14)
+
+
+@pytest.mark.parametrize("m", [0.0, -0.1, 1.5, float("nan"), "0.1", True])
+def test_bad_momentum(m):
+    with pytest.raises(ValueError, match="momentum"):
+        bn.effective_momentum(m, 2)
+
+
+def test_set_bn_momentum():
+    model = make_cnn("batch")
+    assert bn.set_bn_momentum(model, 0.05) == 3
+    assert all(mod.momentum == 0.05 for mod in model.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm))
+    assert bn.set_bn_momentum(make_cnn("group"), 0.05) == 0
+
+
+def test_check_micro_batch():
+    with pytest.raises(ValueError, match="GroupNorm"):
+        bn.check_micro_batch(1)
+    assert bn.check_micro_batch(1, batch_norm=False) == 1
+    with pytest.raises(ValueError):
+        bn.check_micro_batch(0, batch_norm=False)
+
+
+def test_layer_inputs_and_moment_spread(digits):
+    model = make_cnn("batch").train()
+    feats = bn.layer_inputs(model, digits.x_train, "head.1")
+    assert feats.shape == (1221, 32) and model.training
+    s = bn.moment_spread(feats, 4, draws=3000, seed=1)
+    assert abs(s.mean_var_ratio - 1) < 0.1 and abs(s.biased_var_ratio - 0.75) < 0.03
+    with pytest.raises(ValueError, match="no submodule"):
+        bn.layer_inputs(model, digits.x_train, "head.9")
+    with pytest.raises(ValueError, match="exceeds"):
+        bn.moment_spread(feats[:3], 4)
+    with pytest.raises(ValueError, match=r"\(N, C\)"):
+        bn.moment_spread(feats[None], 4)
+
+
+def test_microbatch_effect(digits):
+    e = bn.microbatch_effect(1, 16, digits.x_train, digits.y_train)
+    assert all(v == 0.0 for v in e.rel_error.values())
+    e = bn.microbatch_effect(4, 4, digits.x_train, digits.y_train)
+    assert e.rel_error["batch"] > 0.3 and e.rel_error["group"] < 1e-12 and e.rel_error["layer"] < 1e-12
+    assert 0.4 < e.rel_mean_std < 0.6  # ≈ 1/√4 with the finite-population correction
+    with pytest.raises(ValueError, match="exceeds"):
+        bn.microbatch_effect(32, 64, digits.x_train, digits.y_train)
+    with pytest.raises(ValueError, match="b >= 2"):
+        bn.microbatch_effect(4, 1, digits.x_train, digits.y_train)
+
+
+def test_run_fingerprint_small(digits):
+    runs = bn.run_fingerprint(digits, {"batch": (64, 8), "group": (8,)}, seeds=(0,), epochs=1)
+    assert [(r.norm, r.b, r.k, r.steps) for r in runs] == [("batch", 64, 1, 19), ("batch", 8, 8, 19), ("group", 8, 8, 19)]
+    table = bn.summarize_fingerprint(runs)
+    assert set(table) == {("batch", 64), ("batch", 8), ("group", 8)}
+    assert table["group", 8]["gap"] == 0.0
+    text = bn.format_fingerprint(table)
+    assert text.count("\n") == 3 and "group" in text
+    with pytest.raises(ValueError, match="does not divide"):
+        bn.run_fingerprint(digits, {"batch": (6,)}, seeds=(0,), epochs=1)
+    with pytest.raises(ValueError, match="b >= 2"):
+        bn.run_fingerprint(digits, {"batch": (1,)}, seeds=(0,), epochs=1)
+
+
+def test_figures_have_fixed_sizes(digits):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = bn.plot_microbatch_effect(2, 8, digits.x_train, digits.y_train)
+    assert tuple(fig.get_size_inches()) == (9.6, 3.4)
+    fig = bn.plot_momentum_weights(0.1, 4)
+    assert len(fig.axes[0].patches) == 12

@@ -1,0 +1,75 @@
+import pytest
+
+from gradaccum import exercises as ex
+
+
+@pytest.mark.parametrize(
+    "checker, right",
+    [
+        (ex.check_effective_momentum, 1 - 0.9**8),
+        (ex.check_effective_momentum, 0.570),  # the value the solution states
+        (ex.check_corrected_momentum, 1 - 0.9 ** (1 / 8)),
+        (ex.check_corrected_momentum, 0.013084),  # five significant digits, as asked
+        (ex.check_biased_variance_ratio, 0.75),
+    ],
+)
+def test_right_answers_pass(checker, right):
+    fb = checker(right)
+    assert fb and str(fb).startswith("✓")
+
+
+@pytest.mark.parametrize(
+    "checker, wrong, phrase",
+    [
+        (ex.check_effective_momentum, 0.1, "every forward pass"),
+        (ex.check_effective_momentum, 0.8, "added the K momenta"),
+        (ex.check_effective_momentum, 0.9**8, "old* running value"),
+        (ex.check_effective_momentum, 0.0125, "correct* the drift"),
+        (ex.check_corrected_momentum, 0.0125, "first-order"),
+        (ex.check_corrected_momentum, 1 - 0.9**8, "invert it"),
+        (ex.check_corrected_momentum, 0.9 ** (1 / 8), "keeps"),
+        (ex.check_corrected_momentum, 0.1, "unchanged"),
+        (ex.check_biased_variance_ratio, 1.0, "unbiased"),
+        (ex.check_biased_variance_ratio, 4 / 3, "upside down"),
+        (ex.check_biased_variance_ratio, 0.25, "batch *mean*"),
+    ],
+)
+def test_typical_mistakes_are_explained(checker, wrong, phrase):
+    fb = checker(wrong)
+    assert not fb and str(fb).startswith("✗") and phrase in fb.message
+
+
+def test_unrecognized_wrong_answer_gets_a_hint():
+    fb = ex.check_effective_momentum(0.33)
+    assert not fb and "Write the update K times" in fb.message
+
+
+@pytest.mark.parametrize("answer, phrase", [(None, "no answer yet"), ("0.57", "expected a number"),
+                                            (float("nan"), "not a finite"), (True, "expected a number")])
+def test_non_answers(answer, phrase):
+    fb = ex.check_effective_momentum(answer)
+    assert not fb and phrase in fb.message
+
+
+def test_numpy_and_torch_numbers_are_accepted():
+    import numpy as np
+    import torch
+
+    assert ex.check_biased_variance_ratio(np.float64(0.75))
+    assert ex.check_biased_variance_ratio(torch.tensor(0.75))
+
+
+def test_other_parameters():
+    assert ex.check_effective_momentum(1 - 0.99**4, m=0.01, k=4)
+    assert ex.check_biased_variance_ratio(0.5, b=2)
+
+
+def test_batch_coupled():
+    assert ex.check_batch_coupled({"BatchNorm2d"})
+    fb = ex.check_batch_coupled({"BatchNorm2d", "Dropout"})
+    assert not fb and "changes randomness, not coupling" in fb.message
+    fb = ex.check_batch_coupled({"LayerNorm"})
+    assert "per sample" in fb.message and "BatchNorm2d normalizes" in fb.message
+    assert "unknown layer" in ex.check_batch_coupled({"BatchNorm"}).message
+    assert "set of layer names" in ex.check_batch_coupled("BatchNorm2d").message
+    assert "no answer yet" in ex.check_batch_coupled(None).message

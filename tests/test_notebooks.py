@@ -1,0 +1,90 @@
+"""The book's standards, checked on every stored chapter (strict nbval then re-executes each one)."""
+
+import re
+
+import pytest
+
+from book import CHAPTERS, ROOT, load, repository_url, source, tags, toc_files
+
+STEMS = sorted(CHAPTERS)
+
+
+def code_cells(nb):
+    return [c for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def test_every_chapter_is_in_the_toc_and_mapped():
+    on_disk = sorted(p.stem for p in (ROOT / "chapters").glob("*.ipynb"))
+    assert on_disk == STEMS, "every chapter needs an entry in tests/book.py CHAPTERS"
+    assert [f"chapters/{s}" for s in STEMS] == [f for f in toc_files() if f.startswith("chapters/")]
+    for stem, (module, test) in CHAPTERS.items():
+        assert (ROOT / "src" / "gradaccum" / f"{module}.py").exists(), stem
+        assert (ROOT / "tests" / f"{test}.py").exists(), stem
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_outputs_are_stored_from_one_top_to_bottom_run(stem):
+    cells = [c for c in code_cells(load(stem)) if source(c).strip()]
+    counts = [c["execution_count"] for c in cells]
+    assert None not in counts, "code cells without stored outputs: nbval would not check them (run make outputs)"
+    assert counts == list(range(1, len(cells) + 1)), "outputs must come from one fresh top-to-bottom run"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_no_errors_warnings_or_skips(stem):
+    for c in code_cells(load(stem)):
+        for out in c.get("outputs", []):
+            assert out["output_type"] != "error", source(c)
+            assert not (out["output_type"] == "stream" and out["name"] == "stderr"), f"stderr in: {source(c)}"
+        assert "nbval-skip" not in tags(c) and "NBVAL_SKIP" not in source(c), "never skip a cell"
+        assert not source(c).rstrip().endswith(";"), "a trailing ; does not suppress output under nbval"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_ignored_outputs_are_only_widgets_and_make_no_claim(stem):
+    for c in code_cells(load(stem)):
+        if "nbval-ignore-output" in tags(c):
+            assert "interactive" in source(c) or "%time" in source(c), "ignore output only for widgets/timings"
+            assert "assert" not in source(c), "a cell whose output is ignored must not make a claim"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_claims_exercises_and_checkers(stem):
+    nb = load(stem)
+    text = "\n".join(source(c) for c in nb["cells"])
+    assert sum("assert" in source(c) for c in code_cells(nb)) >= 5
+    assert len(re.findall(r"```\{exercise\}", text)) >= 3
+    solutions = re.findall(r"```\{solution\}[^\n]*\n:class: dropdown", text)
+    assert len(solutions) == len(re.findall(r"```\{solution\}", text)) >= 3, "solutions are folded away"
+    assert len(re.findall(r"exercises\.check_\w+\(", text)) >= 1, "at least one auto-checked exercise"
+    assert "## In your framework" in text and "## Checklist" in text
+    assert "{cite}" in text
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_first_cell_sets_up_and_installs_on_colab(stem):
+    first = code_cells(load(stem))[0]
+    assert {"hide-cell", "remove-cell"} & set(tags(first))
+    assert "gradaccum.setup(" in source(first) and "google.colab" in source(first)
+    assert repository_url() in source(first), "the Colab install URL must match _config.yml's repository"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_figures_have_captions_and_alt_text(stem):
+    for c in code_cells(load(stem)):
+        has_png = any("image/png" in o.get("data", {}) for o in c.get("outputs", []))
+        if has_png:
+            meta = c["metadata"].get("mystnb", {})
+            assert meta.get("figure", {}).get("caption") and meta["figure"].get("name"), source(c)
+            assert meta.get("image", {}).get("alt"), source(c)
+            assert source(c).rstrip().endswith("plt.show()"), "end figure cells with plt.show()"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_widgets_leave_a_picture_for_static_readers(stem):
+    nb = load(stem)
+    if not any("ipywidgets" in source(c) for c in code_cells(nb)):
+        pytest.skip("no widget in this chapter")
+    state = nb["metadata"]["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    outputs = [o for w in state.values() if w["model_name"] == "OutputModel" for o in w["state"].get("outputs", [])]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "run make outputs to store the widget's picture"

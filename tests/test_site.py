@@ -1,0 +1,51 @@
+"""Build the site from the stored outputs (as `make book` does) into a temporary folder and inspect it."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from book import CHAPTERS, ROOT, load, source
+
+pytestmark = pytest.mark.site
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    jb = Path(sys.executable).with_name("jupyter-book")
+    proc = subprocess.run([str(jb), "build", str(ROOT), "--path-output", str(out), "-n", "-W", "--keep-going"],
+                          capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert not re.search(r"\bWARNING\b", log), log[-4000:]
+    return out / "_build" / "html"
+
+
+@pytest.mark.parametrize("stem", sorted(CHAPTERS))
+def test_chapter_page(site, stem):
+    page = (site / "chapters" / f"{stem}.html").read_text()
+    nb = load(stem)
+    images = sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+    assert page.count("<img") >= images > 0
+    for img in re.findall(r'<img[^>]*src="([^"]+)"', page):
+        if not img.startswith(("data:", "http")):
+            assert (site / "chapters" / img).resolve().exists(), img
+    if "widgets" in nb["metadata"]:
+        assert "application/vnd.jupyter.widget-state+json" in page
+        assert "application/vnd.jupyter.widget-view+json" in page
+    assert "Traceback" not in page and "output stderr" not in page and "output error" not in page
+    assert 'class="math' in page, "math renders"
+    assert page.count('class="caption-number">Exercise') >= 3
+    assert "mybinder.org" in page and "colab.research.google.com" in page
+    n_cites = sum(source(c).count("{cite}") for c in nb["cells"])
+    assert page.count('href="../references.html#id') >= n_cites > 0, "every citation links to its reference"
+
+
+def test_intro_and_references(site):
+    intro = (site / "intro.html").read_text()
+    assert "equivalence theorem" in intro.lower() and "Symptom" in intro
+    refs = (site / "references.html").read_text()
+    assert "Ioffe" in refs and "Wu" in refs and "Goyal" in refs
