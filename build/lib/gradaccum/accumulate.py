@@ -1,0 +1,200 @@
+r"""Gradient accumulation itself: split a batch, accumulate, compare with the full batch, train.
+
+The equivalence the book starts from: for a loss that is a mean of per-sample terms,
+
+.. math::
+    L(\theta; B) = \frac{1}{|B|}\sum_{i\in B} \ell(\theta; x_i, y_i),
+
+and a batch :math:`B` of size :math:`Kb` cut into :math:`K` disjoint micro-batches :math:`B_k` of size
+:math:`b`,
+
+.. math::
+    \nabla L(\theta; B) = \frac{1}{K}\sum_{k=1}^{K} \nabla L(\theta; B_k)
+
+*provided* each :math:`\ell(\theta; x_i, y_i)` does not depend on which other samples share its batch.
+BatchNorm in training mode breaks exactly that proviso (chapter 1).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_k(k: int) -> int:
+    """Validate the number of accumulation steps K (a positive int)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"K (accumulation steps) must be an int >= 1, got {k!r}; K = 1 means no accumulation.")
+    return k
+
+
+def split_batch(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut a batch into ``k`` equal, consecutive micro-batches.
+
+    Policy: the batch size must be divisible by K. Unequal micro-batches change the weights of the samples
+    in the averaged loss (chapter 6); pad, drop, or choose another K instead.
+    """
+    check_k(k)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} samples but y has {y.shape[0]}; pass matching inputs and labels.")
+    n = x.shape[0]
+    if n % k:
+        raise ValueError(
+            f"a batch of {n} samples cannot be cut into K = {k} equal micro-batches; "
+            f"choose K among the divisors of {n}, or a batch size that is a multiple of {k}."
+        )
+    b = n // k
+    return [(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for i in range(k)]
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
+    """All parameter gradients of ``model`` concatenated into one vector (zeros where a grad is None)."""
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()]
+    )
+
+
+def full_batch_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    r"""Flat gradient :math:`\nabla_\theta L(\theta; B)` of one forward/backward over the whole batch.
+
+    Runs on a copy of ``model`` (same mode, train or eval), so the caller's parameters, gradients and
+    BatchNorm running statistics are left untouched.
+    """
+    return accumulated_gradient(model, loss_fn, x, y, 1)
+
+
+def accumulated_gradient(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int
+) -> torch.Tensor:
+    r"""Flat gradient :math:`\frac1K\sum_k \nabla_\theta L(\theta; B_k)` accumulated over K micro-batches.
+
+    Each micro-batch loss is divided by K before its backward pass, exactly as a training loop does.
+    Runs on a copy of ``model``; the caller's model is not modified.
+    """
+    micro = split_batch(x, y, k)
+    work = copy.deepcopy(model)
+    work.zero_grad(set_to_none=True)
+    for xb, yb in micro:
+        (loss_fn(work(xb), yb) / k).backward()
+    return flat_grad(work).detach()
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How far a gradient ``g`` is from a reference ``g_ref``.
+
+    ``rel_error`` = ‖g − g_ref‖ / ‖g_ref‖ and ``cosine`` = ⟨g, g_ref⟩ / (‖g‖‖g_ref‖).
+    """
+
+    rel_error: float
+    cosine: float
+
+
+def agreement(g_ref: torch.Tensor, g: torch.Tensor) -> Agreement:
+    """Relative error and cosine similarity of ``g`` against ``g_ref`` (flat vectors of equal length)."""
+    if g_ref.shape != g.shape:
+        raise ValueError(f"gradients have different shapes {tuple(g_ref.shape)} and {tuple(g.shape)}.")
+    ref_norm = torch.linalg.vector_norm(g_ref)
+    if ref_norm == 0:
+        raise ValueError("the reference gradient is zero; relative error is undefined.")
+    rel = torch.linalg.vector_norm(g - g_ref) / ref_norm
+    cos = torch.nn.functional.cosine_similarity(g, g_ref, dim=0)
+    return Agreement(float(rel), float(cos))
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` measured. Accuracies are fractions in [0, 1]."""
+
+    k: int
+    micro_batch: int
+    optimizer_steps: int
+    val_acc: float
+    val_acc_train_mode: float
+    train_loss: list[float] = field(default_factory=list)
+
+    @property
+    def train_eval_gap(self) -> float:
+        """Validation accuracy with micro-batch statistics (train mode) minus with running statistics."""
+        return self.val_acc_train_mode - self.val_acc
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int | None = None) -> float:
+    """Share of correct argmax predictions, evaluated in chunks of ``batch_size`` (all at once if None).
+
+    The model's mode is used as it is. In train mode BatchNorm normalizes each chunk with its own
+    statistics and updates its running statistics, so pass a copy if those must be kept.
+    """
+    n = x.shape[0]
+    size = n if batch_size is None else batch_size
+    if size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    usable = n - n % size  # an incomplete last chunk is left out, as in training
+    correct = sum(int((model(x[i : i + size]).argmax(1) == y[i : i + size]).sum()) for i in range(0, usable, size))
+    return correct / usable
+
+
+def train(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+    *,
+    batch_size: int,
+    k: int,
+    epochs: int,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    seed: int = 0,
+) -> TrainResult:
+    r"""Train ``model`` in place with SGD, one optimizer step per batch of ``batch_size`` samples.
+
+    Each batch is cut into K micro-batches of :math:`b = \text{batch\_size}/K`; every micro-batch loss
+    (cross-entropy, mean over its samples) is divided by K before ``backward``, and the optimizer steps once
+    per batch. The order of samples depends only on ``seed``, so runs that differ only in K see the same
+    batches in the same order. The last incomplete batch of an epoch is dropped.
+
+    Validation accuracy is reported twice: in eval mode (running statistics, what a deployed model does) and
+    in train mode on micro-batches of size b (what the network computed while it was trained).
+    """
+    check_k(k)
+    if batch_size < 1 or batch_size % k:
+        raise ValueError(f"batch_size ({batch_size}) must be a positive multiple of K ({k}).")
+    b = batch_size // k
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}.")
+    n = x.shape[0]
+    if batch_size > n:
+        raise ValueError(f"batch_size ({batch_size}) exceeds the {n} training samples.")
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    gen = torch.Generator().manual_seed(seed)
+    steps, losses = 0, []
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen).to(x.device)
+        for start in range(0, n - batch_size + 1, batch_size):
+            idx = order[start : start + batch_size]
+            opt.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for xb, yb in split_batch(x[idx], y[idx], k):
+                loss = loss_fn(model(xb), yb) / k
+                loss.backward()
+                step_loss += float(loss.detach())
+            opt.step()
+            steps += 1
+            losses.append(step_loss)
+    train_mode_acc = accuracy(copy.deepcopy(model).train(), x_val, y_val, batch_size=b)
+    model.eval()
+    return TrainResult(k, b, steps, accuracy(model, x_val, y_val), train_mode_acc, losses)

@@ -1,0 +1,146 @@
+"""Checkers for the book's exercises: each says whether an answer is right and, if not, *why* not.
+
+A checker recognizes the typical wrong answers (the ones a student gets by a known slip, such as adding
+momenta instead of compounding them) and names the slip. Every checker returns a :class:`Feedback`, which
+displays as one line starting with ✓ or ✗ and is truthy when the answer is right.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from . import bn
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """The verdict on one answer."""
+
+    correct: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.correct
+
+    def __str__(self) -> str:
+        return ("✓ " if self.correct else "✗ ") + self.message
+
+    __repr__ = __str__
+
+
+NO_ANSWER = "no answer yet: assign your answer to `answer` and run this cell again."
+
+
+def check_number(
+    answer: object,
+    expected: float,
+    mistakes: Iterable[tuple[float, str]] = (),
+    rtol: float = 1e-3,
+    hint: str = "",
+) -> Feedback:
+    """Compare a numeric ``answer`` with ``expected`` (relative tolerance ``rtol``).
+
+    ``mistakes`` pairs the value a known slip produces with the explanation of that slip; the first one the
+    answer matches is reported. Otherwise the message gives ``hint``.
+    """
+    if answer is None:
+        return Feedback(False, NO_ANSWER)
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) and not hasattr(answer, "__float__"):
+        return Feedback(False, f"expected a number, got {type(answer).__name__} {answer!r}.")
+    value = float(answer)  # type: ignore[arg-type]
+    if not math.isfinite(value):
+        return Feedback(False, f"{value} is not a finite number.")
+    if math.isclose(value, expected, rel_tol=rtol, abs_tol=1e-12):
+        return Feedback(True, f"correct: {expected:.6g}.")
+    for wrong, why in mistakes:
+        if not math.isclose(wrong, expected, rel_tol=rtol) and math.isclose(value, wrong, rel_tol=rtol, abs_tol=1e-12):
+            return Feedback(False, why)
+    return Feedback(False, f"{value:.6g} is not right. {hint}".rstrip())
+
+
+# --------------------------------------------------------------------------------------- chapter 1
+
+
+def check_effective_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feedback:
+    """Exercise: the momentum per optimizer step of running statistics updated once per micro-batch."""
+    expected = bn.effective_momentum(m, k)
+    return check_number(
+        answer,
+        expected,
+        mistakes=[
+            (m, "that is the momentum of a single update, but in training mode BatchNorm updates its running "
+                f"statistics on every forward pass: K = {k} times per optimizer step."),
+            (k * m, "you added the K momenta. Updates compound: each one keeps a share (1 − m) of the old value, "
+                    "so after K updates the old value keeps (1 − m)^K."),
+            ((1 - m) ** k, "(1 − m)^K is the weight the *old* running value keeps; the momentum is 1 minus that."),
+            (m / k, "m/K is (about) the per-micro-batch momentum that would *correct* the drift; the question "
+                    "asks what momentum results when m is used K times."),
+        ],
+        hint="Write the update K times in a row and collect the weight left on the old value.",
+    )
+
+
+def check_corrected_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feedback:
+    """Exercise: the per-micro-batch momentum whose K updates decay the old value like one update with m."""
+    expected = bn.corrected_momentum(m, k)
+    return check_number(
+        answer,
+        expected,
+        mistakes=[
+            (m / k, f"m/K = {m / k:.6g} is only the first-order approximation; solve (1 − m')^K = 1 − m exactly."),
+            (1 - (1 - m) ** k, "that is the effective momentum *with* the drift; invert it instead: (1 − m')^K = 1 − m."),
+            ((1 - m) ** (1 / k), "(1 − m)^(1/K) is the weight each update *keeps*; the momentum is 1 minus that."),
+            (m, "that leaves the momentum unchanged, so the running statistics still move K updates per step."),
+        ],
+        hint="Require that K updates with m' keep the same weight on the old value as one update with m.",
+    )
+
+
+def check_biased_variance_ratio(answer: object, b: int = 4) -> Feedback:
+    """Exercise: E[biased batch variance] / population variance for a micro-batch of b i.i.d. samples."""
+    expected = bn.biased_variance_factor(b)
+    return check_number(
+        answer,
+        expected,
+        mistakes=[
+            (1.0, "1 is the ratio for the *unbiased* estimate, which PyTorch stores in running_var; training "
+                  "normalizes with the biased one (divisor b)."),
+            (b / (b - 1), "upside down: the biased estimate is *smaller* on average, by the factor (b − 1)/b."),
+            (1 / b, "1/b is the variance of the batch *mean* in units of σ²; the question is about the batch variance."),
+        ],
+        hint="Use E[Σ(xᵢ − x̄)²] = (b − 1)σ².",
+    )
+
+
+#: Layers offered in the "which layers couple the batch" exercise, and why each one does or doesn't.
+LAYER_FACTS: dict[str, tuple[bool, str]] = {
+    "BatchNorm2d": (True, "BatchNorm2d normalizes with statistics over the batch, so a sample's output depends on "
+                          "the rest of its micro-batch."),
+    "LayerNorm": (False, "LayerNorm's statistics are per sample; it computes the same function at any batch size."),
+    "GroupNorm": (False, "GroupNorm's statistics are per sample (over channel groups and positions)."),
+    "InstanceNorm2d": (False, "InstanceNorm2d (with its default track_running_stats=False) normalizes each sample's "
+                              "channels on their own."),
+    "Dropout": (False, "Dropout draws an independent mask per element: it changes randomness, not coupling "
+                       "(chapter 6 shows the real dropout pitfall, reused seeds)."),
+    "Linear": (False, "Linear acts on each sample separately."),
+}
+
+
+def check_batch_coupled(answer: object) -> Feedback:
+    """Exercise: which of :data:`LAYER_FACTS`' layers make an accumulated gradient differ from the full batch."""
+    if answer is None:
+        return Feedback(False, NO_ANSWER)
+    if isinstance(answer, str) or not isinstance(answer, Iterable):
+        return Feedback(False, "give a set of layer names, e.g. {'Linear'}.")
+    chosen = set(answer)
+    unknown = chosen - LAYER_FACTS.keys()
+    if unknown:
+        return Feedback(False, f"unknown layer name(s) {sorted(unknown)}; choose from {sorted(LAYER_FACTS)}.")
+    wrong_in = [name for name in sorted(chosen) if not LAYER_FACTS[name][0]]
+    missing = [name for name in sorted(LAYER_FACTS) if LAYER_FACTS[name][0] and name not in chosen]
+    if not wrong_in and not missing:
+        return Feedback(True, "correct: only BatchNorm2d couples the samples of a micro-batch.")
+    reasons = [LAYER_FACTS[name][1] for name in wrong_in + missing]
+    return Feedback(False, " ".join(reasons))

@@ -1,0 +1,98 @@
+"""Small models used across the book, with the normalization layer as a parameter.
+
+The same architecture with ``norm="batch"``, ``"group"``, ``"layer"`` or ``"none"`` lets a chapter change
+*only* the normalization and measure what that alone does under gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+NormKind = Literal["batch", "group", "layer", "none"]
+NORM_KINDS: tuple[str, ...] = ("batch", "group", "layer", "none")
+
+#: Modules whose output for one sample depends on the other samples of the batch (in training mode).
+BATCH_COUPLED = (nn.modules.batchnorm._BatchNorm,)
+
+
+def norm_layer(kind: NormKind, channels: int, dims: int = 2, groups: int = 4) -> nn.Module:
+    """A normalization layer for ``channels`` feature maps (``dims=2``) or features (``dims=1``).
+
+    * ``batch``: :class:`torch.nn.BatchNorm2d` / ``BatchNorm1d``; statistics per channel over the batch
+      (and height and width), so a sample's output depends on the other samples of its batch;
+    * ``group``: :class:`torch.nn.GroupNorm` with ``groups`` groups, statistics per sample;
+    * ``layer``: ``GroupNorm(1, channels)``, LayerNorm over all of a sample's channels (and positions),
+      with a per-channel affine transform;
+    * ``none``: identity.
+    """
+    if dims not in (1, 2):
+        raise ValueError(f"dims must be 1 (features) or 2 (feature maps), got {dims}.")
+    if kind == "batch":
+        return nn.BatchNorm2d(channels) if dims == 2 else nn.BatchNorm1d(channels)
+    if kind == "group":
+        if channels % groups:
+            raise ValueError(f"GroupNorm needs channels ({channels}) divisible by groups ({groups}).")
+        return nn.GroupNorm(groups, channels)
+    if kind == "layer":
+        return nn.GroupNorm(1, channels)
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"unknown norm {kind!r}; choose one of {NORM_KINDS}.")
+
+
+class SmallCNN(nn.Module):
+    """A small CNN for 1×8×8 digit images with the normalization layer as a parameter.
+
+    ``conv3×3(1→c1) → norm → ReLU → pool → conv3×3(c1→c2) → norm → ReLU → pool → linear(4·c2→h) → norm →
+    ReLU → linear(h→10)``. Pooling halves the resolution (8×8 → 4×4 → 2×2), as late stages of real CNNs
+    work on few positions; the hidden layer of the head is normalized per feature (``BatchNorm1d`` when
+    ``norm="batch"``), so there a BatchNorm statistic is computed from just b numbers.
+    """
+
+    def __init__(self, norm: NormKind = "batch", widths: tuple[int, int, int] = (8, 16, 32), n_classes: int = 10):
+        super().__init__()
+        c1, c2, h = widths
+        self.features = nn.Sequential(
+            nn.Conv2d(1, c1, 3, padding=1, bias=False),
+            norm_layer(norm, c1),
+            nn.ReLU(),
+            nn.AvgPool2d(2),
+            nn.Conv2d(c1, c2, 3, padding=1, bias=False),
+            norm_layer(norm, c2),
+            nn.ReLU(),
+            nn.AvgPool2d(2),
+            nn.Flatten(),
+        )
+        self.head = nn.Sequential(
+            nn.Linear(4 * c2, h, bias=False),
+            norm_layer(norm, h, dims=1),
+            nn.ReLU(),
+            nn.Linear(h, n_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or tuple(x.shape[1:]) != (1, 8, 8):
+            raise ValueError(f"SmallCNN expects images of shape (N, 1, 8, 8), got {tuple(x.shape)}.")
+        return self.head(self.features(x))
+
+
+def make_cnn(
+    norm: NormKind = "batch",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+    widths: tuple[int, int, int] = (8, 16, 32),
+) -> SmallCNN:
+    """A :class:`SmallCNN` whose initial weights depend only on ``seed`` (not on the global RNG state)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = SmallCNN(norm, widths)
+    return model.to(device=device, dtype=dtype)
+
+
+def batch_coupled_layers(model: nn.Module) -> list[str]:
+    """Names of the submodules that couple the samples of a batch (BatchNorm of any dimension)."""
+    return [name for name, m in model.named_modules() if isinstance(m, BATCH_COUPLED)]
