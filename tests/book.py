@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: chapter notebook stem → (module in src/gradaccum, unit-test file in tests/)
 CHAPTERS: dict[str, tuple[str, str]] = {
     "01_microbatch_statistics": ("bn", "test_bn"),
+    "02_ghost_batchnorm": ("ghost", "test_ghost"),
 }
 
 

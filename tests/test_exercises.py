@@ -11,6 +11,9 @@ from gradaccum import exercises as ex
         (ex.check_corrected_momentum, 1 - 0.9 ** (1 / 8)),
         (ex.check_corrected_momentum, 0.013084),  # five significant digits, as asked
         (ex.check_biased_variance_ratio, 0.75),
+        (ex.check_ghost_virtual_size, 4),
+        (ex.check_exact_sweeps, 4),
+        (ex.check_frozen_bias_change, 0.0),
     ],
 )
 def test_right_answers_pass(checker, right):
@@ -32,6 +35,14 @@ def test_right_answers_pass(checker, right):
         (ex.check_biased_variance_ratio, 1.0, "unbiased"),
         (ex.check_biased_variance_ratio, 4 / 3, "upside down"),
         (ex.check_biased_variance_ratio, 0.25, "batch *mean*"),
+        (ex.check_ghost_virtual_size, 64, "whole batch"),
+        (ex.check_ghost_virtual_size, 16, "*number* of ghost batches"),
+        (ex.check_exact_sweeps, 1, "plain accumulation"),
+        (ex.check_exact_sweeps, 3, "one more sweep"),
+        (ex.check_exact_sweeps, 2, "full-batch *forward*"),
+        (ex.check_exact_sweeps, 7, "statistics pass does not count"),
+        (ex.check_frozen_bias_change, 0.5, "cancel"),
+        (ex.check_frozen_bias_change, -0.5, "cancels exactly"),
     ],
 )
 def test_typical_mistakes_are_explained(checker, wrong, phrase):

@@ -144,3 +144,54 @@ def check_batch_coupled(answer: object) -> Feedback:
         return Feedback(True, "correct: only BatchNorm2d couples the samples of a micro-batch.")
     reasons = [LAYER_FACTS[name][1] for name in wrong_in + missing]
     return Feedback(False, " ".join(reasons))
+
+
+# --------------------------------------------------------------------------------------- chapter 2
+
+
+def check_ghost_virtual_size(answer: object, k: int = 16, b: int = 4) -> Feedback:
+    """Exercise: which Ghost BatchNorm virtual batch size reproduces plain accumulation of K micro-batches of b."""
+    return check_number(
+        answer,
+        float(b),
+        mistakes=[
+            (float(k * b), "a virtual batch of K·b is the whole batch: that is ordinary BatchNorm over the full "
+                           "batch, which accumulation does *not* compute."),
+            (float(k), "K is the *number* of ghost batches; the question asks for their size."),
+            (1.0, "a ghost batch of one sample has zero variance; BatchNorm cannot train on it."),
+        ],
+        hint="Each micro-batch is normalized with its own statistics: how many samples does it hold?",
+    )
+
+
+def check_exact_sweeps(answer: object, layers: int = 3) -> Feedback:
+    """Exercise: forward/backward sweeps over the K micro-batches of the exact full-batch-statistics scheme."""
+    return check_number(
+        answer,
+        float(layers + 1),
+        mistakes=[
+            (1.0, "one forward/backward sweep is plain accumulation (or the constants scheme): neither gives the "
+                  "full-batch gradient."),
+            (float(layers), "one collecting sweep per BatchNorm layer is right, but the gradient itself needs one "
+                            "more sweep with every correction applied."),
+            (2.0, "two sweeps (statistics, then forward/backward) give the full-batch *forward*, not its gradient; "
+                  "and the statistics pass is forward-only, not a forward/backward sweep."),
+            (float(2 * layers + 1), "the statistics pass does not count here: it runs forward only and stops at "
+                                    "each layer."),
+        ],
+        hint="Corrections must be known for every later layer before a layer's sums can be gathered.",
+    )
+
+
+def check_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
+    """Exercise (Ioffe & Szegedy's example): how much the normalized output moves when a bias b before the
+    normalization changes by ``delta`` and the mean is recomputed, x̂ = u + b − E[u + b]."""
+    return check_number(
+        answer,
+        0.0,
+        mistakes=[
+            (delta, "the mean E[u + b] moves by the same amount as b, so the two changes cancel."),
+            (-delta, "the mean moves with b, so the change cancels exactly; nothing is left over."),
+        ],
+        hint="Write x̂ after the update and subtract the old x̂.",
+    )

@@ -1,0 +1,190 @@
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from gradaccum import ghost
+from gradaccum.accumulate import accumulated_gradient, agreement, full_batch_gradient, train
+from gradaccum.models import make_cnn
+
+
+@pytest.fixture(scope="module")
+def batch(digits):
+    return digits.x_train[:64], digits.y_train[:64]
+
+
+def test_ghost_equals_batchnorm_when_virtual_is_the_batch():
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    ref, gh = nn.BatchNorm2d(4).double(), ghost.GhostBatchNorm(4, 8).double()
+    out_ref, out_gh = ref(x), gh(x)
+    assert torch.equal(out_ref, out_gh)
+    assert torch.equal(ref.running_mean, gh.running_mean) and torch.equal(ref.running_var, gh.running_var)
+
+
+@pytest.mark.parametrize("dims, shape", [(2, (12, 3, 2, 2)), (1, (12, 5))])
+def test_ghost_normalizes_each_ghost_batch_on_its_own(dims, shape):
+    torch.manual_seed(1)
+    x = torch.randn(*shape, dtype=torch.float64)
+    gh = ghost.GhostBatchNorm(shape[1], 4, dims=dims).double()
+    ref = (nn.BatchNorm2d if dims == 2 else nn.BatchNorm1d)(shape[1]).double()
+    expected = torch.cat([ref(chunk) for chunk in x.split(4)])
+    assert torch.allclose(gh(x), expected, atol=1e-12)
+
+
+def test_ghost_running_stats_one_averaged_update():
+    torch.manual_seed(2)
+    x = torch.randn(12, 3, 2, 2, dtype=torch.float64)
+    gh = ghost.GhostBatchNorm(3, 4, momentum=0.2).double()
+    gh(x)
+    chunks = x.split(4)
+    mean = torch.stack([c.mean((0, 2, 3)) for c in chunks]).mean(0)
+    var = torch.stack([c.var((0, 2, 3), correction=1) for c in chunks]).mean(0)
+    assert torch.allclose(gh.running_mean, 0.2 * mean) and torch.allclose(gh.running_var, 0.8 + 0.2 * var)
+    assert int(gh.num_batches_tracked) == 1
+
+
+def test_ghost_eval_uses_running_stats():
+    gh = ghost.GhostBatchNorm(3, 2).double().eval()
+    x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
+    assert torch.allclose(gh(x), x / torch.sqrt(torch.tensor(1 + gh.eps, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("k", [2, 8, 32])
+def test_plain_accumulation_is_ghost_batchnorm(k, batch, loss_fn):
+    x, y = batch
+    model = make_cnn("batch").train()
+    g_acc = accumulated_gradient(model, loss_fn, x, y, k)
+    g_ghost = full_batch_gradient(ghost.ghostify(model, 64 // k), loss_fn, x, y)
+    assert agreement(g_acc, g_ghost).rel_error < 1e-12
+
+
+def test_ghost_bad_input():
+    with pytest.raises(ValueError, match=">= 2"):
+        ghost.GhostBatchNorm(3, 1)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ghost.GhostBatchNorm(3, 4).double()(torch.randn(6, 3, 2, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="4-D"):
+        ghost.GhostBatchNorm(3, 4)(torch.randn(8, 3))
+    with pytest.raises(ValueError, match="no BatchNorm"):
+        ghost.ghostify(make_cnn("group"), 4)
+
+
+def test_moments_combine_exactly():
+    torch.manual_seed(3)
+    x = torch.randn(10, 2, 3, dtype=torch.float64) * 5 + 3
+    total = ghost.Moments.of(x[:3]).combine(ghost.Moments.of(x[3:4])).combine(ghost.Moments.of(x[4:]))
+    ref = ghost.Moments.of(x)
+    assert total.count == ref.count == 30
+    assert torch.allclose(total.mean, ref.mean, atol=1e-13) and torch.allclose(total.var, ref.var, atol=1e-12)
+
+
+def test_batchnorm_layers_in_call_order():
+    model = make_cnn("batch")
+    names = [n for n, _ in ghost.batchnorm_layers(model, torch.zeros(2, 1, 8, 8, dtype=torch.float64))]
+    assert names == ["features.1", "features.5", "head.1"]
+    with pytest.raises(ValueError, match="no BatchNorm"):
+        ghost.batchnorm_layers(make_cnn("layer"), torch.zeros(2, 1, 8, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("k", [1, 2, 8, 32])
+def test_full_batch_statistics_reproduce_the_full_batch_forward(k, batch):
+    assert ghost.full_batch_forward_error(make_cnn("batch"), batch[0], k) < 1e-12
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_exact_scheme_gives_the_full_batch_gradient(k, batch, loss_fn):
+    x, y = batch
+    model = make_cnn("batch").train()
+    g_full = full_batch_gradient(model, loss_fn, x, y)
+    assert agreement(g_full, ghost.full_batch_stats_gradient(model, loss_fn, x, y, k, exact=True)).rel_error < 1e-12
+    frozen = agreement(g_full, ghost.full_batch_stats_gradient(model, loss_fn, x, y, k))
+    assert frozen.rel_error > 0.5  # constants: every term through the statistics is missing
+
+
+def test_scheme_updates_running_stats_like_one_full_batch_forward(batch, loss_fn):
+    x, y = batch
+    model = make_cnn("batch").train()
+    reference = copy.deepcopy(model)
+    reference(x)  # one nn.BatchNorm forward over the whole batch
+    ghost.full_batch_stats_backward(model, loss_fn, x, y, 8)
+    for (name, a), b in zip(reference.named_buffers(), model.buffers()):
+        assert torch.allclose(a, b, atol=1e-12), name
+
+
+def test_scheme_errors(batch, loss_fn):
+    x, y = batch
+    with pytest.raises(ValueError, match="train"):
+        ghost.full_batch_stats_backward(make_cnn("batch").eval(), loss_fn, x, y, 2)
+    with pytest.raises(ValueError, match="no BatchNorm"):
+        ghost.full_batch_stats_backward(make_cnn("group").train(), loss_fn, x, y, 2)
+    with pytest.raises(ValueError, match="K"):
+        ghost.full_batch_stats_backward(make_cnn("batch").train(), loss_fn, x, y, 0)
+    with pytest.raises(ValueError, match="equal micro-batches"):
+        ghost.full_batch_forward_error(make_cnn("batch"), x, 5)
+
+
+def test_exact_scheme_trains_like_the_full_batch(digits):
+    args = (digits.x_train, digits.y_train, digits.x_val, digits.y_val)
+    full = train(make_cnn("batch"), *args, batch_size=64, k=1, epochs=1)
+    exact = train(make_cnn("batch"), *args, batch_size=64, k=8, epochs=1,
+                  backward_fn=functools.partial(ghost.full_batch_stats_backward, exact=True))
+    assert max(abs(a - b) for a, b in zip(full.train_loss, exact.train_loss)) < 1e-10
+    assert full.val_acc == exact.val_acc
+
+
+def test_precise_bn(digits):
+    model = make_cnn("batch").train()
+    ghost.precise_bn(model, digits.x_train, 8)
+    feats = torch.cat([model.features[:1](c) for c in digits.x_train[: 1221 - 1221 % 8].split(8)])
+    per_batch_var = torch.stack([c.var((0, 2, 3)) for c in feats.split(8)]).mean(0)
+    assert torch.allclose(model.features[1].running_var, per_batch_var, atol=1e-10)
+    assert model.features[1].momentum == 0.1 and model.training
+    with pytest.raises(ValueError, match="between 2"):
+        ghost.precise_bn(model, digits.x_train, 1)
+    with pytest.raises(ValueError, match="no BatchNorm"):
+        ghost.precise_bn(make_cnn("group"), digits.x_train, 8)
+
+
+def test_method_effects(digits):
+    rows = {e.method: e for e in ghost.method_effects(4, 8, 8, digits.x_train, digits.y_train)}
+    assert rows["plain accumulation"].rel_error == pytest.approx(rows["ghost BN (one pass)"].rel_error, abs=1e-12)
+    assert rows["exact full-batch stats"].rel_error < 1e-12 and rows["exact full-batch stats"].stat_error == 0
+    assert rows["plain accumulation"].stat_error > rows["ghost BN (one pass)"].stat_error * 0.99
+    wide = {e.method: e for e in ghost.method_effects(4, 8, 32, digits.x_train, digits.y_train)}
+    assert wide["ghost BN (one pass)"].stat_error < rows["ghost BN (one pass)"].stat_error  # larger v, closer
+    assert all(e.rel_error < 1e-12 for e in (rows["GroupNorm"], rows["LayerNorm"]))
+    for bad, match in [((4, 8, 3), "divide"), ((4, 8, 1), ">= 2"), ((64, 64, 64), "exceeds"), ((4, 1, 4), "b >= 2")]:
+        with pytest.raises(ValueError, match=match):
+            ghost.method_effects(*bad, digits.x_train, digits.y_train)
+
+
+def test_train_methods_small(digits):
+    runs = ghost.train_methods(digits, 8, epochs=1, methods=("full batch", "exact full-batch stats", "PreciseBN"))
+    by = {r.method: r for r in runs}
+    assert set(by) == {"full batch", "exact full-batch stats", "PreciseBN"}  # plain ran only to feed PreciseBN
+    assert by["full batch"].val_acc == by["exact full-batch stats"].val_acc
+    assert all(r.seconds_per_step > 0 and r.b == 8 and r.k == 8 for r in runs)
+    text = ghost.format_methods(runs)
+    assert "K=8, b=8" in text and "PreciseBN" in text
+    with pytest.raises(ValueError, match="unknown method"):
+        ghost.train_methods(digits, 8, epochs=1, methods=("magic",))
+    with pytest.raises(ValueError, match="micro-batches of at least 2"):
+        ghost.train_methods(digits, 64, epochs=1)
+
+
+def test_effect_grid_and_figures(digits):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    grids = ghost.effect_grid((1, 2), (4, 8), digits.x_train, digits.y_train)
+    assert grids["plain accumulation"].shape == (2, 2) and grids["plain accumulation"][0, 0] == pytest.approx(1.0)
+    assert len(ghost.plot_effect_grid(grids, (1, 2), (4, 8)).axes) == 4  # three panels and a colour bar
+    assert tuple(ghost.plot_method_effects(2, 4, 8, digits.x_train, digits.y_train).get_size_inches()) == (9.6, 3.6)
+
+
+def test_layer_timings_are_relative():
+    t = ghost.layer_timings(shape=(16, 4, 4, 4), v=4, repeat=3)
+    assert t["nn.BatchNorm2d (whole batch)"] == 1.0 and all(v > 0 for v in t.values())
