@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS: dict[str, tuple[str, str]] = {
     "01_microbatch_statistics": ("bn", "test_bn"),
     "02_ghost_batchnorm": ("ghost", "test_ghost"),
+    "03_clip_ordering": ("clipping", "test_clipping"),
 }
 
 

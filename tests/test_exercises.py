@@ -14,6 +14,10 @@ from gradaccum import exercises as ex
         (ex.check_ghost_virtual_size, 4),
         (ex.check_exact_sweeps, 4),
         (ex.check_frozen_bias_change, 0.0),
+        (ex.check_clip_scaled_micro, 2.0),
+        (ex.check_clip_raw_micro, 0.0),
+        (ex.check_scaler_clip_order, 1 / 65536),
+        (ex.check_scaler_clip_order, 1.53e-5),
     ],
 )
 def test_right_answers_pass(checker, right):
@@ -43,6 +47,13 @@ def test_right_answers_pass(checker, right):
         (ex.check_exact_sweeps, 7, "statistics pass does not count"),
         (ex.check_frozen_bias_change, 0.5, "cancel"),
         (ex.check_frozen_bias_change, -0.5, "cancels exactly"),
+        (ex.check_clip_scaled_micro, 1.0, "correct step"),
+        (ex.check_clip_scaled_micro, 8.0, "not g_k"),
+        (ex.check_clip_raw_micro, 1.0, "*before* averaging"),
+        (ex.check_clip_raw_micro, 0.5, "not clipped"),
+        (ex.check_scaler_clip_order, 1.0, "right order"),
+        (ex.check_scaler_clip_order, 4.0, "does act"),
+        (ex.check_scaler_clip_order, 65536.0, "divides by S"),
     ],
 )
 def test_typical_mistakes_are_explained(checker, wrong, phrase):

@@ -195,3 +195,55 @@ def check_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
         ],
         hint="Write x̂ after the update and subtract the old x̂.",
     )
+
+
+# --------------------------------------------------------------------------------------- chapter 3
+
+
+def check_clip_scaled_micro(answer: object) -> Feedback:
+    """Exercise: threshold c = 1, K = 4 identical micro-gradients of norm 2; norm of the step under (a1)."""
+    return check_number(
+        answer,
+        2.0,
+        mistakes=[
+            (1.0, "1 is what clipping once gives (the correct step). Under (a1) each contribution g_k/K has norm "
+                  "0.5 < c, so nothing is clipped and the sum keeps its norm."),
+            (0.5, "0.5 is one contribution g_k/K; there are four of them, all pointing the same way."),
+            (4.0, "the contributions are g_k/K, not g_k: their sum is the average, of norm 2."),
+            (8.0, "the contributions are g_k/K, not g_k: their sum is the average, of norm 2."),
+        ],
+        hint="Clip each g_k/K (does any exceed c?), then add the four.",
+    )
+
+
+def check_clip_raw_micro(answer: object) -> Feedback:
+    """Exercise: c = 1, K = 2, g_1 = (3, 0), g_2 = (−1, 0); norm of the step under (a2)."""
+    return check_number(
+        answer,
+        0.0,
+        mistakes=[
+            (1.0, "1 is the correct step: the average (1, 0) has norm 1 and is not clipped. Under (a2) g_1 is "
+                  "clipped to (1, 0) *before* averaging, and then it cancels g_2."),
+            (2.0, "average after clipping: ((1, 0) + (−1, 0)) / 2."),
+            (0.5, "g_2 = (−1, 0) has norm 1 = c, so it is not clipped; only g_1 is."),
+        ],
+        hint="Clip g_1 and g_2 separately to norm ≤ 1, then average.",
+    )
+
+
+def check_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1.0, norm: float = 4.0) -> Feedback:
+    """Exercise: gradient norm the optimizer receives when clip_grad_norm_(c) runs *before* scaler.unscale_."""
+    expected = c / scale
+    return check_number(
+        answer,
+        expected,
+        mistakes=[
+            (c, "that is the right order (unscale_, then clip). Here the clip sees the *scaled* gradient."),
+            (norm, "the scaled gradient has norm S·4, far above c, so the clip does act: it brings it to c, and "
+                   "unscaling then divides by S."),
+            (c * scale, "unscaling divides by S; it does not multiply."),
+            (norm / scale, "after the clip the scaled gradient has norm c, not 4·S/S."),
+        ],
+        rtol=5e-3,  # three significant figures are enough
+        hint="Follow the norm: scaled gradient S·4 → clipped to c → divided by S.",
+    )

@@ -623,7 +623,9 @@ def plot_method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor
     ax1.barh(names, [0 if np.isnan(r.stat_error) else r.stat_error for r in rows], color=PALETTE["vermillion"])
     for i, r in enumerate(rows):
         if np.isnan(r.stat_error):
-            ax1.text(0.01, i, "per-sample: n/a", va="center", fontsize=8)
+            ax1.text(0.01, i, "per-sample statistics: n/a", va="center", fontsize=8)
+        elif r.stat_error == 0:
+            ax1.text(0.01, i, "0: full-batch statistics", va="center", fontsize=8)
     decorate(ax1, "RMS (μ_group − μ_full) / σ", "", f"Statistics error (K = {k}, b = {b})")
     ax2.barh(names, [r.cosine for r in rows], color=PALETTE["blue"])
     ax2.set_xlim(-0.05, 1.05)
