@@ -13,6 +13,7 @@ CHAPTERS: dict[str, tuple[str, str]] = {
     "01_microbatch_statistics": ("bn", "test_bn"),
     "02_ghost_batchnorm": ("ghost", "test_ghost"),
     "03_clip_ordering": ("clipping", "test_clipping"),
+    "04_mixed_precision_scaling": ("precision", "test_precision"),
 }
 
 

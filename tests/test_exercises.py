@@ -18,6 +18,10 @@ from gradaccum import exercises as ex
         (ex.check_clip_raw_micro, 0.0),
         (ex.check_scaler_clip_order, 1 / 65536),
         (ex.check_scaler_clip_order, 1.53e-5),
+        (ex.check_effective_scale, 8192),
+        (ex.check_fp16_subnormal, 5.96e-8),
+        (ex.check_fp16_subnormal, 2**-24),
+        (ex.check_backoff_scale, 32768),
     ],
 )
 def test_right_answers_pass(checker, right):
@@ -54,6 +58,12 @@ def test_right_answers_pass(checker, right):
         (ex.check_scaler_clip_order, 1.0, "right order"),
         (ex.check_scaler_clip_order, 4.0, "does act"),
         (ex.check_scaler_clip_order, 65536.0, "divides by S"),
+        (ex.check_effective_scale, 65536, "divided by K"),
+        (ex.check_effective_scale, 65536 * 8, "not multiplied"),
+        (ex.check_fp16_subnormal, 2**-14, "*normal*"),
+        (ex.check_fp16_subnormal, 2**-10, "epsilon"),
+        (ex.check_backoff_scale, 65536, "backoff"),
+        (ex.check_backoff_scale, 65536 * 0.5**8, "once per window"),
     ],
 )
 def test_typical_mistakes_are_explained(checker, wrong, phrase):

@@ -247,3 +247,49 @@ def check_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1
         rtol=5e-3,  # three significant figures are enough
         hint="Follow the norm: scaled gradient S·4 → clipped to c → divided by S.",
     )
+
+
+# --------------------------------------------------------------------------------------- chapter 4
+
+
+def check_effective_scale(answer: object, scale: float = 65536.0, k: int = 8) -> Feedback:
+    """Exercise: the factor every gradient inside micro-batch k's backward pass carries (S/K)."""
+    return check_number(
+        answer,
+        scale / k,
+        mistakes=[
+            (scale, "S is the scale of the whole window; each micro-batch's loss is also divided by K."),
+            (scale * k, "the loss is divided by K, not multiplied."),
+            (1 / k, "that forgets the loss scale S."),
+        ],
+        hint="The backward pass starts from (S/K)·L(θ; B_k).",
+    )
+
+
+def check_fp16_subnormal(answer: object) -> Feedback:
+    """Exercise: the smallest positive float16 number."""
+    return check_number(
+        answer,
+        2.0**-24,
+        mistakes=[
+            (2.0**-14, "2^-14 is the smallest *normal* float16; subnormals go 10 bits further down."),
+            (2.0**-10, "2^-10 is float16's machine epsilon (the spacing just above 1), not its smallest number."),
+            (2.0**-126, "that is float32's (and bfloat16's) smallest normal number."),
+        ],
+        rtol=5e-3,
+        hint="Smallest normal times machine epsilon.",
+    )
+
+
+def check_backoff_scale(answer: object, scale: float = 65536.0, backoff: float = 0.5) -> Feedback:
+    """Exercise: the loss scale after a window in which one micro-batch overflowed (correct recipe)."""
+    return check_number(
+        answer,
+        scale * backoff,
+        mistakes=[
+            (scale, "an inf/NaN found at the step makes update() multiply the scale by the backoff factor."),
+            (scale * backoff**8, "the check happens once per window, on the accumulated gradient: one backoff."),
+            (scale * 2, "growth happens after growth_interval steps *without* overflow; here there was one."),
+        ],
+        hint="How many times does update() run in one window, and what does it do after an overflow?",
+    )

@@ -1,0 +1,120 @@
+import pytest
+import torch
+from torch import nn
+
+from gradaccum import precision
+from gradaccum.accumulate import agreement
+from gradaccum.models import make_cnn
+
+
+@pytest.fixture(scope="module")
+def f32(digits):
+    model = make_cnn("group", dtype=torch.float32)
+    return model, digits.x_train[:32].float(), digits.y_train[:32]
+
+
+def test_format_info():
+    f = precision.format_info(torch.float16)
+    assert (f.max, f.smallest_normal, f.smallest_subnormal, f.eps, f.mantissa_bits) == (65504, 2**-14, 2**-24, 2**-10, 10)
+    b = precision.format_info(torch.bfloat16)
+    assert b.mantissa_bits == 7 and b.smallest_subnormal == 2**-133
+    with pytest.raises(ValueError):
+        precision.format_info(torch.int32)
+
+
+def test_cast_report_counts_exactly():
+    v = torch.tensor([2.0**-30, 2.0**-20, 1.0, 1e6, 0.0])
+    r = precision.cast_report(v, torch.float16)
+    assert (r.underflow, r.subnormal, r.overflow) == (0.25, 0.25, 0.25)  # of the 4 nonzero values
+    r = precision.cast_report(v, torch.float16, scale=2.0**10)
+    assert (r.underflow, r.subnormal, r.overflow) == (0.0, 0.25, 0.25)
+    assert precision.cast_report(v, torch.bfloat16).overflow == 0
+
+
+@pytest.mark.parametrize("scale", [0, -1, float("inf"), float("nan"), True])
+def test_bad_scale(scale):
+    with pytest.raises(ValueError, match="loss scale"):
+        precision.cast_report(torch.ones(2), torch.float16, scale)
+
+
+def test_bad_dtypes_and_devices():
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        precision.cast_report(torch.ones(2), torch.float32)
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        precision.check_amp("cpu", torch.float64)
+    with pytest.raises(ValueError, match="not available"):
+        precision.check_amp("quantum", torch.float16)
+    with pytest.raises(ValueError, match="nonzero"):
+        precision.cast_report(torch.zeros(3), torch.float16)
+
+
+def test_activation_gradients_scale_with_k(f32, loss_fn):
+    model, x, y = f32
+    a1 = precision.activation_gradients(model, loss_fn, x, y)
+    a8 = precision.activation_gradients(model, loss_fn, x, y, k=8)
+    assert torch.allclose(a8, a1 / 8, rtol=1e-5, atol=0) and a1.numel() > 1000
+    assert all(p.grad is None for p in model.parameters())  # worked on a copy
+
+
+def test_loss_grid_monotone(f32, loss_fn):
+    model, x, y = f32
+    grid = precision.loss_grid(precision.activation_gradients(model, loss_fn, x, y), (0, 16, 24), (1, 64))
+    assert grid["lost"][0, 1] >= grid["lost"][0, 0] and grid["overflow"][2, 1] <= grid["overflow"][2, 0]
+
+
+def test_correct_recipe_matches_fp32(f32, loss_fn):
+    model, x, y = f32
+    ref = precision.reference_update(model, loss_fn, x, y)
+    r = precision.amp_window(model, loss_fn, x, y, 4)
+    assert r.steps == 1 and r.error is None and agreement(ref, r.update).rel_error < 5e-3
+    assert r.scales == [2.0**16] * 4 and r.final_scale == 2.0**16
+
+
+def test_overflow_skips_the_whole_step(f32, loss_fn):
+    model, x, y = f32
+    r = precision.amp_window(model, loss_fn, x, y, 4, overflow_micro=1)
+    assert r.steps == 0 and r.update.abs().max() == 0 and r.final_scale == 2.0**15
+    per_micro = precision.amp_window(model, loss_fn, x, y, 4, "step_per_micro", overflow_micro=1)
+    assert per_micro.steps == 3
+
+
+def test_wrong_patterns(f32, loss_fn):
+    model, x, y = f32
+    ref = precision.reference_update(model, loss_fn, x, y)
+    assert "already been called" in precision.amp_window(model, loss_fn, x, y, 4, "unscale_per_micro").error
+    moving = precision.amp_window(model, loss_fn, x, y, 4, "scale_changes_in_window")
+    assert moving.scales == [2.0**16, 2.0**17, 2.0**18, 2.0**19]
+    # .grad holds sum_k S_k g_k / K, unscaled by the final scale 2^20: weights 1/16, 1/8, 1/4, 1/2
+    assert agreement(ref, moving.update).rel_error > 0.3
+    nan = precision.amp_window(model, loss_fn, x, y, 4, "no_scaler", overflow_micro=0)
+    assert not torch.isfinite(nan.update).all()
+    with pytest.raises(ValueError, match="pattern"):
+        precision.amp_window(model, loss_fn, x, y, 4, "sometimes")  # type: ignore[arg-type]
+
+
+def test_bf16_window_without_scaler(f32, loss_fn):
+    model, x, y = f32
+    r = precision.amp_window(model, loss_fn, x, y, 2, "no_scaler", dtype=torch.bfloat16)
+    assert agreement(precision.reference_update(model, loss_fn, x, y), r.update).cosine > 0.99
+
+
+def test_accumulators():
+    torch.manual_seed(0)
+    grads = [torch.randn(1000, dtype=torch.float64) for _ in range(64)]
+    assert precision.accumulation_error(grads, torch.float32) < 1e-6
+    assert precision.accumulation_error(grads, torch.bfloat16) > 1e-3
+    assert precision.accumulation_error(grads[:1], torch.bfloat16) == 0
+    assert precision.accumulate_in(grads, torch.float32).dtype == torch.float32
+
+
+def test_widget_function_errors_and_figure(f32, loss_fn):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    model, x, y = f32
+    acts = precision.activation_gradients(model, loss_fn, x, y)
+    assert tuple(precision.plot_cast(acts, 16, 8).get_size_inches()) == (7.2, 3.4)
+    with pytest.raises(ValueError, match="K"):
+        precision.plot_cast(acts, 16, 0)
+    with pytest.raises(ValueError, match="log2"):
+        precision.plot_cast(acts, 99, 1)
