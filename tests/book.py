@@ -14,6 +14,7 @@ CHAPTERS: dict[str, tuple[str, str]] = {
     "02_ghost_batchnorm": ("ghost", "test_ghost"),
     "03_clip_ordering": ("clipping", "test_clipping"),
     "04_mixed_precision_scaling": ("precision", "test_precision"),
+    "05_no_sync": ("distributed", "test_distributed"),
 }
 
 

@@ -22,6 +22,8 @@ from gradaccum import exercises as ex
         (ex.check_fp16_subnormal, 5.96e-8),
         (ex.check_fp16_subnormal, 2**-24),
         (ex.check_backoff_scale, 32768),
+        (ex.check_allreduce_calls, 24),
+        (ex.check_ring_bytes, 175),
     ],
 )
 def test_right_answers_pass(checker, right):
@@ -64,6 +66,10 @@ def test_right_answers_pass(checker, right):
         (ex.check_fp16_subnormal, 2**-10, "epsilon"),
         (ex.check_backoff_scale, 65536, "backoff"),
         (ex.check_backoff_scale, 65536 * 0.5**8, "once per window"),
+        (ex.check_allreduce_calls, 8, "*bucket*"),
+        (ex.check_allreduce_calls, 3, "with no_sync"),
+        (ex.check_ring_bytes, 100, "reduce-scatter *and*"),
+        (ex.check_ring_bytes, 87.5, "one of the two phases"),
     ],
 )
 def test_typical_mistakes_are_explained(checker, wrong, phrase):

@@ -293,3 +293,35 @@ def check_backoff_scale(answer: object, scale: float = 65536.0, backoff: float =
         ],
         hint="How many times does update() run in one window, and what does it do after an overflow?",
     )
+
+
+# --------------------------------------------------------------------------------------- chapter 5
+
+
+def check_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedback:
+    """Exercise: all-reduce calls per optimizer step under naive accumulation (DDP, ``buckets`` buckets)."""
+    return check_number(
+        answer,
+        float(k * buckets),
+        mistakes=[
+            (float(k), "each backward pass all-reduces every *bucket*, not the model as one message."),
+            (float(buckets), "that is the count with no_sync: one synchronized backward per step."),
+            (1.0, "DDP all-reduces once per bucket per synchronized backward pass."),
+        ],
+        hint="Count synchronized backward passes per step, and messages per backward pass.",
+    )
+
+
+def check_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Feedback:
+    """Exercise: megabytes each rank sends in a ring all-reduce of ``megabytes`` of gradients over p ranks."""
+    return check_number(
+        answer,
+        2 * (p - 1) / p * megabytes,
+        mistakes=[
+            (megabytes, "a ring all-reduce is a reduce-scatter *and* an all-gather: each sends (p−1)/p of the data."),
+            ((p - 1) / p * megabytes, "that is one of the two phases; the all-gather sends as much again."),
+            (2 * (p - 1) * megabytes, "each round sends a 1/p chunk, not the whole buffer."),
+        ],
+        rtol=5e-3,
+        hint="2(p − 1) rounds, each sending one chunk of n/p.",
+    )
