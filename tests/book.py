@@ -15,6 +15,7 @@ CHAPTERS: dict[str, tuple[str, str]] = {
     "03_clip_ordering": ("clipping", "test_clipping"),
     "04_mixed_precision_scaling": ("precision", "test_precision"),
     "05_no_sync": ("distributed", "test_distributed"),
+    "06_loss_normalization_and_friends": ("silent", "test_silent"),
 }
 
 

@@ -24,6 +24,9 @@ from gradaccum import exercises as ex
         (ex.check_backoff_scale, 32768),
         (ex.check_allreduce_calls, 24),
         (ex.check_ring_bytes, 175),
+        (ex.check_window_token_loss, 40 / 110),
+        (ex.check_warmup_end, 125),
+        (ex.check_partial_scale, 0.375),
     ],
 )
 def test_right_answers_pass(checker, right):
@@ -70,6 +73,11 @@ def test_right_answers_pass(checker, right):
         (ex.check_allreduce_calls, 3, "with no_sync"),
         (ex.check_ring_bytes, 100, "reduce-scatter *and*"),
         (ex.check_ring_bytes, 87.5, "one of the two phases"),
+        (ex.check_window_token_loss, 0.65, "mean of the micro-batch means"),
+        (ex.check_warmup_end, 1000, "should end"),
+        (ex.check_warmup_end, 8000, "*faster*"),
+        (ex.check_partial_scale, 8 / 3, "upside down"),
+        (ex.check_partial_scale, 0.625, "*missing*"),
     ],
 )
 def test_typical_mistakes_are_explained(checker, wrong, phrase):

@@ -325,3 +325,50 @@ def check_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Fe
         rtol=5e-3,
         hint="2(p − 1) rounds, each sending one chunk of n/p.",
     )
+
+
+# --------------------------------------------------------------------------------------- chapter 6
+
+
+def check_window_token_loss(answer: object, sums: tuple[float, ...] = (30.0, 10.0),
+                            tokens: tuple[int, ...] = (100, 10)) -> Feedback:
+    """Exercise: the loss of a window whose micro-batches have summed token losses ``sums`` over ``tokens``."""
+    mean_of_means = sum(s / n for s, n in zip(sums, tokens)) / len(sums)
+    return check_number(
+        answer,
+        sum(sums) / sum(tokens),
+        mistakes=[
+            (mean_of_means, "that is the mean of the micro-batch means: it weighs each of the 10 tokens of the short "
+                            "micro-batch ten times as much as a token of the long one."),
+            (sum(sums), "divide by the number of tokens."),
+            (sum(sums) / len(sums), "divide by tokens, not by micro-batches."),
+        ],
+        hint="Total loss over total tokens.",
+    )
+
+
+def check_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback:
+    """Exercise: the optimizer step at which a ``warmup``-step warmup ends when the scheduler steps per micro-batch."""
+    return check_number(
+        answer,
+        warmup / k,
+        mistakes=[
+            (float(warmup), "that is where it should end; the scheduler here advances K times per optimizer step."),
+            (float(warmup * k), "the scheduler runs *faster*, not slower: K steps of the schedule per optimizer step."),
+        ],
+        hint="Each optimizer step advances the schedule by K.",
+    )
+
+
+def check_partial_scale(answer: object, present: int = 3, k: int = 8) -> Feedback:
+    """Exercise: the factor by which a last window of ``present`` micro-batches is too small when divided by K."""
+    return check_number(
+        answer,
+        present / k,
+        mistakes=[
+            (k / present, "upside down: dividing by K instead of by the micro-batches present makes it *smaller*."),
+            (1.0, "the last window holds fewer than K micro-batches but is still divided by K."),
+            ((k - present) / k, "that is the share that is *missing*; the question asks for the factor that remains."),
+        ],
+        hint="Sum of `present` terms, each divided by K, against the mean of those terms.",
+    )
