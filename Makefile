@@ -7,10 +7,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help install book test unit nbval outputs budgets gpu-check binder-check clean
+.PHONY: help install book test unit nbval outputs budgets gpu-check binder-check student nbgrader clean
 
 help:
-	@echo "make book | test | outputs | budgets | gpu-check | binder-check | clean"
+	@echo "make book | test | outputs | budgets | student | nbgrader | gpu-check | binder-check | clean"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,16 @@ outputs: $(STAMP)
 # Time and peak memory of every chapter (executes without writing).
 budgets: $(STAMP)
 	$(PY) scripts/execute_notebooks.py --check
+
+# The student edition: solutions removed, exercise outputs cleared; notebooks and a site without solutions.
+student: $(STAMP)
+	$(PY) -m gradaccum.course student --out _build/student/book
+	$(VENV)/bin/jupyter-book build _build/student/book --path-output _build/student -n -W --keep-going
+	@echo "Student notebooks: $(CURDIR)/_build/student/book/chapters; student site: $(CURDIR)/_build/student/_build/html"
+
+# nbgrader source notebooks (one assignment per chapter) under _build/nbgrader/source.
+nbgrader: $(STAMP)
+	$(PY) -m gradaccum.course nbgrader --out _build/nbgrader
 
 # Run every chapter on a CUDA GPU (falls back to the CPU, and says so, where there is none).
 gpu-check:

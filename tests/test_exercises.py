@@ -27,6 +27,7 @@ from gradaccum import exercises as ex
         (ex.check_window_token_loss, 40 / 110),
         (ex.check_warmup_end, 125),
         (ex.check_partial_scale, 0.375),
+        (ex.check_nosync_saving, 122.5),
     ],
 )
 def test_right_answers_pass(checker, right):
@@ -78,6 +79,9 @@ def test_right_answers_pass(checker, right):
         (ex.check_warmup_end, 8000, "*faster*"),
         (ex.check_partial_scale, 8 / 3, "upside down"),
         (ex.check_partial_scale, 0.625, "*missing*"),
+        (ex.check_nosync_saving, 140, "K − 1"),
+        (ex.check_nosync_saving, 17.5, "one all-reduce"),
+        (ex.check_nosync_saving, 70, "2(p − 1)/p"),
     ],
 )
 def test_typical_mistakes_are_explained(checker, wrong, phrase):

@@ -372,3 +372,21 @@ def check_partial_scale(answer: object, present: int = 3, k: int = 8) -> Feedbac
         ],
         hint="Sum of `present` terms, each divided by K, against the mean of those terms.",
     )
+
+
+def check_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float = 100.0,
+                        gb_per_s: float = 10.0) -> Feedback:
+    """Exercise: milliseconds per optimizer step that no_sync saves (α–β model, latency and copies ignored)."""
+    one = 2 * (p - 1) / p * megabytes / 1000 / gb_per_s * 1000  # ms per ring all-reduce
+    return check_number(
+        answer,
+        (k - 1) * one,
+        mistakes=[
+            (k * one, "no_sync saves K − 1 all-reduces, not K: one remains at the end of the window."),
+            (one, "that is one all-reduce; no_sync saves K − 1 of them per step."),
+            ((k - 1) * megabytes / 1000 / gb_per_s * 1000, "a ring all-reduce sends 2(p − 1)/p · n bytes, not n."),
+            ((k - 1) * one / 2, "a ring all-reduce has two phases (reduce-scatter and all-gather): 2(p − 1)/p · n."),
+        ],
+        rtol=5e-3,
+        hint="(K − 1) · 2(p − 1)/p · n / β.",
+    )

@@ -1,0 +1,128 @@
+"""The course kit: student edition (notebooks and site), nbgrader conversion, instructor page."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from book import CHAPTERS, ROOT, load
+from gradaccum import course
+
+STEMS = sorted(CHAPTERS)
+
+
+def plain(text):
+    """Letters only, single-spaced: the same normalization for solutions, notebooks and HTML."""
+    return " ".join(re.sub(r"[^A-Za-z]+", " ", text).split())
+
+
+def cells_text(nb):
+    return "\n".join("".join(c["source"]) if isinstance(c["source"], list) else c["source"] for c in nb["cells"])
+
+
+def snippets(nb):
+    """Fragments of the solutions that appear nowhere else in the chapter: finding one in the student edition
+    means a solution leaked."""
+    rest = plain(cells_text(course.student_notebook(nb)))
+    out = []
+    for text in course.solution_texts(nb):
+        words = plain(text).split()
+        for start in range(0, max(1, len(words) - 7), 4):
+            fragment = " ".join(words[start:start + 8])
+            if len(fragment.split()) == 8 and fragment not in rest:
+                out.append(fragment)
+                break
+    return out
+
+
+@pytest.fixture(scope="module")
+def edition(tmp_path_factory):
+    out = tmp_path_factory.mktemp("student") / "book"
+    course.write_student_edition(ROOT, out)
+    return out
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_student_notebook_has_no_solutions_and_clears_exercises(stem, edition):
+    original, student = load(stem), json.loads((edition / "chapters" / f"{stem}.ipynb").read_text())
+    assert course.solution_texts(original), "every chapter has solutions to remove"
+    text = json.dumps(student)
+    assert "{solution}" not in text
+    fragments = snippets(original)
+    assert len(fragments) >= 3
+    for fragment in fragments:
+        assert fragment not in plain(cells_text(student)), fragment
+    assert all(f in plain(cells_text(original)) for f in fragments)  # the search does find them in the original
+    assert text.count("{exercise}") == json.dumps(original).count("{exercise}") >= 3
+    exercise_cells = [c for c in student["cells"] if course.is_exercise_cell(c)]
+    assert len(exercise_cells) >= 3 and all(not c["outputs"] and c["execution_count"] is None for c in exercise_cells)
+    kept = lambda nb: [c["outputs"] for c in nb["cells"] if c["cell_type"] == "code" and not course.is_exercise_cell(c)]  # noqa: E731
+    assert kept(student) == kept(original)  # figures and numbers stay for students
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_student_notebook_runs_top_to_bottom(stem, edition):
+    nb = nbformat.read(edition / "chapters" / f"{stem}.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "chapters")}}).execute()
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+
+
+def test_student_site_has_no_solutions(edition, tmp_path):
+    jb = Path(sys.executable).with_name("jupyter-book")
+    proc = subprocess.run([str(jb), "build", str(edition), "--path-output", str(tmp_path), "-n", "-W", "--keep-going"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    html = tmp_path / "_build" / "html"
+    assert not (html / "instructor.html").exists(), "the instructors' page is not part of the student site"
+    for stem in STEMS:
+        page = (html / "chapters" / f"{stem}.html").read_text()
+        assert 'class="solution' not in page and page.count('class="caption-number">Exercise') >= 3
+        words = plain(re.sub(r"<[^>]+>|&[a-z#0-9]+;", " ", page))
+        for fragment in snippets(load(stem)):
+            assert fragment not in words, fragment
+    assert "student edition" in (html / "intro.html").read_text()
+
+
+def test_nbgrader_conversion_grades_with_the_checkers():
+    nb = course.nbgrader_notebook(load("01_microbatch_statistics"))
+    answers = [c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    tests = [c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("grade")]
+    assert len(answers) == len(tests) == 4
+    for answer_cell, test_cell in zip(answers, tests):
+        meta = test_cell["metadata"]["nbgrader"]
+        assert meta["locked"] and meta["points"] == 1 and meta["grade_id"].endswith("-test")
+        assert answer_cell["metadata"]["nbgrader"]["grade_id"].startswith("ex-ch1-")
+    from gradaccum import exercises
+
+    first_test = tests[0]["source"]
+    namespace = {"exercises": exercises, "answer": 1 - 0.9**8}
+    exec(first_test, namespace)  # the right answer passes
+    namespace["answer"] = 0.8
+    with pytest.raises(AssertionError, match="you added the K momenta"):
+        exec(first_test, namespace)
+
+
+def test_nbgrader_layout(tmp_path):
+    paths = course.write_nbgrader(ROOT, tmp_path)
+    assert [p.parent.name for p in paths] == STEMS and all(p.parent.parent.name == "source" for p in paths)
+
+
+def test_instructor_page_lists_every_exercise_and_its_checker():
+    page = (ROOT / "instructor.md").read_text()
+    listed = dict(re.findall(r"\{ref\}`(ex-ch\d-[a-z0-9-]+)` \| (?:`(\w+)`|open)", page))
+    for stem in STEMS:
+        nb, label = load(stem), None
+        for cell in nb["cells"]:
+            src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            found = course.EXERCISE.findall(src) if cell["cell_type"] == "markdown" else []
+            if found:
+                label = found[-1]
+                assert label in listed, f"{label} is missing from instructor.md"
+            elif course.is_exercise_cell(cell):
+                assert listed[label] == course.CHECK_CALL.search(src).group(1), label
+    assert "instructor" in (ROOT / "_toc.yml").read_text()
