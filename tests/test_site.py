@@ -44,6 +44,12 @@ def test_chapter_page(site, stem):
     assert page.count('href="../references.html#id') >= n_cites > 0, "every citation links to its reference"
 
 
+def test_instructor_page(site):
+    page = (site / "instructor.html").read_text()
+    assert "Suggested assignments" in page and "nbgrader" in page
+    assert page.count('href="chapters/') >= 6  # links to every chapter and exercise resolve
+
+
 def test_intro_and_references(site):
     intro = (site / "intro.html").read_text()
     assert "equivalence theorem" in intro.lower() and "Symptom" in intro

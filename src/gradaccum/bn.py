@@ -423,17 +423,10 @@ def effect_grid(ks: tuple[int, ...], bs: tuple[int, ...], x: torch.Tensor, y: to
 
 def plot_effect_grid(grid: np.ndarray, ks: tuple[int, ...], bs: tuple[int, ...]):
     """Heat map of :func:`effect_grid`, each cell labelled with its value."""
-    from .plotting import figure
+    from .plotting import figure, heatmap
 
     fig, (ax,) = figure(1, 6.4, 4.0)
-    image = ax.imshow(grid, cmap="cividis", origin="lower")
-    for i in range(len(ks)):
-        for j in range(len(bs)):
-            ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8,
-                    color="white" if grid[i, j] < 0.5 * grid.max() else "black")
-    ax.set_xticks(range(len(bs)), [str(b) for b in bs])
-    ax.set_yticks(range(len(ks)), [str(k) for k in ks])
-    ax.set(xlabel="micro-batch size b", ylabel="accumulation steps K",
-           title="BatchNorm: relative error of the accumulated gradient")
+    image = heatmap(ax, grid, ks, bs, vmin=0.0, aspect="equal", xlabel="micro-batch size b",
+                    ylabel="accumulation steps K", title="BatchNorm: relative error of the accumulated gradient")
     fig.colorbar(image, ax=ax, label="‖g_acc − g_full‖ / ‖g_full‖")
     return fig

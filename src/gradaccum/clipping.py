@@ -390,19 +390,12 @@ def placement_grid(ks: Sequence[int], alignments: Sequence[float], c: float) -> 
 
 
 def plot_placement_grid(grid: dict[str, "np.ndarray"], ks: Sequence[int], alignments: Sequence[float]):
-    from .plotting import figure
+    from .plotting import figure, heatmap
 
     fig, axes = figure(4, 14.0, 3.6)
     vmax = max(float(g.max()) for g in grid.values())
     for ax, p in zip(axes, PLACEMENTS):
-        g = grid[p]
-        image = ax.imshow(g, cmap="cividis", vmin=0, vmax=vmax, origin="lower", aspect="auto")
-        for i in range(len(ks)):
-            for j in range(len(alignments)):
-                ax.text(j, i, f"{g[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if g[i, j] < 0.5 * vmax else "black")
-        ax.set_xticks(range(len(alignments)), [f"{a:g}" for a in alignments])
-        ax.set_yticks(range(len(ks)), [str(k) for k in ks])
-        ax.set(xlabel="alignment", ylabel="K", title=LABELS[p].split(") ")[0] + ")")
+        image = heatmap(ax, grid[p], ks, [f"{a:g}" for a in alignments], vmin=0.0, vmax=vmax, xlabel="alignment",
+                        ylabel="K", title=LABELS[p].split(") ")[0] + ")")
     fig.colorbar(image, ax=axes, label="‖step‖ / c", shrink=0.9)
     return fig

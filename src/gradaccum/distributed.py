@@ -491,18 +491,11 @@ def plot_prediction(params_millions: float, k: int, p: int, preset: str, micro_c
 
 def plot_savings_grid(params: int, ks: list[int], ps: list[int], micro_compute: float, presets: list[str]):
     """Predicted fraction of step time saved by no_sync over K × p, one panel per interconnect."""
-    from .plotting import figure
+    from .plotting import figure, heatmap
 
     fig, axes = figure(len(presets), 4.8 * len(presets), 3.6)
     for ax, name in zip(axes, presets):
-        g = savings_grid(params, ks, ps, PRESETS[name], micro_compute)
-        image = ax.imshow(g, cmap="cividis", vmin=0, vmax=1, origin="lower", aspect="auto")
-        for i in range(len(ks)):
-            for j in range(len(ps)):
-                ax.text(j, i, f"{g[i, j]:.0%}", ha="center", va="center", fontsize=7,
-                        color="white" if g[i, j] < 0.5 else "black")
-        ax.set_xticks(range(len(ps)), [str(p) for p in ps])
-        ax.set_yticks(range(len(ks)), [str(k) for k in ks])
-        ax.set(xlabel="GPUs p", ylabel="K", title=name)
+        image = heatmap(ax, savings_grid(params, ks, ps, PRESETS[name], micro_compute), ks, ps, fmt="{:.0%}",
+                        vmin=0.0, vmax=1.0, xlabel="GPUs p", ylabel="K", title=name)
     fig.colorbar(image, ax=axes, label="share of step time saved", shrink=0.9)
     return fig

@@ -594,19 +594,12 @@ def effect_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y: torch.
 def plot_effect_grid(grids: dict[str, "np.ndarray"], ks: Sequence[int], bs: Sequence[int],
                      methods: Sequence[str] = ("plain accumulation", "full-batch stats", "exact full-batch stats")):
     """Heat maps of the gradient cosine to the full-batch gradient, one panel per method."""
-    from .plotting import figure
+    from .plotting import figure, heatmap
 
     fig, axes = figure(len(methods), 3.6 * len(methods), 3.6)
     for ax, method in zip(axes, methods):
-        grid = grids[method]
-        image = ax.imshow(grid, cmap="cividis", vmin=0, vmax=1, origin="lower")
-        for i in range(len(ks)):
-            for j in range(len(bs)):
-                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if grid[i, j] < 0.5 else "black")
-        ax.set_xticks(range(len(bs)), [str(b) for b in bs])
-        ax.set_yticks(range(len(ks)), [str(k) for k in ks])
-        ax.set(xlabel="micro-batch size b", ylabel="K", title=method)
+        image = heatmap(ax, grids[method], ks, bs, vmin=0.0, vmax=1.0, aspect="equal", xlabel="micro-batch size b",
+                        ylabel="K", title=method)
     fig.colorbar(image, ax=axes, label="cosine to the full-batch gradient", shrink=0.9)
     return fig
 

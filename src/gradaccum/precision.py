@@ -292,19 +292,12 @@ def plot_formats(values_by_k: dict[int, torch.Tensor]):
 
 def plot_loss_grid(grid: dict[str, np.ndarray], log2_scales: Sequence[int], ks: Sequence[int]):
     """Heat maps of the fraction lost (underflow + subnormal) and overflowed over S and K."""
-    from .plotting import figure
+    from .plotting import figure, heatmap
 
     fig, axes = figure(2, 9.6, 3.8)
     for ax, (key, title) in zip(axes, (("lost", "lost to underflow or subnormals"), ("overflow", "overflowed"))):
-        g = grid[key]
-        image = ax.imshow(g, cmap="cividis", vmin=0, vmax=1, origin="lower", aspect="auto")
-        for i in range(len(log2_scales)):
-            for j in range(len(ks)):
-                ax.text(j, i, f"{g[i, j]:.3f}", ha="center", va="center", fontsize=7,
-                        color="white" if g[i, j] < 0.5 else "black")
-        ax.set_xticks(range(len(ks)), [str(k) for k in ks])
-        ax.set_yticks(range(len(log2_scales)), [f"2^{s}" for s in log2_scales])
-        ax.set(xlabel="K (micro-batch size fixed)", ylabel="loss scale S", title=f"fp16: fraction {title}")
+        image = heatmap(ax, grid[key], [f"2^{s}" for s in log2_scales], ks, fmt="{:.3f}", vmin=0.0, vmax=1.0,
+                        xlabel="K (micro-batch size fixed)", ylabel="loss scale S", title=f"fp16: fraction {title}")
     fig.colorbar(image, ax=axes, shrink=0.9)
     return fig
 

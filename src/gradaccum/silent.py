@@ -365,6 +365,17 @@ def plot_lr(right: Sequence[float], wrong: Sequence[float], k: int, warmup: int)
     return fig
 
 
+def plot_token_grid(grid: np.ndarray, ks: Sequence[int], spreads: Sequence[int]):
+    """Heat map of :func:`token_error_grid`."""
+    from .plotting import figure, heatmap
+
+    fig, (ax,) = figure(1, 6.4, 4.0)
+    image = heatmap(ax, grid, ks, spreads, vmin=0.0, aspect="equal", xlabel="spread of lengths (±)", ylabel="K",
+                    title="Mean of means vs token mean, length-grouped")
+    fig.colorbar(image, ax=ax, label="relative gradient error")
+    return fig
+
+
 def plot_token_widget(model: nn.Module, lines: Sequence[str], vocab: Vocab, k: int, spread: int):
     """The widget's picture: gradient error of mean-of-means for random and length-grouped micro-batches."""
     from .plotting import PALETTE, decorate, figure

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: Produces one optimizer step's gradient in ``model``'s ``.grad`` from a batch cut into K parts; returns the loss.
+BackwardFn = Callable[[nn.Module, LossFn, torch.Tensor, torch.Tensor, int], float]
 
 
 def check_k(k: int) -> int:
@@ -77,12 +79,24 @@ def accumulated_gradient(
     Each micro-batch loss is divided by K before its backward pass, exactly as a training loop does.
     Runs on a copy of ``model``; the caller's model is not modified.
     """
-    micro = split_batch(x, y, k)
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
-    for xb, yb in micro:
-        (loss_fn(work(xb), yb) / k).backward()
+    accumulate_backward(work, loss_fn, x, y, k)
     return flat_grad(work).detach()
+
+
+def accumulate_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int) -> float:
+    """The plain accumulation loop: forward and backward each micro-batch with its loss divided by K.
+
+    Gradients are *added* to the parameters' ``.grad`` (the caller zeroes them once per optimizer step).
+    Returns the loss of the whole batch (the sum of the K scaled micro-batch losses).
+    """
+    total = 0.0
+    for xb, yb in split_batch(x, y, k):
+        loss = loss_fn(model(xb), yb) / k
+        loss.backward()
+        total += float(loss.detach())
+    return total
 
 
 @dataclass(frozen=True)
@@ -157,6 +171,7 @@ def train(
     lr: float = 0.05,
     momentum: float = 0.9,
     seed: int = 0,
+    backward_fn: BackwardFn | None = None,
 ) -> TrainResult:
     r"""Train ``model`` in place with SGD, one optimizer step per batch of ``batch_size`` samples.
 
@@ -164,6 +179,9 @@ def train(
     (cross-entropy, mean over its samples) is divided by K before ``backward``, and the optimizer steps once
     per batch. The order of samples depends only on ``seed``, so runs that differ only in K see the same
     batches in the same order. The last incomplete batch of an epoch is dropped.
+
+    ``backward_fn`` replaces the plain accumulation loop (:func:`accumulate_backward`) by another way of
+    producing the step's gradient from the batch and K (chapter 2's full-batch statistics, for example).
 
     Validation accuracy is reported twice: in eval mode (running statistics, what a deployed model does) and
     in train mode on micro-batches of size b (what the network computed while it was trained).
@@ -177,6 +195,7 @@ def train(
     n = x.shape[0]
     if batch_size > n:
         raise ValueError(f"batch_size ({batch_size}) exceeds the {n} training samples.")
+    backward = backward_fn or accumulate_backward
     loss_fn = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     gen = torch.Generator().manual_seed(seed)
@@ -187,14 +206,9 @@ def train(
         for start in range(0, n - batch_size + 1, batch_size):
             idx = order[start : start + batch_size]
             opt.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for xb, yb in split_batch(x[idx], y[idx], k):
-                loss = loss_fn(model(xb), yb) / k
-                loss.backward()
-                step_loss += float(loss.detach())
+            losses.append(backward(model, loss_fn, x[idx], y[idx], k))
             opt.step()
             steps += 1
-            losses.append(step_loss)
     train_mode_acc = accuracy(copy.deepcopy(model).train(), x_val, y_val, batch_size=b)
     model.eval()
     return TrainResult(k, b, steps, accuracy(model, x_val, y_val), train_mode_acc, losses)

@@ -144,3 +144,249 @@ def check_batch_coupled(answer: object) -> Feedback:
         return Feedback(True, "correct: only BatchNorm2d couples the samples of a micro-batch.")
     reasons = [LAYER_FACTS[name][1] for name in wrong_in + missing]
     return Feedback(False, " ".join(reasons))
+
+
+# --------------------------------------------------------------------------------------- chapter 2
+
+
+def check_ghost_virtual_size(answer: object, k: int = 16, b: int = 4) -> Feedback:
+    """Exercise: which Ghost BatchNorm virtual batch size reproduces plain accumulation of K micro-batches of b."""
+    return check_number(
+        answer,
+        float(b),
+        mistakes=[
+            (float(k * b), "a virtual batch of K·b is the whole batch: that is ordinary BatchNorm over the full "
+                           "batch, which accumulation does *not* compute."),
+            (float(k), "K is the *number* of ghost batches; the question asks for their size."),
+            (1.0, "a ghost batch of one sample has zero variance; BatchNorm cannot train on it."),
+        ],
+        hint="Each micro-batch is normalized with its own statistics: how many samples does it hold?",
+    )
+
+
+def check_exact_sweeps(answer: object, layers: int = 3) -> Feedback:
+    """Exercise: forward/backward sweeps over the K micro-batches of the exact full-batch-statistics scheme."""
+    return check_number(
+        answer,
+        float(layers + 1),
+        mistakes=[
+            (1.0, "one forward/backward sweep is plain accumulation (or the constants scheme): neither gives the "
+                  "full-batch gradient."),
+            (float(layers), "one collecting sweep per BatchNorm layer is right, but the gradient itself needs one "
+                            "more sweep with every correction applied."),
+            (2.0, "two sweeps (statistics, then forward/backward) give the full-batch *forward*, not its gradient; "
+                  "and the statistics pass is forward-only, not a forward/backward sweep."),
+            (float(2 * layers + 1), "the statistics pass does not count here: it runs forward only and stops at "
+                                    "each layer."),
+        ],
+        hint="Corrections must be known for every later layer before a layer's sums can be gathered.",
+    )
+
+
+def check_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
+    """Exercise (Ioffe & Szegedy's example): how much the normalized output moves when a bias b before the
+    normalization changes by ``delta`` and the mean is recomputed, x̂ = u + b − E[u + b]."""
+    return check_number(
+        answer,
+        0.0,
+        mistakes=[
+            (delta, "the mean E[u + b] moves by the same amount as b, so the two changes cancel."),
+            (-delta, "the mean moves with b, so the change cancels exactly; nothing is left over."),
+        ],
+        hint="Write x̂ after the update and subtract the old x̂.",
+    )
+
+
+# --------------------------------------------------------------------------------------- chapter 3
+
+
+def check_clip_scaled_micro(answer: object) -> Feedback:
+    """Exercise: threshold c = 1, K = 4 identical micro-gradients of norm 2; norm of the step under (a1)."""
+    return check_number(
+        answer,
+        2.0,
+        mistakes=[
+            (1.0, "1 is what clipping once gives (the correct step). Under (a1) each contribution g_k/K has norm "
+                  "0.5 < c, so nothing is clipped and the sum keeps its norm."),
+            (0.5, "0.5 is one contribution g_k/K; there are four of them, all pointing the same way."),
+            (4.0, "the contributions are g_k/K, not g_k: their sum is the average, of norm 2."),
+            (8.0, "the contributions are g_k/K, not g_k: their sum is the average, of norm 2."),
+        ],
+        hint="Clip each g_k/K (does any exceed c?), then add the four.",
+    )
+
+
+def check_clip_raw_micro(answer: object) -> Feedback:
+    """Exercise: c = 1, K = 2, g_1 = (3, 0), g_2 = (−1, 0); norm of the step under (a2)."""
+    return check_number(
+        answer,
+        0.0,
+        mistakes=[
+            (1.0, "1 is the correct step: the average (1, 0) has norm 1 and is not clipped. Under (a2) g_1 is "
+                  "clipped to (1, 0) *before* averaging, and then it cancels g_2."),
+            (2.0, "average after clipping: ((1, 0) + (−1, 0)) / 2."),
+            (0.5, "g_2 = (−1, 0) has norm 1 = c, so it is not clipped; only g_1 is."),
+        ],
+        hint="Clip g_1 and g_2 separately to norm ≤ 1, then average.",
+    )
+
+
+def check_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1.0, norm: float = 4.0) -> Feedback:
+    """Exercise: gradient norm the optimizer receives when clip_grad_norm_(c) runs *before* scaler.unscale_."""
+    expected = c / scale
+    return check_number(
+        answer,
+        expected,
+        mistakes=[
+            (c, "that is the right order (unscale_, then clip). Here the clip sees the *scaled* gradient."),
+            (norm, "the scaled gradient has norm S·4, far above c, so the clip does act: it brings it to c, and "
+                   "unscaling then divides by S."),
+            (c * scale, "unscaling divides by S; it does not multiply."),
+            (norm / scale, "after the clip the scaled gradient has norm c, not 4·S/S."),
+        ],
+        rtol=5e-3,  # three significant figures are enough
+        hint="Follow the norm: scaled gradient S·4 → clipped to c → divided by S.",
+    )
+
+
+# --------------------------------------------------------------------------------------- chapter 4
+
+
+def check_effective_scale(answer: object, scale: float = 65536.0, k: int = 8) -> Feedback:
+    """Exercise: the factor every gradient inside micro-batch k's backward pass carries (S/K)."""
+    return check_number(
+        answer,
+        scale / k,
+        mistakes=[
+            (scale, "S is the scale of the whole window; each micro-batch's loss is also divided by K."),
+            (scale * k, "the loss is divided by K, not multiplied."),
+            (1 / k, "that forgets the loss scale S."),
+        ],
+        hint="The backward pass starts from (S/K)·L(θ; B_k).",
+    )
+
+
+def check_fp16_subnormal(answer: object) -> Feedback:
+    """Exercise: the smallest positive float16 number."""
+    return check_number(
+        answer,
+        2.0**-24,
+        mistakes=[
+            (2.0**-14, "2^-14 is the smallest *normal* float16; subnormals go 10 bits further down."),
+            (2.0**-10, "2^-10 is float16's machine epsilon (the spacing just above 1), not its smallest number."),
+            (2.0**-126, "that is float32's (and bfloat16's) smallest normal number."),
+        ],
+        rtol=5e-3,
+        hint="Smallest normal times machine epsilon.",
+    )
+
+
+def check_backoff_scale(answer: object, scale: float = 65536.0, backoff: float = 0.5) -> Feedback:
+    """Exercise: the loss scale after a window in which one micro-batch overflowed (correct recipe)."""
+    return check_number(
+        answer,
+        scale * backoff,
+        mistakes=[
+            (scale, "an inf/NaN found at the step makes update() multiply the scale by the backoff factor."),
+            (scale * backoff**8, "the check happens once per window, on the accumulated gradient: one backoff."),
+            (scale * 2, "growth happens after growth_interval steps *without* overflow; here there was one."),
+        ],
+        hint="How many times does update() run in one window, and what does it do after an overflow?",
+    )
+
+
+# --------------------------------------------------------------------------------------- chapter 5
+
+
+def check_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedback:
+    """Exercise: all-reduce calls per optimizer step under naive accumulation (DDP, ``buckets`` buckets)."""
+    return check_number(
+        answer,
+        float(k * buckets),
+        mistakes=[
+            (float(k), "each backward pass all-reduces every *bucket*, not the model as one message."),
+            (float(buckets), "that is the count with no_sync: one synchronized backward per step."),
+            (1.0, "DDP all-reduces once per bucket per synchronized backward pass."),
+        ],
+        hint="Count synchronized backward passes per step, and messages per backward pass.",
+    )
+
+
+def check_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Feedback:
+    """Exercise: megabytes each rank sends in a ring all-reduce of ``megabytes`` of gradients over p ranks."""
+    return check_number(
+        answer,
+        2 * (p - 1) / p * megabytes,
+        mistakes=[
+            (megabytes, "a ring all-reduce is a reduce-scatter *and* an all-gather: each sends (p−1)/p of the data."),
+            ((p - 1) / p * megabytes, "that is one of the two phases; the all-gather sends as much again."),
+            (2 * (p - 1) * megabytes, "each round sends a 1/p chunk, not the whole buffer."),
+        ],
+        rtol=5e-3,
+        hint="2(p − 1) rounds, each sending one chunk of n/p.",
+    )
+
+
+# --------------------------------------------------------------------------------------- chapter 6
+
+
+def check_window_token_loss(answer: object, sums: tuple[float, ...] = (30.0, 10.0),
+                            tokens: tuple[int, ...] = (100, 10)) -> Feedback:
+    """Exercise: the loss of a window whose micro-batches have summed token losses ``sums`` over ``tokens``."""
+    mean_of_means = sum(s / n for s, n in zip(sums, tokens)) / len(sums)
+    return check_number(
+        answer,
+        sum(sums) / sum(tokens),
+        mistakes=[
+            (mean_of_means, "that is the mean of the micro-batch means: it weighs each of the 10 tokens of the short "
+                            "micro-batch ten times as much as a token of the long one."),
+            (sum(sums), "divide by the number of tokens."),
+            (sum(sums) / len(sums), "divide by tokens, not by micro-batches."),
+        ],
+        hint="Total loss over total tokens.",
+    )
+
+
+def check_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback:
+    """Exercise: the optimizer step at which a ``warmup``-step warmup ends when the scheduler steps per micro-batch."""
+    return check_number(
+        answer,
+        warmup / k,
+        mistakes=[
+            (float(warmup), "that is where it should end; the scheduler here advances K times per optimizer step."),
+            (float(warmup * k), "the scheduler runs *faster*, not slower: K steps of the schedule per optimizer step."),
+        ],
+        hint="Each optimizer step advances the schedule by K.",
+    )
+
+
+def check_partial_scale(answer: object, present: int = 3, k: int = 8) -> Feedback:
+    """Exercise: the factor by which a last window of ``present`` micro-batches is too small when divided by K."""
+    return check_number(
+        answer,
+        present / k,
+        mistakes=[
+            (k / present, "upside down: dividing by K instead of by the micro-batches present makes it *smaller*."),
+            (1.0, "the last window holds fewer than K micro-batches but is still divided by K."),
+            ((k - present) / k, "that is the share that is *missing*; the question asks for the factor that remains."),
+        ],
+        hint="Sum of `present` terms, each divided by K, against the mean of those terms.",
+    )
+
+
+def check_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float = 100.0,
+                        gb_per_s: float = 10.0) -> Feedback:
+    """Exercise: milliseconds per optimizer step that no_sync saves (α–β model, latency and copies ignored)."""
+    one = 2 * (p - 1) / p * megabytes / 1000 / gb_per_s * 1000  # ms per ring all-reduce
+    return check_number(
+        answer,
+        (k - 1) * one,
+        mistakes=[
+            (k * one, "no_sync saves K − 1 all-reduces, not K: one remains at the end of the window."),
+            (one, "that is one all-reduce; no_sync saves K − 1 of them per step."),
+            ((k - 1) * megabytes / 1000 / gb_per_s * 1000, "a ring all-reduce sends 2(p − 1)/p · n bytes, not n."),
+            ((k - 1) * one / 2, "a ring all-reduce has two phases (reduce-scatter and all-gather): 2(p − 1)/p · n."),
+        ],
+        rtol=5e-3,
+        hint="(K − 1) · 2(p − 1)/p · n / β.",
+    )

@@ -1,0 +1,168 @@
+"""The course kit: a student edition of the book, and a conversion of its exercises for nbgrader.
+
+Student edition (``make student``, or ``python -m gradaccum.course student``): every chapter with its
+``solution`` directives removed and the outputs of its exercise cells (the cells that call a checker from
+:mod:`gradaccum.exercises`) cleared; everything else — text, code, stored figures — is kept, so the notebooks run
+top to bottom. Jupyter Book's ``hide_solutions`` cannot do this: it crashes on gated solutions, and it would only
+hide them in HTML, not remove them from the notebooks students download.
+
+nbgrader (``python -m gradaccum.course nbgrader``): each exercise cell becomes an nbgrader *solution* cell (the
+student edits ``answer = ...``) followed by a locked, graded *test* cell that asserts the checker accepts the
+answer; the checker's message says what is wrong when it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+SOLUTION = re.compile(r"```\{solution\}.*?\n```[ \t]*\n?", re.S)
+EXERCISE = re.compile(r"```\{exercise\}[^\n]*\n:label:\s*(\S+)")
+CHECK_CALL = re.compile(r"^exercises\.(check_\w+)\((.*)\)\s*$", re.M)
+
+BOOK_FILES = ("_config.yml", "_toc.yml", "intro.md", "references.md", "references.bib")
+
+
+def _source(cell: dict[str, Any]) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def is_exercise_cell(cell: dict[str, Any]) -> bool:
+    """A code cell that calls a checker from gradaccum.exercises."""
+    return cell.get("cell_type") == "code" and bool(CHECK_CALL.search(_source(cell)))
+
+
+def solution_texts(nb: dict[str, Any]) -> list[str]:
+    """The solutions' lines of substance (at least 25 characters), to check that none leaks."""
+    texts = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            for block in SOLUTION.findall(_source(cell)):
+                body = block.split("\n", 2)[-1]
+                texts += [line.strip() for line in body.splitlines() if len(line.strip()) >= 25
+                          and not line.strip().startswith((":", "```"))]
+    return texts
+
+
+def student_notebook(nb: dict[str, Any]) -> dict[str, Any]:
+    """The student version of a chapter: solutions removed, exercise outputs cleared, the rest kept."""
+    out = copy.deepcopy(nb)
+    cells = []
+    for cell in out["cells"]:
+        if cell["cell_type"] == "markdown":
+            text = SOLUTION.sub("", _source(cell)).strip()
+            if not text:
+                continue  # the cell held only a solution
+            cell["source"] = text
+        elif is_exercise_cell(cell):
+            cell["outputs"], cell["execution_count"] = [], None
+        cells.append(cell)
+    out["cells"] = cells
+    return out
+
+
+def _student_config(text: str) -> str:
+    return re.sub(r'^title:\s*"?([^"\n]*)"?', lambda m: f'title: "{m.group(1)} (student edition)"', text, count=1,
+                  flags=re.M)
+
+
+def _student_toc(text: str) -> str:
+    """The table of contents without the instructors' part."""
+    parts = re.split(r"(?m)^(?=  - caption:)", text)
+    return "".join(p for p in parts if "caption: For instructors" not in p)
+
+
+def write_student_edition(root: Path, out: Path) -> list[Path]:
+    """Write the student edition of the book in ``root`` to ``out`` (chapters and the files the site needs)."""
+    root, out = Path(root), Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "chapters").mkdir(parents=True)
+    for name in BOOK_FILES:
+        text = (root / name).read_text()
+        if name == "_config.yml":
+            text = _student_config(text)
+        elif name == "_toc.yml":
+            text = _student_toc(text)
+        (out / name).write_text(text)
+    written = []
+    for path in sorted((root / "chapters").glob("*.ipynb")):
+        target = out / "chapters" / path.name
+        target.write_text(json.dumps(student_notebook(json.loads(path.read_text())), indent=1, ensure_ascii=False) + "\n")
+        written.append(target)
+    return written
+
+
+# ------------------------------------------------------------------------------------------------ nbgrader
+
+
+def _exercise_labels(nb: dict[str, Any]) -> list[str]:
+    return [label for cell in nb["cells"] if cell["cell_type"] == "markdown" for label in EXERCISE.findall(_source(cell))]
+
+
+def nbgrader_notebook(nb: dict[str, Any], points: int = 1) -> dict[str, Any]:
+    """The student notebook with nbgrader metadata: exercise cells become solution cells, each followed by a
+    locked test cell ``assert exercises.check_...(answer)`` worth ``points``."""
+    out = student_notebook(nb)
+    cells, label = [], "exercise"
+    for cell in out["cells"]:
+        if cell["cell_type"] == "markdown":
+            found = EXERCISE.findall(_source(cell))
+            label = found[-1] if found else label
+            cells.append(cell)
+            continue
+        if not is_exercise_cell(cell):
+            cells.append(cell)
+            continue
+        call = CHECK_CALL.search(_source(cell))
+        assert call is not None
+        answer = CHECK_CALL.sub("", _source(cell)).rstrip() + "\n"
+        cell["source"] = answer + f"exercises.{call.group(1)}({call.group(2)})"
+        cell["metadata"]["nbgrader"] = {"grade": False, "solution": True, "locked": False,
+                                        "grade_id": f"{label}-answer", "schema_version": 3}
+        test = {"cell_type": "code", "execution_count": None, "outputs": [], "id": f"{label}-test",
+                "metadata": {"nbgrader": {"grade": True, "solution": False, "locked": True, "points": points,
+                                          "grade_id": f"{label}-test", "schema_version": 3}},
+                "source": f"feedback = exercises.{call.group(1)}({call.group(2)})\nassert feedback, str(feedback)"}
+        cells += [cell, test]
+    out["cells"] = cells
+    return out
+
+
+def write_nbgrader(root: Path, out: Path) -> list[Path]:
+    """nbgrader source notebooks (``source/<assignment>/<chapter>.ipynb`` layout) for every chapter."""
+    written = []
+    for path in sorted((Path(root) / "chapters").glob("*.ipynb")):
+        target = Path(out) / "source" / path.stem / path.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(nbgrader_notebook(json.loads(path.read_text())), indent=1, ensure_ascii=False) + "\n")
+        written.append(target)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gradaccum.course", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["student", "nbgrader"])
+    parser.add_argument("--root", type=Path, default=Path("."), help="the book's repository (default: .)")
+    parser.add_argument("--out", type=Path, help="output folder (default _build/student or _build/nbgrader)")
+    args = parser.parse_args(argv)
+    if not (args.root / "chapters").is_dir():
+        parser.error(f"{args.root} has no chapters/ folder; run from the book's repository or pass --root.")
+    if args.what == "student":
+        paths = write_student_edition(args.root, args.out or args.root / "_build" / "student" / "book")
+    else:
+        paths = write_nbgrader(args.root, args.out or args.root / "_build" / "nbgrader")
+    print(f"wrote {len(paths)} notebooks under {paths[0].parents[1] if paths else args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

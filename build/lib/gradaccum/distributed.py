@@ -1,0 +1,501 @@
+r"""Chapter 5: ``no_sync()`` — one all-reduce per optimizer step, on real ``torch.distributed`` process groups.
+
+DistributedDataParallel (DDP) registers hooks that fire as gradients become ready during ``backward()``; they
+average gradient *buckets* across the p ranks with an all-reduce. Naive accumulation therefore all-reduces after
+every micro-batch: K collectives per optimizer step. Since the all-reduce is linear,
+
+.. math:: \frac1p\sum_r \sum_k g_{r,k} \;=\; \sum_k \frac1p\sum_r g_{r,k},
+
+one all-reduce of the accumulated gradients gives the same result: ``with model.no_sync():`` around the forward
+*and* backward of the first K−1 micro-batches skips their all-reduces.
+
+Processes are started with ``torch.multiprocessing`` (spawn) on the loopback interface with a free port, the gloo
+backend on CPU (NCCL when every rank has a GPU), a process-group timeout, and a deadline after which every worker
+is killed: a crashed or hung worker surfaces as :class:`WorkerFailed` and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .accumulate import check_k, flat_grad, split_batch
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised, exited, or did not finish before the deadline."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, world_size: int, port: int, task: str, kwargs: dict[str, Any], out_dir: str) -> None:
+    """What every spawned worker runs: join the process group, run the task, save its result, leave."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    backend = "nccl" if kwargs.get("backend") == "nccl" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=kwargs.get("pg_timeout", 30)))
+    try:
+        result = TASKS[task](rank, world_size, **{k: v for k, v in kwargs.items() if k not in ("backend", "pg_timeout")})
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(task: str, world_size: int = 2, timeout: float = 60.0, **kwargs: Any) -> list[Any]:
+    """Run ``task`` on ``world_size`` local processes and return each rank's result.
+
+    Raises :class:`WorkerFailed` (with the worker's error) if a worker raises or dies, or if the processes are
+    not done within ``timeout`` seconds; in every case all workers are stopped before this returns.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive, got {timeout}.")
+    if task in DATA_TASKS and "data" not in kwargs:
+        from .data import load_digits_split
+
+        d = load_digits_split()
+        kwargs["data"] = (d.x_train, d.y_train)
+    import logging
+
+    import torch.multiprocessing as mp
+
+    # torch logs a warning (with a timestamp and a PID) for every worker it terminates after a failure; the
+    # failure itself is reported by WorkerFailed.
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)
+    try:
+        return _launch(mp, task, world_size, timeout, kwargs)
+    finally:
+        spawn_log.setLevel(level)
+
+
+def _launch(mp: Any, task: str, world_size: int, timeout: float, kwargs: dict[str, Any]) -> list[Any]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_entry, args=(world_size, free_port(), task, kwargs, out_dir), nprocs=world_size,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=0.2):
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"task {task!r} did not finish within {timeout:g} s; all workers were killed.")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            for p in ctx.processes:  # let the other failures land in their error files
+                p.join(2)
+            causes = _worker_errors(ctx.error_files) or [str(err).strip().splitlines()[-1]]
+            raise WorkerFailed(f"a worker of task {task!r} failed:\n" + "\n".join(causes)) from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+_COMM_ERROR = ("gloo", "NCCL", "Connection reset", "Connection closed", "Broken pipe", "timed out", "Timed out")
+
+
+def _worker_errors(error_files: list[str]) -> list[str]:
+    """The last line of each worker's traceback, root causes first: errors that only report a lost peer (the
+    consequence of another rank's failure) come last."""
+    import pickle
+
+    found = []
+    for rank, path in enumerate(error_files):
+        if path and os.path.exists(path) and os.path.getsize(path) > 0:
+            with open(path, "rb") as fh:
+                last = pickle.load(fh).strip().splitlines()[-1]
+            found.append((any(mark in last for mark in _COMM_ERROR), f"rank {rank}: {last}"))
+    return [text for _, text in sorted(found, key=lambda item: item[0])]
+
+
+# ----------------------------------------------------------------------------- the accumulation loops
+
+
+def ddp_accumulate(model: DDP, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, no_sync: bool) -> None:
+    """One optimizer step's backward passes on this rank: K micro-batches, loss / K each. With ``no_sync`` the
+    forward and backward of the first K−1 run inside ``model.no_sync()``, so only the last one all-reduces."""
+    micro = split_batch(x, y, k)
+    for i, (xb, yb) in enumerate(micro):
+        if no_sync and i < k - 1:
+            with model.no_sync():
+                (loss_fn(model(xb), yb) / k).backward()
+        else:
+            (loss_fn(model(xb), yb) / k).backward()
+
+
+@dataclass
+class CommCounter:
+    """State of :func:`counting_hook`: all-reduce calls and bytes sent into them."""
+
+    calls: int = 0
+    bytes: int = 0
+
+
+def counting_hook(state: CommCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook that counts, then does what DDP does by default (average by all-reduce)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    state.calls += 1
+    state.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+
+# DDP checks a hook's annotations as objects; `from __future__ import annotations` made them strings.
+counting_hook.__annotations__ = {"state": CommCounter, "bucket": dist.GradBucket,
+                                 "return": torch.futures.Future[torch.Tensor]}
+
+
+def _shard(rank: int, world_size: int, per_rank: int, dtype: torch.dtype,
+           data: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's consecutive share of the digits' training images (``data`` as passed by :func:`launch`, so
+    that workers need not load scikit-learn; loaded here when absent, e.g. under torchrun)."""
+    if data is None:
+        from .data import load_digits_split
+
+        d = load_digits_split()
+        data = (d.x_train, d.y_train)
+    x, y = data
+    if (rank + 1) * per_rank > x.shape[0]:
+        raise ValueError(f"{world_size} ranks × {per_rank} images exceed the {x.shape[0]} training images.")
+    sl = slice(rank * per_rank, (rank + 1) * per_rank)
+    return x[sl].to(dtype), y[sl]
+
+
+def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None) -> dict[str, Any]:
+    """Gradients after one accumulated step with and without no_sync, and the all-reduce counts of each."""
+    from .models import make_cnn
+
+    x, y = _shard(rank, world_size, k * b, torch.float64, data)
+    out: dict[str, Any] = {}
+    for mode in ("sync every micro-batch", "no_sync"):
+        counter = CommCounter()
+        model = DDP(make_cnn("group", seed=0))
+        model.register_comm_hook(counter, counting_hook)
+        ddp_accumulate(model, nn.CrossEntropyLoss(), x, y, k, no_sync=mode == "no_sync")
+        out[mode] = {"grad": flat_grad(model.module).detach(), "calls": counter.calls, "bytes": counter.bytes}
+    out["params"] = sum(p.numel() for p in model.module.parameters())
+    return out
+
+
+def mlp(width: int, seed: int = 0) -> nn.Module:
+    """A 3-layer MLP on the 64 pixels of a digit with hidden ``width`` (about width² + 74·width parameters)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                             nn.Linear(width, 10))
+
+
+def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b: int, steps: int,
+                 sizes: list[int], data: Any = None) -> dict[str, Any]:
+    """Median step time with and without no_sync for each (width, K), and an all-reduce microbenchmark.
+
+    Every configuration is warmed up, and the two modes alternate step by step so that drifts in machine load
+    affect both alike.
+    """
+    x, y = _shard(rank, world_size, max(ks) * b, torch.float32, data)
+    loss_fn = nn.CrossEntropyLoss()
+    result: dict[str, Any] = {"allreduce": {}, "copy": {}, "steps": {}, "params": {}}
+    for n in sizes:  # all-reduce, and a plain copy, of n float32 values
+        t, src = torch.ones(n), torch.ones(n)
+        times, copies = [], []
+        for i in range(2 * steps + 3):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            middle = time.perf_counter()
+            t.copy_(src)
+            if i >= 3:
+                times.append(middle - start)
+                copies.append(time.perf_counter() - middle)
+        result["allreduce"][4 * n] = statistics.median(times)
+        result["copy"][4 * n] = statistics.median(copies)
+    for width in widths:
+        model = DDP(mlp(width))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        result["params"][width] = sum(p.numel() for p in model.module.parameters())
+        for k in ks:
+            xk, yk = x[: k * b], y[: k * b]
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for i in range(steps + 2):
+                for no_sync in (False, True):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    opt.zero_grad(set_to_none=True)
+                    ddp_accumulate(model, loss_fn, xk, yk, k, no_sync)
+                    opt.step()
+                    if i >= 2:
+                        times[no_sync].append(time.perf_counter() - start)
+            for no_sync, ts in times.items():
+                result["steps"][width, k, no_sync] = statistics.median(ts)
+    return result
+
+
+def _task_crash(rank: int, world_size: int, crash_rank: int, how: str) -> None:
+    """Rank ``crash_rank`` fails (raises, or exits abruptly); the others wait in a collective."""
+    if rank == crash_rank:
+        if how == "exit":
+            os._exit(3)
+        if how == "hang":
+            time.sleep(3600)
+        raise RuntimeError(f"rank {rank} failed on purpose")
+    dist.all_reduce(torch.ones(1))
+
+
+def train_ddp(k: int, b: int, steps: int, no_sync: bool, device: torch.device | None = None,
+              data: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """A few optimizer steps of the digits CNN under DDP, on an initialized process group (launched by
+    :func:`launch` or by ``torchrun``). Each rank trains on its own shard; returns the final parameters."""
+    from .models import make_cnn
+
+    device = device or torch.device("cpu")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    x, y = _shard(rank, world_size, k * b * steps, torch.float64, data)
+    x, y = x.to(device), y.to(device)
+    model = DDP(make_cnn("group", seed=0, device=device), device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        sl = slice(s * k * b, (s + 1) * k * b)
+        ddp_accumulate(model, nn.CrossEntropyLoss(), x[sl], y[sl], k, no_sync)
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in model.module.parameters()]).cpu()
+
+
+def _task_train(rank: int, world_size: int, k: int, b: int, steps: int, data: Any = None) -> dict[str, Any]:
+    """Train with and without no_sync from the same start; returns both final parameter vectors."""
+    return {"sync": train_ddp(k, b, steps, no_sync=False, data=data),
+            "no_sync": train_ddp(k, b, steps, no_sync=True, data=data)}
+
+
+#: Tasks that train on the digits: launch() hands them the training images.
+DATA_TASKS = ("equality", "timing", "train")
+
+TASKS: dict[str, Callable[..., Any]] = {"equality": _task_equality, "timing": _task_timing, "crash": _task_crash,
+                                        "train": _task_train}
+
+
+# ------------------------------------------------------------------------------------- cost model
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """Per-direction bandwidth (bytes/s) and per-message latency (s) of one link, for the α–β model."""
+
+    name: str
+    bandwidth: float
+    latency: float
+    source: str
+
+
+#: Nominal per-direction link rates from the standards and datasheets cited in the chapter; the latencies are
+#: order-of-magnitude assumptions, not measurements.
+PRESETS: dict[str, Interconnect] = {
+    "NVLink 4 (H100)": Interconnect("NVLink 4 (H100)", 450e9, 5e-6, "nvidia_h100"),
+    "PCIe 4.0 x16": Interconnect("PCIe 4.0 x16", 31.5e9, 10e-6, "pcie4"),
+    "InfiniBand NDR 400 Gb/s": Interconnect("InfiniBand NDR 400 Gb/s", 50e9, 5e-6, "infiniband_ndr"),
+    "Ethernet 100 Gb/s": Interconnect("Ethernet 100 Gb/s", 12.5e9, 20e-6, "ethernet100g"),
+    "Ethernet 10 Gb/s": Interconnect("Ethernet 10 Gb/s", 1.25e9, 50e-6, "ethernet100g"),
+}
+
+
+def ring_allreduce_time(n_bytes: float, p: int, link: Interconnect) -> float:
+    r"""Ring all-reduce of ``n_bytes`` over p ranks: :math:`2(p-1)\alpha + \frac{2(p-1)}{p}\frac{n}{\beta}`.
+
+    Each rank sends and receives :math:`\frac{2(p-1)}{p}n` bytes (a reduce-scatter then an all-gather, p − 1
+    rounds each, a 1/p chunk per round).
+    """
+    if p < 1 or n_bytes < 0:
+        raise ValueError(f"need p >= 1 and n_bytes >= 0, got p={p}, n_bytes={n_bytes}.")
+    if p == 1:
+        return 0.0
+    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * n_bytes / link.bandwidth
+
+
+def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float], p: int) -> Interconnect:
+    """Least-squares fit of the ring model's latency and bandwidth to measured all-reduce times."""
+    import numpy as np
+
+    if len(sizes_bytes) < 2 or p < 2:
+        raise ValueError("need at least two message sizes and p >= 2 to fit latency and bandwidth.")
+    a = np.column_stack([np.full(len(sizes_bytes), 2.0 * (p - 1)), 2.0 * (p - 1) / p * np.array(sizes_bytes, float)])
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.array(seconds), rcond=None)
+    return Interconnect("measured", 1.0 / inv_beta, max(float(alpha), 0.0), "fit")
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted time per optimizer step with and without no_sync (no overlap of communication and compute)."""
+
+    compute: float
+    allreduce: float
+    with_sync: float
+    with_no_sync: float
+
+    @property
+    def saving(self) -> float:
+        return self.with_sync - self.with_no_sync
+
+
+def predict_step(params: int, k: int, p: int, link: Interconnect, micro_compute: float,
+                 bytes_per_param: int = 4, buckets: int = 1, copy_bandwidth: float | None = None) -> StepPrediction:
+    """α–β prediction of one optimizer step: K micro-batches of ``micro_compute`` seconds each, plus K (naive)
+    or 1 (no_sync) synchronizations of all gradients, split into ``buckets`` messages.
+
+    A synchronization is the ring all-reduce plus, if ``copy_bandwidth`` (bytes/s) is given, DDP's three extra
+    passes over the gradients (copy into the bucket, divide by p, copy back). Communication is assumed not to
+    overlap with compute, so this is an upper bound on the saving when it does.
+    """
+    check_k(k)
+    if params < 1 or micro_compute < 0 or buckets < 1:
+        raise ValueError("params and buckets must be positive and micro_compute non-negative.")
+    n_bytes = params * bytes_per_param
+    one = buckets * ring_allreduce_time(n_bytes / buckets, p, link)
+    if copy_bandwidth is not None and p > 1:
+        one += 3 * n_bytes / copy_bandwidth
+    compute = k * micro_compute
+    return StepPrediction(compute, one, compute + k * one, compute + one)
+
+
+def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, micro_compute: float) -> "Any":
+    """Fraction of step time saved by no_sync over K (rows) × number of GPUs p (columns)."""
+    import numpy as np
+
+    return np.array([[predict_step(params, k, p, link, micro_compute).saving / predict_step(params, k, p, link, micro_compute).with_sync
+                      for p in ps] for k in ks])
+
+
+def format_seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} µs"
+
+
+def bytes_human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} GB"  # pragma: no cover
+
+
+def log2_or_zero(x: float) -> float:
+    return math.log2(x) if x > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+
+
+@dataclass(frozen=True)
+class TimingFit:
+    """The α–β fit of the all-reduce microbenchmark, the copy bandwidth, and predicted vs measured savings."""
+
+    link: Interconnect
+    copy_bandwidth: float
+    rows: list[tuple[int, int, int, float, float, float, float]]  # width, params, K, sync, no_sync, measured, predicted
+
+
+def analyse_timing(result: dict[str, Any], p: int) -> TimingFit:
+    """Fit the cost model to the microbenchmarks of :func:`_task_timing` and predict each saving from it."""
+    import numpy as np
+
+    sizes = sorted(result["allreduce"])
+    link = fit_alpha_beta(sizes, [result["allreduce"][s] for s in sizes], p)
+    slope = float(np.polyfit(sizes, [result["copy"][s] for s in sizes], 1)[0])
+    copy_bw = 1.0 / slope if slope > 0 else float("inf")
+    rows = []
+    for (width, k, no_sync), _ in sorted(result["steps"].items()):
+        if no_sync:
+            continue
+        params = result["params"][width]
+        sync, nosync = result["steps"][width, k, False], result["steps"][width, k, True]
+        pred = predict_step(params, k, p, link, 0.0, copy_bandwidth=copy_bw).saving
+        rows.append((width, params, k, sync, nosync, sync - nosync, pred))
+    return TimingFit(link, copy_bw, rows)
+
+
+def format_timing(fit: TimingFit) -> str:
+    lines = [f"gloo on loopback: latency α ≈ {format_seconds(fit.link.latency)}, bandwidth β ≈ "
+             f"{fit.link.bandwidth / 1e9:.2f} GB/s; copy ≈ {fit.copy_bandwidth / 1e9:.1f} GB/s",
+             f"{'params':>9} {'K':>3} {'sync':>10} {'no_sync':>10} {'saved':>10} {'predicted':>10} {'ratio':>6}"]
+    for _, params, k, sync, nosync, meas, pred in fit.rows:
+        ratio = f"{pred / meas:6.2f}" if k > 1 and meas > 0 else f"{'':>6}"
+        lines.append(f"{params:>9,} {k:>3} {format_seconds(sync):>10} {format_seconds(nosync):>10}"
+                     f" {format_seconds(meas) if k > 1 else '—':>10} {format_seconds(pred) if k > 1 else '—':>10} {ratio}")
+    return "\n".join(lines)
+
+
+def plot_timing(fit: TimingFit):
+    """Measured against predicted saving per optimizer step, for every model size and K > 1."""
+    import numpy as np
+
+    from .plotting import PALETTE, decorate, figure
+
+    fig, (ax,) = figure(1, 6.0, 4.2)
+    rows = [r for r in fit.rows if r[2] > 1]
+    colors = [PALETTE["sky"], PALETTE["vermillion"], PALETTE["blue"], PALETTE["green"]]
+    for color, params in zip(colors, sorted({r[1] for r in rows})):
+        sel = [r for r in rows if r[1] == params]
+        ax.plot([1e3 * r[6] for r in sel], [1e3 * r[5] for r in sel], "o", color=color, label=f"{params:,} params")
+        for r in sel:
+            ax.annotate(f"K={r[2]}", (1e3 * r[6], 1e3 * r[5]), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    top = 1.2e3 * max(max(r[5], r[6]) for r in rows)
+    line = np.array([0.1, top])
+    ax.plot(line, line, color="black", linewidth=1, label="measured = predicted")
+    ax.fill_between(line, 0.75 * line, 1.25 * line, color="grey", alpha=0.2, label="±25%")
+    decorate(ax, "predicted saving per step (ms)", "measured saving per step (ms)",
+             "no_sync on gloo, 2 processes", xscale="log", yscale="log")
+    ax.legend(frameon=False, fontsize=8)
+    return fig
+
+
+def plot_prediction(params_millions: float, k: int, p: int, preset: str, micro_compute_ms: float):
+    """The widget's picture: predicted step time with and without no_sync, split into compute and communication."""
+    from .plotting import PALETTE, decorate, figure
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown interconnect {preset!r}; choose one of {list(PRESETS)}.")
+    if params_millions <= 0:
+        raise ValueError("the model needs a positive number of parameters.")
+    pred = predict_step(int(params_millions * 1e6), k, p, PRESETS[preset], micro_compute_ms / 1e3, bytes_per_param=4)
+    fig, (ax,) = figure(1, 7.2, 2.8)
+    names = ["all-reduce every micro-batch", "no_sync (one all-reduce)"]
+    comm = [pred.with_sync - pred.compute, pred.with_no_sync - pred.compute]
+    ax.barh(names, [1e3 * pred.compute] * 2, color=PALETTE["sky"], label="compute")
+    ax.barh(names, [1e3 * c for c in comm], left=[1e3 * pred.compute] * 2, color=PALETTE["vermillion"],
+            label="communication")
+    decorate(ax, "predicted time per optimizer step (ms)", "",
+             f"{params_millions:g}M fp32 gradients, {p} GPUs, {preset}: saves {pred.saving / pred.with_sync:.0%}")
+    return fig
+
+
+def plot_savings_grid(params: int, ks: list[int], ps: list[int], micro_compute: float, presets: list[str]):
+    """Predicted fraction of step time saved by no_sync over K × p, one panel per interconnect."""
+    from .plotting import figure, heatmap
+
+    fig, axes = figure(len(presets), 4.8 * len(presets), 3.6)
+    for ax, name in zip(axes, presets):
+        image = heatmap(ax, savings_grid(params, ks, ps, PRESETS[name], micro_compute), ks, ps, fmt="{:.0%}",
+                        vmin=0.0, vmax=1.0, xlabel="GPUs p", ylabel="K", title=name)
+    fig.colorbar(image, ax=axes, label="share of step time saved", shrink=0.9)
+    return fig

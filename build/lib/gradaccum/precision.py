@@ -1,0 +1,338 @@
+r"""Chapter 4: loss scaling meets accumulation (fp16, bf16, ``torch.amp.GradScaler``).
+
+With a loss scale :math:`S` and K micro-batches, the loss whose backward pass runs for micro-batch k is
+
+.. math:: L_k^{\text{scaled}} = \frac{S}{K}\,L(\theta; B_k),
+
+so every gradient computed inside the backward pass carries the factor :math:`S/K`: the *effective* scale per
+micro-batch. ``.grad`` (fp32 under autocast) accumulates :math:`S\,g`, and ``unscale_`` divides by :math:`S`
+once, at the boundary. For that to be right, :math:`S` must not change inside the window, the inf/NaN check
+must see the accumulated gradient, and a skip must skip the whole effective step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from .accumulate import LossFn, check_k, flat_grad, split_batch
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------- formats
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """Range and precision of a floating-point format, from ``torch.finfo``."""
+
+    name: str
+    max: float
+    smallest_normal: float
+    smallest_subnormal: float
+    eps: float
+    mantissa_bits: int
+
+
+def format_info(dtype: torch.dtype) -> FormatInfo:
+    """Max, smallest normal, smallest subnormal (= smallest normal · eps) and eps of ``dtype``.
+
+    The smallest subnormal is checked: it survives a cast to ``dtype``, half of it does not.
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"{dtype} is not a floating-point type.")
+    fi = torch.finfo(dtype)
+    sub = fi.smallest_normal * fi.eps
+    if float(torch.tensor(sub, dtype=dtype)) != sub or float(torch.tensor(sub / 2, dtype=dtype)) != 0.0:
+        raise RuntimeError(f"unexpected subnormal behaviour for {dtype}")  # pragma: no cover
+    return FormatInfo(str(dtype).replace("torch.", ""), fi.max, fi.smallest_normal, sub, fi.eps,
+                      int(round(-math.log2(fi.eps))))
+
+
+@dataclass(frozen=True)
+class CastReport:
+    """Fractions of the nonzero values that a cast to a low-precision format would lose.
+
+    ``underflow``: become 0; ``subnormal``: land below the smallest normal (fewer significant bits);
+    ``overflow``: become ±inf.
+    """
+
+    underflow: float
+    subnormal: float
+    overflow: float
+
+
+def check_scale(scale: float) -> float:
+    """A loss scale must be a positive finite number."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"the loss scale must be a positive finite number (e.g. 2**16), got {scale!r}.")
+    return float(scale)
+
+
+def cast_report(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> CastReport:
+    """What casting ``values · scale`` (computed in fp32/fp64) to ``dtype`` would do to the nonzero values."""
+    check_scale(scale)
+    if dtype not in LOW_PRECISION:
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
+    v = values[values != 0].double() * scale
+    if v.numel() == 0:
+        raise ValueError("no nonzero values to report on.")
+    low = v.to(dtype)
+    tiny = torch.finfo(dtype).smallest_normal
+    return CastReport(float((low == 0).double().mean()),
+                      float(((low.abs() < tiny) & (low != 0)).double().mean()),
+                      float(torch.isinf(low).double().mean()))
+
+
+def activation_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """Gradients of the loss / K with respect to every leaf module's output (what a backward pass holds in
+    low precision under autocast), computed in the model's own precision; on a copy of ``model``."""
+    check_k(k)
+    work = copy.deepcopy(model)
+    outputs: list[torch.Tensor] = []
+
+    def keep(module: nn.Module, inputs: object, out: torch.Tensor) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.retain_grad()
+            outputs.append(out)
+
+    hooks = [m.register_forward_hook(keep) for m in work.modules() if not list(m.children())]
+    try:
+        (loss_fn(work(x), y) / k).backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([o.grad.detach().flatten() for o in outputs if o.grad is not None])
+
+
+def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int],
+              dtype: torch.dtype = torch.float16) -> dict[str, np.ndarray]:
+    """Fractions lost (underflow + subnormal) and overflowed over S = 2^s (rows) × K (columns), for gradients
+    computed with K = 1 (with K micro-batches of the same size, every gradient is divided by K)."""
+    lost = np.zeros((len(log2_scales), len(ks)))
+    over = np.zeros_like(lost)
+    for i, s in enumerate(log2_scales):
+        for j, k in enumerate(ks):
+            r = cast_report(values / check_k(k), dtype, 2.0**s)
+            lost[i, j], over[i, j] = r.underflow + r.subnormal, r.overflow
+    return {"lost": lost, "overflow": over}
+
+
+# ---------------------------------------------------------------------------------- the amp recipe
+
+
+def check_amp(device_type: str, dtype: torch.dtype) -> None:
+    """Autocast must exist on the device and accept the dtype; otherwise say what to use instead."""
+    if dtype not in LOW_PRECISION:
+        raise ValueError(f"autocast dtype must be torch.float16 or torch.bfloat16, got {dtype}; for full precision "
+                         "run without autocast.")
+    try:
+        available = torch.amp.is_autocast_available(device_type)
+    except RuntimeError:  # not a device type torch knows
+        available = False
+    if not available:
+        raise ValueError(f"autocast is not available on device type {device_type!r}; use 'cpu' or 'cuda'.")
+    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError("this GPU does not support bfloat16; use torch.float16 with a GradScaler.")
+
+
+Pattern = Literal["correct", "unscale_per_micro", "scale_changes_in_window", "step_per_micro", "no_scaler"]
+PATTERNS: tuple[str, ...] = ("correct", "unscale_per_micro", "scale_changes_in_window", "step_per_micro", "no_scaler")
+
+
+@dataclass
+class WindowResult:
+    """One accumulation window run with an amp pattern.
+
+    ``update``: the total parameter change divided by −lr (plain SGD, so this is the sum of the gradients the
+    optimizer applied); ``steps``: optimizer steps actually taken; ``scales``: the loss scale used for each
+    micro-batch's backward pass; ``final_scale``: after the window; ``error``: the message of an exception the
+    pattern raised, if any.
+    """
+
+    update: torch.Tensor
+    steps: int
+    scales: list[float] = field(default_factory=list)
+    final_scale: float = float("nan")
+    error: str | None = None
+
+
+def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
+               pattern: Pattern = "correct", dtype: torch.dtype = torch.float16, init_scale: float = 2.0**16,
+               overflow_micro: int | None = None, lr: float = 0.1) -> WindowResult:
+    """Run one accumulation window of the torch.amp recipe, or of one of its common mistakes, on a copy.
+
+    * ``correct``: per micro-batch ``scaler.scale(loss / K).backward()`` under autocast; at the boundary
+      ``unscale_`` → ``step`` → ``update``.
+    * ``unscale_per_micro``: ``unscale_`` after every backward (raises on the second call).
+    * ``scale_changes_in_window``: the scale is doubled after every micro-batch (``update(new_scale=...)``,
+      what growth would do), so micro-gradients are summed at different scales.
+    * ``step_per_micro``: ``step`` and ``update`` after every micro-batch: K small steps, not one.
+    * ``no_scaler``: autocast only, loss / K (right for bf16; for fp16 small gradients underflow).
+
+    ``overflow_micro`` makes that micro-batch overflow in fp16 (its inputs are multiplied by 10⁶).
+    """
+    check_k(k)
+    check_scale(init_scale)
+    if pattern not in PATTERNS:
+        raise ValueError(f"unknown pattern {pattern!r}; choose one of {PATTERNS}.")
+    work = copy.deepcopy(model).train()
+    device_type = next(work.parameters()).device.type
+    check_amp(device_type, dtype)
+    start = [p.detach().clone() for p in work.parameters()]
+    opt = torch.optim.SGD(work.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=pattern != "no_scaler")
+    result = WindowResult(update=torch.empty(0), steps=0)
+    steps_before = 0
+    opt.zero_grad(set_to_none=True)
+    try:
+        for i, (xb, yb) in enumerate(split_batch(x, y, k)):
+            if i == overflow_micro:
+                xb = xb * 1e6
+            with torch.autocast(device_type, dtype=dtype):
+                loss = loss_fn(work(xb), yb) / k
+            result.scales.append(float(scaler.get_scale()) if scaler.is_enabled() else 1.0)
+            scaler.scale(loss).backward()
+            if pattern == "unscale_per_micro":
+                scaler.unscale_(opt)
+            elif pattern == "scale_changes_in_window":
+                scaler.update(new_scale=2.0 * float(scaler.get_scale()))
+            elif pattern == "step_per_micro":
+                steps_before = _step(scaler, opt, work, start, lr, steps_before)
+                opt.zero_grad(set_to_none=True)
+        if pattern != "step_per_micro":
+            steps_before = _step(scaler, opt, work, start, lr, steps_before)
+    except (RuntimeError, AssertionError) as err:
+        result.error = f"{type(err).__name__}: {err}"
+    result.steps = steps_before
+    result.final_scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
+    result.update = torch.cat([(s - p.detach()).flatten() for s, p in zip(start, work.parameters())]) / lr
+    return result
+
+
+def _step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, model: nn.Module, start: list[torch.Tensor],
+          lr: float, steps: int) -> int:
+    """scaler.step + update; returns the number of steps taken so far (a skipped step leaves params alone)."""
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    return steps + int(moved)
+
+
+def reference_update(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The full-precision full-batch gradient (what one correct window should apply), as a flat vector."""
+    work = copy.deepcopy(model).train()
+    work.zero_grad(set_to_none=True)
+    loss_fn(work(x), y).backward()
+    return flat_grad(work).detach()
+
+
+# ------------------------------------------------------------------------- bf16 gradient accumulators
+
+
+def accumulate_in(micro_grads: Sequence[torch.Tensor], accumulator: torch.dtype,
+                  produced_in: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Sum K micro-gradients (each divided by K and rounded to ``produced_in``, as a low-precision backward
+    pass would hand them over) in an accumulator of type ``accumulator``, one addition at a time."""
+    k = check_k(len(micro_grads))
+    acc = torch.zeros_like(micro_grads[0], dtype=accumulator)
+    for g in micro_grads:
+        acc = acc + (g / k).to(produced_in).to(accumulator)
+    return acc
+
+
+def accumulation_error(micro_grads: Sequence[torch.Tensor], accumulator: torch.dtype,
+                       produced_in: torch.dtype = torch.bfloat16) -> float:
+    """Relative error of :func:`accumulate_in` against the exact (fp64) sum of the same rounded inputs: the
+    error added by the accumulator alone."""
+    k = check_k(len(micro_grads))
+    exact = sum((g / k).to(produced_in).double() for g in micro_grads)
+    got = accumulate_in(micro_grads, accumulator, produced_in).double()
+    return float(torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------- figures
+
+
+def plot_formats(values_by_k: dict[int, torch.Tensor]):
+    """Left: the normal and subnormal ranges of fp16, bf16 and fp32 on a log2 axis. Right: histograms of
+    log2|activation gradient| for several K (micro-batch size fixed) against fp16's range."""
+    from .plotting import PALETTE, decorate, figure
+
+    fig, (ax1, ax2) = figure(2, 11.0, 3.6)
+    for i, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32)):
+        f = format_info(dtype)
+        lo, mid, hi = math.log2(f.smallest_subnormal), math.log2(f.smallest_normal), math.log2(f.max)
+        ax1.barh(i, mid - lo, left=lo, color=PALETTE["orange"], label="subnormal" if i == 0 else None)
+        ax1.barh(i, hi - mid, left=mid, color=PALETTE["blue"], label="normal" if i == 0 else None)
+    ax1.set_yticks(range(3), ["float16", "bfloat16", "float32"])
+    decorate(ax1, "log2 |x|", "", "Representable magnitudes")
+    colors = [PALETTE["sky"], PALETTE["vermillion"], PALETTE["purple"], PALETTE["green"]]
+    f16 = format_info(torch.float16)
+    bins = np.arange(-34, 8, 0.5)
+    for color, (k, v) in zip(colors, values_by_k.items()):
+        logs = v[v != 0].abs().double().log2().cpu().numpy()
+        ax2.hist(logs, bins=bins, histtype="step", color=color, linewidth=1.5, density=True, label=f"K = {k}")
+    ax2.axvspan(bins[0], math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="fp16: zero")
+    ax2.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
+                alpha=0.2, label="fp16: subnormal")
+    decorate(ax2, "log2 |activation gradient| (loss / K, no scale)", "density", "Real gradients vs fp16")
+    ax2.legend(frameon=False, fontsize=7)
+    return fig
+
+
+def plot_loss_grid(grid: dict[str, np.ndarray], log2_scales: Sequence[int], ks: Sequence[int]):
+    """Heat maps of the fraction lost (underflow + subnormal) and overflowed over S and K."""
+    from .plotting import figure, heatmap
+
+    fig, axes = figure(2, 9.6, 3.8)
+    for ax, (key, title) in zip(axes, (("lost", "lost to underflow or subnormals"), ("overflow", "overflowed"))):
+        image = heatmap(ax, grid[key], [f"2^{s}" for s in log2_scales], ks, fmt="{:.3f}", vmin=0.0, vmax=1.0,
+                        xlabel="K (micro-batch size fixed)", ylabel="loss scale S", title=f"fp16: fraction {title}")
+    fig.colorbar(image, ax=axes, shrink=0.9)
+    return fig
+
+
+def plot_cast(values: torch.Tensor, log2_scale: float, k: int, shift: float = 0.0):
+    """The widget's picture: log2 of the gradients the backward pass holds, S/K · 2^shift · g, against fp16."""
+    from .plotting import PALETTE, decorate, figure
+
+    check_k(k)
+    if not -40 <= log2_scale <= 40:
+        raise ValueError(f"log2 of the loss scale must lie in [-40, 40], got {log2_scale}.")
+    scale = 2.0**log2_scale / k
+    shifted = values * 2.0**shift
+    report = cast_report(shifted, torch.float16, scale)
+    f16 = format_info(torch.float16)
+    logs = (shifted[shifted != 0].abs().double() * scale).log2().cpu().numpy()
+    fig, (ax,) = figure(1, 7.2, 3.4)
+    ax.hist(logs, bins=np.arange(-45, 40, 0.5), color=PALETTE["blue"], density=True)
+    ax.axvspan(-45, math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="→ 0")
+    ax.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
+               alpha=0.3, label="subnormal")
+    ax.axvspan(math.log2(f16.max), 40, color=PALETTE["vermillion"], alpha=0.3, label="→ inf")
+    decorate(ax, "log2 |S/K · g| in the backward pass", "density",
+             f"S/K = 2^{log2_scale:g}/{k}: underflow {report.underflow:.1%}, subnormal {report.subnormal:.1%}, "
+             f"overflow {report.overflow:.1%}")
+    ax.legend(frameon=False, fontsize=8)
+    return fig
+
+
+def plot_accumulation_error(ks: Sequence[int], errors: dict[str, Sequence[float]]):
+    from .plotting import PALETTE, decorate, figure
+
+    fig, (ax,) = figure()
+    for (name, errs), color, marker in zip(errors.items(), (PALETTE["vermillion"], PALETTE["blue"]), ("o", "s")):
+        ax.plot(ks, [max(e, 1e-16) for e in errs], marker=marker, color=color, label=f"{name} accumulator")
+    decorate(ax, "micro-batches K", "relative error of the sum", "Summing bf16 micro-gradients",
+             xscale="log", yscale="log", xticks=ks)
+    return fig
