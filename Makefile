@@ -25,7 +25,7 @@ $(STAMP): requirements.txt pyproject.toml | $(PY)
 install: $(STAMP)
 
 book: $(STAMP)
-	$(VENV)/bin/jupyter-book build . -n -W --keep-going
+	$(VENV)/bin/jupyter-book build . --all -n -W --keep-going
 	@echo "The site is in $(CURDIR)/_build/html (open _build/html/index.html)"
 
 # Unit tests, strict nbval (outputs compared cell by cell; never --nbval-lax) and the site check, in one run.
@@ -51,7 +51,7 @@ budgets: $(STAMP)
 # The student edition: solutions removed, exercise outputs cleared; notebooks and a site without solutions.
 student: $(STAMP)
 	$(PY) -m gradaccum.course student --out _build/student/book
-	$(VENV)/bin/jupyter-book build _build/student/book --path-output _build/student -n -W --keep-going
+	$(VENV)/bin/jupyter-book build _build/student/book --path-output _build/student --all -n -W --keep-going
 	@echo "Student notebooks: $(CURDIR)/_build/student/book/chapters; student site: $(CURDIR)/_build/student/_build/html"
 
 # nbgrader source notebooks (one assignment per chapter) under _build/nbgrader/source.
