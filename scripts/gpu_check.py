@@ -48,7 +48,10 @@ def to_script(path: Path) -> str:
             src = "if HAVE_WIDGETS:\n" + "\n".join("    " + line for line in src.splitlines())
         parts.append(src)
     parts.append(EPILOGUE)
-    return "\n\n".join(parts)
+    # Under a __main__ guard: chapter 5 spawns workers, which re-import the main module (an `if` block keeps
+    # the cells' variables global).
+    body = "\n\n".join(parts)
+    return "if __name__ == '__main__':\n" + "\n".join("    " + line if line else "" for line in body.splitlines()) + "\n"
 
 
 def run(path: Path, timeout: int = 600) -> tuple[bool, float, str]:
