@@ -28,7 +28,7 @@ book: $(STAMP)
 	$(VENV)/bin/jupyter-book build . --all -n -W --keep-going
 	@echo "The site is in $(CURDIR)/_build/html (open _build/html/index.html)"
 
-# Unit tests, strict nbval (outputs compared cell by cell; never --nbval-lax) and the site check, in one run.
+# Unit tests, strict nbval (every output compared cell by cell; the lax mode is never used) and the site check.
 test: $(STAMP)
 	$(PY) -m pytest tests chapters --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
