@@ -230,10 +230,9 @@ def _step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, model: nn.Mo
 
 def reference_update(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The full-precision full-batch gradient (what one correct window should apply), as a flat vector."""
-    work = copy.deepcopy(model).train()
-    work.zero_grad(set_to_none=True)
-    loss_fn(work(x), y).backward()
-    return flat_grad(work).detach()
+    from .accumulate import full_batch_gradient
+
+    return full_batch_gradient(model, loss_fn, x, y)
 
 
 # ------------------------------------------------------------------------- bf16 gradient accumulators
