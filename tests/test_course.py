@@ -88,6 +88,12 @@ def test_student_site_has_no_solutions(edition, tmp_path):
     assert "student edition" in (html / "intro.html").read_text()
 
 
+def test_student_edition_runs_on_binder_on_its_own(edition):
+    requirements = (edition / "binder" / "requirements.txt").read_text()
+    assert "torch==2.13.0" in requirements and "gradaccum @ git+https://" in requirements
+    assert (edition / "binder" / "runtime.txt").read_text().startswith("python-3")
+
+
 def test_nbgrader_conversion_grades_with_the_checkers():
     nb = course.nbgrader_notebook(load("01_microbatch_statistics"))
     answers = [c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("solution")]

@@ -92,12 +92,27 @@ def write_student_edition(root: Path, out: Path) -> list[Path]:
         elif name == "_toc.yml":
             text = _student_toc(text)
         (out / name).write_text(text)
+    _write_binder(root, out)
     written = []
     for path in sorted((root / "chapters").glob("*.ipynb")):
         target = out / "chapters" / path.name
         target.write_text(json.dumps(student_notebook(json.loads(path.read_text())), indent=1, ensure_ascii=False) + "\n")
         written.append(target)
     return written
+
+
+def _write_binder(root: Path, out: Path) -> None:
+    """Binder files for the student edition published on its own: the book's runtime requirements plus the
+    ``gradaccum`` package installed from the book's repository (the student edition carries no package source)."""
+    match = re.search(r"^repository:\s*\n\s+url:\s*(\S+)", (root / "_config.yml").read_text(), flags=re.M)
+    if match is None:
+        raise ValueError("_config.yml has no repository url to install gradaccum from.")
+    requirements = (root / "binder" / "requirements.txt").read_text().rstrip("\n")
+    (out / "binder").mkdir(exist_ok=True)
+    (out / "binder" / "requirements.txt").write_text(
+        f"{requirements}\n# The student edition has no package source: install the book's package from its repository.\n"
+        f"gradaccum @ git+{match.group(1)}\n")
+    shutil.copy(root / "binder" / "runtime.txt", out / "binder" / "runtime.txt")
 
 
 # ------------------------------------------------------------------------------------------------ nbgrader
