@@ -7,10 +7,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help install book test unit nbval outputs budgets gpu-check binder-check student nbgrader clean
+.PHONY: help install book test unit nbval nbval-loaded outputs budgets gpu-check binder-check student nbgrader clean
 
 help:
-	@echo "make book | test | outputs | budgets | student | nbgrader | gpu-check | binder-check | clean"
+	@echo "make book | test | nbval-loaded | outputs | budgets | student | nbgrader | gpu-check | binder-check | clean"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ unit: $(STAMP)
 nbval: $(STAMP)
 	$(PY) -m pytest chapters --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 		-p no:cacheprovider
+
+# Strict nbval on every chapter with both cores kept busy, three runs in a row: timing asserts must survive load.
+nbval-loaded: $(STAMP)
+	PY=$(PY) bash scripts/loaded_nbval.sh 3
 
 # The only way stored outputs are regenerated: headless execution in place, widget state stored.
 outputs: $(STAMP)

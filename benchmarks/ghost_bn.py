@@ -7,8 +7,10 @@
 2. One optimizer step of SmallCNN on a 64-image batch, relative to plain accumulation: full-batch statistics
    (constants) and the exact scheme.
 
-Usage: python benchmarks/ghost_bn.py [--device cpu|cuda] [--threads N] [--no-compile]
-Prints a table; median of repeated timings after warm-up (CUDA timings synchronize).
+Usage: python benchmarks/ghost_bn.py [--device cpu|cuda] [--threads N] [--no-compile] [--quick]
+Prints a table; median of repeated timings after warm-up (CUDA timings synchronize). ``--quick`` times each row
+twice after one warm-up and skips torch.compile: it checks that the benchmark runs (the tests use it), not how
+fast anything is.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from gradaccum.models import make_cnn
 from gradaccum.timing import median_time
 
 
+#: Set by --quick: two timed calls after one warm-up, whatever the caller asks for.
+QUICK = False
+
+
 def timed(fn, device: torch.device, repeat: int = 30, warmup: int = 5) -> float:
+    if QUICK:
+        repeat, warmup = 2, 1
     return median_time(fn, device, repeat=repeat, warmup=warmup)
 
 
@@ -102,13 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2 timed calls per row, no torch.compile: a smoke test")
     args = parser.parse_args(argv)
+    global QUICK
+    QUICK = args.quick
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
     print(f"device: {name}; torch {torch.__version__}")
-    for title, rows in (("one layer, forward + backward, batch 256×64×16×16", layer_table(device, not args.no_compile)),
+    compile_ = not (args.no_compile or args.quick)
+    for title, rows in (("one layer, forward + backward, batch 256×64×16×16", layer_table(device, compile_)),
                         ("one optimizer step of SmallCNN on 64 images", step_table(device))):
         print(f"\n{title}")
         base = rows[0][1]

@@ -1,3 +1,4 @@
+import math
 import itertools
 
 import numpy as np
@@ -140,3 +141,21 @@ def test_figures_have_fixed_sizes(digits):
     assert tuple(fig.get_size_inches()) == (9.6, 3.4)
     fig = bn.plot_momentum_weights(0.1, 4)
     assert len(fig.axes[0].patches) == 12
+
+
+def test_exercise_solutions_numbers():
+    """Every number the chapter-1 exercise solutions state."""
+    assert (1 - 0.1) ** 8 == pytest.approx(0.430, abs=5e-4) and bn.effective_momentum(0.1, 8) == pytest.approx(0.570, abs=5e-4)
+    assert bn.corrected_momentum(0.1, 8) == pytest.approx(0.013084, abs=5e-7) and 0.1 / 8 == 0.0125
+    assert bn.biased_variance_factor(4) == 0.75
+    assert bn.eval_train_mean_abs_ratio(4) == pytest.approx(0.92, abs=0.005)
+    assert bn.eval_train_mean_abs_ratio(2) == pytest.approx(0.80, abs=0.005)
+    assert bn.eval_train_mean_abs_ratio(2) == pytest.approx(math.sqrt(2 / math.pi), rel=1e-12)  # |z_train| = 1
+    for b in (2, 4):
+        rms_train, rms_eval, ratio = bn.normalized_feature_sizes(b)
+        assert rms_train == pytest.approx(1, abs=1e-6) and rms_eval == pytest.approx(1, abs=0.01)  # RMS 1 both
+        assert ratio == pytest.approx(bn.eval_train_mean_abs_ratio(b), abs=0.01)  # the formula, by simulation
+    # the old solution's claim, sqrt(3/4) ≈ 0.87 "as large in evaluation", is not what BatchNorm does:
+    assert abs(bn.normalized_feature_sizes(4)[1] / bn.normalized_feature_sizes(4)[0] - math.sqrt(0.75)) > 0.1
+    with pytest.raises(ValueError):
+        bn.eval_train_mean_abs_ratio(1)

@@ -128,3 +128,125 @@ def test_widget_function_and_figures():
     with pytest.raises(ValueError, match="threshold"):
         clipping.placement_effects(8, 0.0, 1.0)
     assert len(clipping.plot_placement_effects(4, 0.5, 0.5).axes) == 2
+
+
+# ------------------------------------------------------------------ errata: bounds and both directions
+
+
+def test_errata_cases_err_in_both_directions():
+    cases = clipping.errata_cases()
+    long_a1 = cases["(a1) too long: aligned"]
+    assert long_a1.norm == pytest.approx(2.0) and long_a1.ratio == pytest.approx(2.0, rel=1e-5)
+    short_a1 = cases["(a1) too short: opposing"]  # (10, 0), (−9, 0), c = 1: each g_k/2 is clipped to length 1
+    assert 1e-8 < short_a1.norm < 3e-8 and short_a1.correct == pytest.approx(0.5)
+    flip_a1 = cases["(a1) reversed, K = 3"]  # g = (0.1, 0) is not clipped; (a1) gives (−1, 0)
+    assert flip_a1.ratio == pytest.approx(10.0, rel=1e-5) and flip_a1.cosine == pytest.approx(-1.0)
+    short_a2 = cases["(a2) too short: orthogonal"]
+    assert short_a2.ratio == pytest.approx(2**-0.5, rel=1e-5)
+    long_a2 = cases["(a2) too long and reversed"]  # (−3, 0) and 3 × (0.95, 0), c = 1
+    assert long_a2.norm == pytest.approx(0.4625, abs=1e-6) and long_a2.correct == pytest.approx(0.0375)
+    assert long_a2.cosine == pytest.approx(-1.0) and long_a2.norm <= 1.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("alignment", [0.0, 0.3, 0.9])
+@pytest.mark.parametrize("k, c, norm", [(2, 1.0, 3.0), (8, 0.5, 1.0), (16, 2.0, 1.0)])
+def test_norm_bounds_always_hold(seed, alignment, k, c, norm):
+    gen = torch.Generator().manual_seed(seed)
+    scales = 0.1 + 3 * torch.rand(k, generator=gen, dtype=torch.float64)  # micro-gradients of unequal lengths
+    grads = [s * g for s, g in zip(scales, clipping.synthetic_micro_gradients(k, alignment, norm, dim=16, seed=seed))]
+    bounds = clipping.norm_bounds(grads, c)
+    correct = float(clipping.combine(grads, c, "once").norm())
+    assert correct == pytest.approx(bounds["once"], rel=1e-5)
+    for placement in ("scaled_micro", "raw_micro", "running"):
+        assert float(clipping.combine(grads, c, placement).norm()) <= bounds[placement] + 1e-12
+    assert bounds["scaled_micro"] <= k * c + 1e-12 and bounds["raw_micro"] <= c + 1e-12
+    if bounds["once"] >= c * (1 - 1e-5):  # the full-batch gradient is clipped: relative bounds K and 1
+        assert float(clipping.combine(grads, c, "scaled_micro").norm()) <= k * correct * (1 + 1e-5)
+        assert float(clipping.combine(grads, c, "raw_micro").norm()) <= correct * (1 + 1e-5)
+
+
+def test_scaled_micro_is_raw_micro_at_threshold_kc():
+    grads = clipping.synthetic_micro_gradients(8, 0.4, norm=5.0, seed=3)
+    assert torch.allclose(clipping.combine(grads, 0.5, "scaled_micro"), clipping.combine(grads, 4.0, "raw_micro"),
+                          atol=1e-9)
+
+
+@pytest.mark.parametrize("k, alignment", [(2, 0.5), (8, 0.0), (16, 0.8)])
+def test_raw_micro_when_every_micro_gradient_is_clipped(k, alignment):
+    grads = clipping.synthetic_micro_gradients(k, alignment, norm=3.0, dim=64, seed=1)
+    predicted = clipping.raw_micro_all_clipped(clipping.mean_pairwise_cosine(grads), k)
+    assert float(clipping.combine(grads, 1.0, "raw_micro").norm()) == pytest.approx(predicted, rel=1e-5)
+    with pytest.raises(ValueError, match="agreement"):
+        clipping.raw_micro_all_clipped(1.5, k)
+
+
+# ------------------------------------------------------------------ the numbers the exercise solutions state
+
+
+def test_exercise_running_buffer_from_the_issue():
+    """ex-ch3-running: (2, 0) then (0, 2) added to .grad without 1/K, clip_grad_norm_(·, 1) after each."""
+    g1, g2 = torch.tensor([2.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 2.0], dtype=torch.float64)
+    forward = clipping.clip_running_buffer([g1, g2], 1.0)
+    assert torch.allclose(forward, torch.tensor([1.0, 2.0], dtype=torch.float64) / math.sqrt(5), atol=1e-6)
+    assert forward.tolist() == pytest.approx([0.447, 0.894], abs=5e-4)
+    once = clipping.clip_vector(g1 + g2, 1.0)
+    assert once.tolist() == pytest.approx([0.707, 0.707], abs=5e-4)
+    reverse = clipping.clip_running_buffer([g2, g1], 1.0)
+    assert reverse.tolist() == pytest.approx([0.894, 0.447], abs=5e-4)
+    # the second micro-batch counts twice as much: the weights of g_1, g_2 (contributions g_k/K, K = 2)
+    w = clipping.running_clip_weights([2 * g1, 2 * g2], 1.0)
+    assert w[1] / w[0] == pytest.approx(2.0, rel=1e-5)
+    assert torch.allclose(clipping.combine([2 * g1, 2 * g2], 1.0, "running"), forward)
+
+
+def test_exercise_scaler_clip_before_unscale():
+    """ex-ch3-scaler: S = 65536, true norm 4, c = 1, clip before unscale_: 1/65536 ≈ 1.53e-5."""
+    wrong = clipping.scaler_clip_norm(4.0, 1.0, scale=65536.0, unscale_first=False)
+    assert wrong == pytest.approx(1 / 65536, rel=1e-5) and f"{wrong:.3g}" == "1.53e-05"
+    assert clipping.scaler_clip_norm(4.0, 1.0, scale=65536.0, unscale_first=True) == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="grad_norm"):
+        clipping.scaler_clip_norm(0.0, 1.0)
+
+
+def test_second_unscale_raises():
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(p.sum()).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="unscale_"):
+        scaler.unscale_(opt)
+
+
+def test_clip_running_buffer_needs_contributions():
+    with pytest.raises(ValueError, match="K"):
+        clipping.clip_running_buffer([], 1.0)
+
+
+# ------------------------------------------------------------------ sweeps (small)
+
+
+def test_sweeps_small(digits):
+    tables = clipping.table_sweep(digits, setups=(("layer", 0.3),), seeds=(1,), ks=(1, 4))
+    row = tables[("layer", 0.3, 1)][4]
+    assert row["smallest"][0] <= row["largest"][0] and row["full"][0] > 0
+    assert "(a1) ‖step‖/c" in clipping.format_table_sweep(tables)
+    losses = clipping.train_sweep(digits, k=4, epochs=1, setups=(("group", 0.3),), seeds=(0,))
+    assert set(losses[("group", 0.3, 0)]) == set(clipping.PLACEMENTS)
+    assert "(a1)" in clipping.format_train_sweep(losses)
+    with pytest.raises(ValueError, match="per-sample"):
+        clipping.train_placements(digits, k=2, c=0.3, epochs=1, norm="batch")
+
+
+def test_with_two_micro_batches_neither_placement_exceeds_the_unclipped_gradient():
+    """K = 2: clip is odd and nonexpansive, so ‖clip(u) + clip(w)‖ ≤ ‖u + w‖ for (a1) and (a2) alike."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        dim = int(torch.randint(1, 5, (1,), generator=gen))
+        grads = [torch.randn(dim, generator=gen, dtype=torch.float64) * 4 * float(torch.rand(1, generator=gen))
+                 for _ in range(2)]
+        c = 0.05 + 2 * float(torch.rand(1, generator=gen))
+        g = float(torch.linalg.vector_norm((grads[0] + grads[1]) / 2))
+        assert float(clipping.combine(grads, c, "scaled_micro").norm()) <= g + 1e-12
+        assert float(clipping.combine(grads, c, "raw_micro").norm()) <= min(g, c) + 1e-12

@@ -68,6 +68,7 @@ def test_right_answers_pass(checker, right):
         (ex.check_effective_scale, 65536 * 8, "not multiplied"),
         (ex.check_fp16_subnormal, 2**-14, "*normal*"),
         (ex.check_fp16_subnormal, 2**-10, "epsilon"),
+        (ex.check_fp16_subnormal, 2**-25, "rounds to 0"),
         (ex.check_backoff_scale, 65536, "backoff"),
         (ex.check_backoff_scale, 65536 * 0.5**8, "once per window"),
         (ex.check_allreduce_calls, 8, "*bucket*"),
@@ -123,3 +124,32 @@ def test_batch_coupled():
     assert "unknown layer" in ex.check_batch_coupled({"BatchNorm"}).message
     assert "set of layer names" in ex.check_batch_coupled("BatchNorm2d").message
     assert "no answer yet" in ex.check_batch_coupled(None).message
+
+
+def test_fp16_subnormal_solution_is_computed():
+    """ex-ch4-subnormal: the checker's value is torch's smallest positive float16, and half of it rounds to 0."""
+    import torch
+
+    smallest = float(torch.tensor([1], dtype=torch.int16).view(torch.float16))  # bit pattern 0x0001
+    assert smallest > 0 and float(torch.tensor(smallest / 2, dtype=torch.float16)) == 0
+    assert ex.check_fp16_subnormal(smallest) and abs(smallest - 5.96e-8) < 0.005e-8
+
+
+def test_window_token_exercise_solution():
+    """ex-ch6-tokens: 100 tokens with summed loss 30 and 10 with summed loss 10 → token mean 40/110 ≈ 0.364;
+    the mean of the micro-batch means is (0.3 + 1.0)/2 = 0.65."""
+    import torch
+
+    from gradaccum import silent
+
+    logits = torch.zeros(1, 110, 2, dtype=torch.float64)  # per-token cross-entropy: log(1 + e^{-m}) with margin m
+    margins = torch.cat([torch.full((100,), 0.3, dtype=torch.float64), torch.full((10,), 1.0, dtype=torch.float64)])
+    logits[0, :, 0] = torch.log(torch.expm1(margins))  # softplus^-1: per-token loss = margin
+    y = torch.ones(1, 110, dtype=torch.long)
+    per_token = torch.nn.functional.cross_entropy(logits[0], y[0], reduction="none")
+    assert torch.allclose(per_token, margins)
+    long, short = (slice(0, 100), slice(100, 110))
+    token_mean = float(silent.token_loss(logits, y))
+    mean_of_means = (float(silent.token_loss(logits[:, long], y[:, long])) + float(silent.token_loss(logits[:, short], y[:, short]))) / 2
+    assert round(token_mean, 3) == 0.364 and abs(mean_of_means - 0.65) < 1e-12
+    assert ex.check_window_token_loss(token_mean) and "mean of the micro-batch means" in ex.check_window_token_loss(mean_of_means).message

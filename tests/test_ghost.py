@@ -150,11 +150,11 @@ def test_precise_bn(digits):
 
 def test_method_effects(digits):
     rows = {e.method: e for e in ghost.method_effects(4, 8, 8, digits.x_train, digits.y_train)}
-    assert rows["plain accumulation"].rel_error == pytest.approx(rows["ghost BN (one pass)"].rel_error, abs=1e-12)
+    assert rows["plain accumulation"].rel_error == pytest.approx(rows["ghost BN, 1 update/step"].rel_error, abs=1e-12)
     assert rows["exact full-batch stats"].rel_error < 1e-12 and rows["exact full-batch stats"].stat_error == 0
-    assert rows["plain accumulation"].stat_error > rows["ghost BN (one pass)"].stat_error * 0.99
+    assert rows["plain accumulation"].stat_error > rows["ghost BN, 1 update/step"].stat_error * 0.99
     wide = {e.method: e for e in ghost.method_effects(4, 8, 32, digits.x_train, digits.y_train)}
-    assert wide["ghost BN (one pass)"].stat_error < rows["ghost BN (one pass)"].stat_error  # larger v, closer
+    assert wide["ghost BN, 1 update/step"].stat_error < rows["ghost BN, 1 update/step"].stat_error  # larger v, closer
     assert all(e.rel_error < 1e-12 for e in (rows["GroupNorm"], rows["LayerNorm"]))
     for bad, match in [((4, 8, 3), "divide"), ((4, 8, 1), ">= 2"), ((64, 64, 64), "exceeds"), ((4, 1, 4), "b >= 2")]:
         with pytest.raises(ValueError, match=match):
@@ -162,17 +162,64 @@ def test_method_effects(digits):
 
 
 def test_train_methods_small(digits):
-    runs = ghost.train_methods(digits, 8, epochs=1, methods=("full batch", "exact full-batch stats", "PreciseBN"))
+    runs = ghost.train_methods(digits, 8, epochs=1, methods=("full batch", "plain accumulation",
+                                                              "exact full-batch stats", "GroupNorm"))
     by = {r.method: r for r in runs}
-    assert set(by) == {"full batch", "exact full-batch stats", "PreciseBN"}  # plain ran only to feed PreciseBN
-    assert by["full batch"].val_acc == by["exact full-batch stats"].val_acc
-    assert all(r.seconds_per_step > 0 and r.b == 8 and r.k == 8 for r in runs)
+    assert list(by) == ["full batch", "plain accumulation", "exact full-batch stats", "GroupNorm"]
+    assert by["full batch"].val_acc == by["exact full-batch stats"].val_acc  # exact: the same trajectory
+    assert by["full batch"].weight_growth == pytest.approx(by["exact full-batch stats"].weight_growth, rel=1e-9)
+    assert (by["full batch"].k, by["full batch"].b) == (1, 64) and (by["plain accumulation"].k, by["plain accumulation"].b) == (8, 8)
+    assert (by["exact full-batch stats"].k, by["exact full-batch stats"].b) == (8, 64)
+    assert len(by["full batch"].weight_growth) == 3 and by["GroupNorm"].weight_growth == ()
+    assert by["GroupNorm"].val_acc_precise != by["GroupNorm"].val_acc_precise  # NaN: nothing to recompute
+    assert all(r.steps == 19 for r in runs)
     text = ghost.format_methods(runs)
-    assert "K=8, b=8" in text and "PreciseBN" in text
+    assert "after PreciseBN" in text and "GroupNorm" in text
     with pytest.raises(ValueError, match="unknown method"):
         ghost.train_methods(digits, 8, epochs=1, methods=("magic",))
     with pytest.raises(ValueError, match="micro-batches of at least 2"):
-        ghost.train_methods(digits, 64, epochs=1)
+        ghost.train_method(digits, "plain accumulation", 64, epochs=1)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        ghost.train_method(digits, "plain accumulation", 8, epochs=1, schedule="linear")
+
+
+def test_pre_bn_layers_are_the_layers_feeding_batchnorm():
+    assert ghost.pre_bn_layers(make_cnn("batch")) == ["features.0", "features.4", "head.0"]
+    assert ghost.pre_bn_layers(make_cnn("group")) == []
+
+
+def test_study_table_and_format(digits):
+    runs = ghost.seed_study(digits, seeds=(0,), schedules=("cosine",), k=8, k_small=2, epochs=1)
+    table = ghost.study_table(runs)
+    assert set(table) == {("full batch", 1, "cosine", 0), ("plain accumulation", 8, "cosine", 0),
+                          ("momentum-corrected", 8, "cosine", 0), ("plain accumulation", 2, "cosine", 0)}
+    assert "→" in ghost.format_study(runs) and "cosine" in ghost.format_study(runs)
+    with pytest.raises(ValueError, match="two runs"):
+        ghost.study_table(runs + runs[:1])
+
+
+def test_step_costs_count_the_sweeps(digits):
+    costs = {c.method: c for c in ghost.step_costs(digits, k=4, repeat=1)}
+    layers = 3  # SmallCNN's BatchNorm layers
+    assert costs["plain accumulation"].forward_calls == 4 and costs["full batch"].forward_calls == 1
+    assert costs["full-batch stats"].forward_calls == (layers + 1) * 4
+    assert costs["exact full-batch stats"].forward_calls == (2 * layers + 1) * 4
+    assert costs["plain accumulation"].time_ratio == 1.0 and all(c.time_ratio > 0 for c in costs.values())
+    assert ghost.precise_bn_cost(digits, b=4, k=4, repeat=1) > 0
+
+
+def test_precise_bn_exercise_solution(digits):
+    """Every number the solution of exercise ex-ch2-precise states, on the chapter's three trained models."""
+    for seed in (0, 1, 2):
+        _, model = ghost.train_method(digits, "plain accumulation", 16, seed=seed)
+        e = ghost.precise_bn_size_effect(model, digits.x_train, digits.x_val, digits.y_val, 4, 1221)
+        first, *later = list(e.var_ratio)
+        assert first == "features.1" and max(abs(v - 1) for v in e.var_ratio[first]) < 0.005  # within 0.5%
+        assert e.mean_shift[first] < 1e-3                                                     # same mean
+        assert max(abs(v - 1) for name in later for v in e.var_ratio[name]) < 0.06             # up to about 6%
+        assert max(abs(v - 1) for name in later for v in e.var_ratio[name]) > 0.01             # ... but not 0
+        assert max(e.mean_shift[name] for name in later) < 0.035                               # ≤ 0.03 sd
+        assert e.acc_small == e.acc_large                                                      # same accuracy
 
 
 def test_effect_grid_and_figures(digits):
@@ -188,3 +235,64 @@ def test_effect_grid_and_figures(digits):
 def test_layer_timings_are_relative():
     t = ghost.layer_timings(shape=(16, 4, 4, 4), v=4, repeat=3)
     assert t["nn.BatchNorm2d (whole batch)"] == 1.0 and all(v > 0 for v in t.values())
+
+
+def test_shadow_momentum_equals_a_separate_momentum_corrected_run(digits):
+    """train_methods reads the momentum-corrected run off the plain run: same weights, other running stats."""
+    shadow: list = []
+    plain, model = ghost.train_method(digits, "plain accumulation", 8, epochs=2, shadow=shadow)
+    real, real_model = ghost.train_method(digits, "momentum-corrected", 8, epochs=2)
+    for p, q in zip(model.parameters(), real_model.parameters()):
+        assert torch.equal(p, q)  # the momentum never reaches the weights
+    assert shadow[0].val_acc == real.val_acc and shadow[0].val_acc_precise == real.val_acc_precise
+    tracker_stats = {n: (m.running_mean, m.running_var) for n, m in real_model.named_modules()
+                     if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    assert len(tracker_stats) == 3
+    assert plain.val_acc != real.val_acc  # the running statistics do differ
+    with pytest.raises(ValueError, match="plain-accumulation run only"):
+        ghost.train_method(digits, "full batch", 8, epochs=1, shadow=[])
+
+
+def test_shadow_running_stats_match_batchnorm():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double().train()
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        if isinstance(m, torch.nn.BatchNorm1d):
+            m.momentum = 0.03
+    tracker = ghost.ShadowRunningStats(model, 0.03)
+    for _ in range(5):
+        x = torch.randn(6, 3, dtype=torch.float64)
+        model(x), twin(x)
+    shadowed = tracker.apply_to(model)
+    assert torch.allclose(shadowed[1].running_mean, twin[1].running_mean, atol=1e-14)
+    assert torch.allclose(shadowed[1].running_var, twin[1].running_var, atol=1e-14)
+    assert not torch.allclose(model[1].running_var, twin[1].running_var)  # the real ones kept momentum 0.1
+
+
+def test_chapter2_claims_on_other_seeds(digits):
+    """Chapter 2's comparative claims, rerun on seeds 3–5 (the chapter itself runs 0–2) for both schedules."""
+    t = ghost.study_table(ghost.seed_study(digits, seeds=(3, 4, 5)))
+    seeds = (3, 4, 5)
+
+    def diff(a, b, sched, key="val_acc"):
+        return [getattr(t[a + (sched, s)], key) - getattr(t[b + (sched, s)], key) for s in seeds]
+
+    plain16, mom16, plain4, full1 = ("plain accumulation", 16), ("momentum-corrected", 16), \
+        ("plain accumulation", 4), ("full batch", 1)
+    gains = {(r, s): [t[r + (s, x)].val_acc_precise - t[r + (s, x)].val_acc for x in seeds]
+             for r in (full1, plain16, plain4) for s in ("constant", "cosine")}
+    assert min(min(g) for g in gains.values()) > -0.005             # PreciseBN never costs half a point
+    assert min(gains[full1, "constant"]) > 0.001                      # ... and helps the constant-LR full batch
+    assert max(abs(x) for r in (full1, plain16, plain4) for x in gains[r, "cosine"]) < 0.01  # cosine: < 1 point
+    assert max(diff(mom16, plain16, "constant")) < 0                  # momentum correction hurts: constant LR
+    assert min(diff(mom16, plain16, "cosine")) >= 0                   # ... not with cosine decay
+    gap = diff(plain4, full1, "constant")
+    assert min(gap) < 0 < max(gap)                                    # b = 16 vs full batch: the sign flips
+    assert max(abs(g) for g in diff(plain4, full1, "cosine")) < 0.011  # cosine: within about one point
+    for seed in (3, 4):                                               # constants fail on other seeds too
+        runs = {r.method: r for r in ghost.train_methods(digits, 16, seed=seed,
+                                                         methods=("full batch", "full-batch stats"))}
+        const, full = runs["full-batch stats"], runs["full batch"]
+        assert const.val_acc < 0.55 and const.val_acc < full.val_acc - 0.3
+        assert min(const.weight_growth) > 2 * max(full.weight_growth)

@@ -118,3 +118,73 @@ def test_widget_function_errors_and_figure(f32, loss_fn):
         precision.plot_cast(acts, 16, 0)
     with pytest.raises(ValueError, match="log2"):
         precision.plot_cast(acts, 99, 1)
+
+
+def test_fp16_and_bf16_rounding_claims():
+    as_ = lambda v, dt: float(torch.tensor(v, dtype=torch.float64).to(dt))  # noqa: E731
+    assert as_(2**-25, torch.float16) == 0  # half the smallest subnormal is a tie: rounds to the even neighbour, 0
+    assert as_(2**-25 * (1 + 2**-10), torch.float16) == 2**-24 and as_(1.5 * 2**-24, torch.float16) == 2**-23
+    assert as_(1e-42, torch.float32) > 0 and as_(1e-42, torch.bfloat16) == 0  # fp32 keeps it, bf16 does not
+    assert precision.format_info(torch.float32).smallest_subnormal == 2**-149
+
+
+def test_divide_where(f32, loss_fn):
+    model, x, y = f32
+    at16 = precision.amp_window(model, loss_fn, x, y, 4)
+    after = precision.amp_window(model, loss_fn, x, y, 4, divide="grads")
+    assert after.steps == 1 and agreement(at16.update, after.update).rel_error < 1e-6  # no overflow: the same update
+    edges = {d: precision.largest_safe_log2_scale(model, loss_fn, x, y, 4, divide=d) for d in ("loss", "grads")}
+    assert edges["loss"] - edges["grads"] == 2  # log2 K
+    s = edges["grads"] + 1
+    assert precision.amp_window(model, loss_fn, x, y, 4, init_scale=2.0**s).steps == 1
+    skipped = precision.amp_window(model, loss_fn, x, y, 4, init_scale=2.0**s, divide="grads")
+    assert skipped.steps == 0 and skipped.final_scale == 2.0 ** (s - 1)
+    with pytest.raises(ValueError, match="divide"):
+        precision.amp_window(model, loss_fn, x, y, 4, divide="both")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not 'step_per_micro'"):
+        precision.amp_window(model, loss_fn, x, y, 4, "step_per_micro", divide="grads")
+    with pytest.raises(ValueError, match="raise hi"):
+        precision.largest_safe_log2_scale(model, loss_fn, x, y, 4, hi=4)
+    with pytest.raises(ValueError, match="lower lo"):
+        precision.largest_safe_log2_scale(model, loss_fn, x, y, 4, lo=30, hi=40)
+
+
+def test_scale_history_growth_and_backoff():
+    assert precision.scale_history(7, 3, overflow_at=(4,)) == [2.0**16, 2.0**16, 2.0**17, 2.0**17, 2.0**16, 2.0**16, 2.0**16]
+    assert precision.scale_history(4, 2000) == [2.0**16] * 4  # the default interval: no growth in a few steps
+    with pytest.raises(ValueError, match="growth_interval"):
+        precision.scale_history(3, 0)
+    with pytest.raises(ValueError, match="overflow_at"):
+        precision.scale_history(3, 2, overflow_at=(5,))
+
+
+def test_unscale_divides_by_the_scale_at_the_boundary(f32, loss_fn, digits):
+    from gradaccum.clipping import micro_gradients
+
+    model, x, y = f32
+    moved = precision.amp_window(model, loss_fn, x, y, 4, "scale_changes_in_window")
+    assert moved.final_scale == 2.0**20
+    micro = micro_gradients(make_cnn("group"), loss_fn, digits.x_train[:32], digits.y_train[:32], 4)
+    applied = moved.update.double()
+    assert agreement(precision.mixed_scale_sum(micro, moved.scales, moved.final_scale), applied).rel_error < 5e-3
+    assert agreement(precision.mixed_scale_sum(micro, moved.scales, moved.scales[-1]), applied).rel_error > 0.4
+    with pytest.raises(ValueError, match="one scale per"):
+        precision.mixed_scale_sum(micro, moved.scales[:3], 1.0)
+
+
+def test_backoff_exercise_solution(digits, loss_fn):
+    """ex-ch4-backoff: K = 8, micro-batch 5 overflows, S = 65536 → no step and S = 32768; per micro-batch: 7 steps."""
+    model = make_cnn("group", dtype=torch.float32)
+    x, y = digits.x_train[:32].float(), digits.y_train[:32]
+    right = precision.amp_window(model, loss_fn, x, y, 8, overflow_micro=4)
+    assert right.steps == 0 and right.final_scale == 32768
+    assert precision.amp_window(model, loss_fn, x, y, 8, "step_per_micro", overflow_micro=4).steps == 7
+
+
+def test_bf16_accumulator_exercise_solution(digits, loss_fn):
+    """ex-ch4-bf16-where: at K = 64 (micro-batches of 4) a bf16 running sum adds close to 1% relative error."""
+    from gradaccum.clipping import micro_gradients
+
+    grads = micro_gradients(make_cnn("group"), loss_fn, digits.x_train[:256], digits.y_train[:256], 64)
+    assert abs(precision.accumulation_error(grads, torch.bfloat16) - 0.009) < 0.002
+    assert precision.accumulation_error(grads, torch.float32) < 1e-6

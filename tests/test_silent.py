@@ -90,3 +90,49 @@ def test_window_log(lm):
     with torch.no_grad():
         assert log.token_mean == pytest.approx(float(S.token_loss(model(x), y)))
     assert log.last_micro < log.token_mean
+
+
+def test_dropout_masks_match_in_distribution_only(digits, loss_fn):
+    x, y = digits.x_train[:32], digits.y_train[:32]
+    one, two = S.dropout_mlp(1), S.dropout_mlp(2)
+    same = lambda net, k: agreement(S.dropout_gradient(net, loss_fn, x, y, 1, 0),  # noqa: E731
+                                    S.dropout_gradient(net, loss_fn, x, y, k, 0)).rel_error
+    assert same(one, 4) < 1e-12  # the CPU generator's coincidence: one (32, 32) draw = four (8, 32) draws
+    assert same(two, 4) > 0.3 and same(two, 2) > 0.3  # a second layer interleaves the draws
+    cmp = S.compare_dropout(two, loss_fn, x, y, 4, draws=100)
+    assert cmp.single_draw > 0.3 and cmp.mean_gap < 2 * cmp.noise and cmp.draws == 100
+    state = torch.random.get_rng_state()
+    S.dropout_gradient(two, loss_fn, x, y, 4, 7)
+    assert torch.equal(state, torch.random.get_rng_state())  # the caller's random stream is left alone
+    with pytest.raises(ValueError, match="layers"):
+        S.dropout_mlp(3)
+    with pytest.raises(ValueError, match="2 draws"):
+        S.compare_dropout(two, loss_fn, x, y, 4, draws=1)
+
+
+def test_scheduler_order_warning_fires_once():
+    assert len(S.scheduler_order_warnings(4, 10, optimizer_first=False)) == 1
+    assert S.scheduler_order_warnings(4, 10, optimizer_first=True) == []
+
+
+def test_warmup_exercise_solution():
+    """ex-ch6-warmup: warmup 1000, K = 8, scheduler per micro-batch: full lr first at optimizer step 125."""
+    wrong, _ = S.lr_trajectory(130, 8, 1000, per_micro=True)
+    assert wrong.index(1.0) + 1 == 125 and wrong[123] < 1.0
+
+
+def test_partial_step_ratio(digits, loss_fn):
+    """ex-ch6-partial: 3 micro-batches of K = 8 divided by K: gradient and SGD step 3/8; Adam's step about 1."""
+    from gradaccum.models import make_cnn
+
+    model, x, y = make_cnn("group"), digits.x_train, digits.y_train
+    by_k = S.partial_window_gradient(model, loss_fn, x[:24], y[:24], 8, 8, "divide_by_K")
+    actual = S.partial_window_gradient(model, loss_fn, x[:24], y[:24], 8, 8, "divide_by_actual")
+    assert abs(float(by_k.norm() / actual.norm()) - 0.375) < 1e-12
+    assert abs(S.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "sgd", 0.1, warm_windows=2) - 0.375) < 1e-9
+    assert abs(S.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "adam", 1e-3) - 1) < 1e-3
+    assert abs(S.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "adam", 1e-3, warm_windows=2) - 1) < 0.1
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        S.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "lion", 1e-3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="between 1 and K"):
+        S.partial_step_ratio(model, loss_fn, x, y, 8, 8, 8, "sgd", 0.1)

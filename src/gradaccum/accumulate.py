@@ -125,6 +125,10 @@ def agreement(g_ref: torch.Tensor, g: torch.Tensor) -> Agreement:
 # ---------------------------------------------------------------------------------------------- training
 
 
+#: Learning-rate schedules :func:`train` offers.
+SCHEDULES: tuple[str, ...] = ("constant", "cosine")
+
+
 @dataclass
 class TrainResult:
     """What :func:`train` measured. Accuracies are fractions in [0, 1]."""
@@ -172,6 +176,7 @@ def train(
     momentum: float = 0.9,
     seed: int = 0,
     backward_fn: BackwardFn | None = None,
+    schedule: str = "constant",
 ) -> TrainResult:
     r"""Train ``model`` in place with SGD, one optimizer step per batch of ``batch_size`` samples.
 
@@ -179,6 +184,11 @@ def train(
     (cross-entropy, mean over its samples) is divided by K before ``backward``, and the optimizer steps once
     per batch. The order of samples depends only on ``seed``, so runs that differ only in K see the same
     batches in the same order. The last incomplete batch of an epoch is dropped.
+
+    ``schedule`` is the learning-rate schedule, counted in optimizer steps: ``"constant"`` keeps ``lr``;
+    ``"cosine"`` decays it as :math:`\eta_t = \tfrac{\eta}{2}\big(1 + \cos(\pi t / T)\big)` over the
+    :math:`T` optimizer steps of the run (``torch.optim.lr_scheduler.CosineAnnealingLR``, stepped once per
+    optimizer step, never per micro-batch).
 
     ``backward_fn`` replaces the plain accumulation loop (:func:`accumulate_backward`) by another way of
     producing the step's gradient from the batch and K (chapter 2's full-batch statistics, for example).
@@ -192,12 +202,16 @@ def train(
     b = batch_size // k
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}.")
     n = x.shape[0]
     if batch_size > n:
         raise ValueError(f"batch_size ({batch_size}) exceeds the {n} training samples.")
     backward = backward_fn or accumulate_backward
     loss_fn = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    total_steps = epochs * (n // batch_size)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total_steps) if schedule == "cosine" else None
     gen = torch.Generator().manual_seed(seed)
     steps, losses = 0, []
     model.train()
@@ -208,6 +222,8 @@ def train(
             opt.zero_grad(set_to_none=True)
             losses.append(backward(model, loss_fn, x[idx], y[idx], k))
             opt.step()
+            if sched is not None:
+                sched.step()
             steps += 1
     train_mode_acc = accuracy(copy.deepcopy(model).train(), x_val, y_val, batch_size=b)
     model.eval()

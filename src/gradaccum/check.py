@@ -1,17 +1,25 @@
-"""Check *your* training step: does accumulating K micro-batches compute what one full batch would?
+r"""Check *your* training step: does accumulating K micro-batches compute what one full batch would?
 
-``check(model, loss_fn, x, y, k, step=None)`` runs one full-batch backward pass and one accumulated window from
-the same state — your own loop if you pass ``step`` — and reports every discrepancy with its likely cause:
-BatchNorm (or other batch-coupled layers), dropout randomness, per-micro-batch mean loss with variable token
-counts, clipping inside the window, the loss scaler's window, optimizer or scheduler steps inside the window,
-and RNG seeds reset per micro-batch. It works on copies and restores the RNG state: your model, optimizer and
-random streams are left exactly as they were.
+``check(model, loss_fn, x, y, k, step=None)`` runs one accumulated window — your own loop if you pass ``step`` — and
+one full-batch pass from the same state, under the same randomness (dropout masks are drawn per sample, so a
+sample gets the same mask in the full batch and in its micro-batch), and compares the gradients. It measures how
+your step weighs each micro-batch's gradient, what it calls (optimizer, scheduler, ``GradScaler``, ``zero_grad``,
+clipping, seeding: seen by the code that runs, however it was imported), how the ``.grad`` buffer evolves between
+backward passes, which layers couple the samples of a batch, and how the loss weighs micro-batches (token counts),
+and names every cause it finds with its evidence and fix (see :mod:`gradaccum.check_fingerprints`). An exception
+inside your step is reported as a finding. It works on copies and restores the random state: your model and random
+streams are left as they were.
 
-``step(model, loss_fn, x, y, k)`` should do what your training loop does between ``optimizer.zero_grad()`` and
-``optimizer.step()`` for one window of K micro-batches, leaving the gradient in ``.grad``. Command line::
+``step(model, loss_fn, x, y, k)`` does what your training loop does for one window of K micro-batches: either
+between ``zero_grad()`` and ``optimizer.step()`` (leaving the gradient in ``.grad``), or a whole iteration with an
+optimizer and scheduler built inside ``step`` from ``model.parameters()`` (the gradient at its optimizer step is
+compared). It is also called once with the first K − 1 micro-batches and ``k = K − 1``, as the last partial window
+of an epoch. Command line::
 
-    python -m gradaccum.check --demo                 # every planted bug, and a clean loop
+    python -m gradaccum.check --demo                 # every planted bug, and correct loops
     python -m gradaccum.check my_module:make -k 4    # make() returns (model, loss_fn, x, y) or (..., step)
+
+Exit status: 0 no bug found, 1 a bug found (or no verdict possible), 2 a usage error.
 """
 
 from __future__ import annotations
@@ -19,40 +27,37 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import importlib.util
+import json
+import math
+import os
+import random
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
-from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import clip_grad_norm_  # bound before any patching: the checker sees it anyway
 
-from .accumulate import accumulate_backward, agreement, check_k, flat_grad, split_batch
+from .accumulate import accumulate_backward, check_k, split_batch
+from .check_fingerprints import (LOOP_CODES, Finding, Measurements, clip_vec, cosine, diagnose, fit_weights, num,
+                                 nums, rel)
+from .check_instrument import (CallRecorder, Event, GradTrace, SampleRNG, coupled_modules, first_tensor, flat,
+                               identical_draws)
 
 Step = Callable[[nn.Module, Callable, torch.Tensor, torch.Tensor, int], Any]
 
-
-@dataclass(frozen=True)
-class Finding:
-    """One discrepancy: what causes it, the evidence, what to do, and the chapter that explains it."""
-
-    cause: str
-    evidence: str
-    fix: str
-    chapter: int
-    expected: bool = False  # a difference that is correct behaviour (dropout) rather than a bug
-
-    def __str__(self) -> str:
-        tag = "note" if self.expected else "BUG?"
-        return f"[{tag}] {self.cause} (chapter {self.chapter})\n       evidence: {self.evidence}\n       fix: {self.fix}"
+__all__ = ["Finding", "Report", "check", "demo_cases", "DEMO_EXPECTED", "run_demo", "main"]
 
 
 @dataclass
 class Report:
-    """The result of :func:`check`."""
+    """The result of :func:`check`: the verdict (``ok``), the measurements, and the findings."""
 
     k: int
     rel_error: float
@@ -61,17 +66,45 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    weights: list[float] | None = None
+    expected_weights: list[float] | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    micro_batch: int = 0
+    batch: int = 0
 
     @property
     def ok(self) -> bool:
-        """True when the accumulated step equals the full-batch step and nothing suspicious happened."""
-        return self.rel_error <= self.tolerance and not [f for f in self.findings if not f.expected]
+        """True when the accumulated step equals the full-batch step and no bug (or open question) was found."""
+        return (math.isfinite(self.rel_error) and self.rel_error <= self.tolerance
+                and not any(f.severity in ("bug", "inconclusive") for f in self.findings))
+
+    @property
+    def codes(self) -> list[str]:
+        """The codes of the bugs (and inconclusive findings), in the order they were found."""
+        return [f.code for f in self.findings if f.severity != "note"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (``python -m gradaccum.check --json`` prints it)."""
+        finite = lambda v: v if v is not None and math.isfinite(v) else None  # noqa: E731
+        return {"ok": self.ok, "k": self.k, "micro_batch": self.micro_batch, "batch": self.batch,
+                "rel_error": finite(self.rel_error), "cosine": finite(self.cosine), "tolerance": self.tolerance,
+                "weights": self.weights, "expected_weights": self.expected_weights, "counts": self.counts,
+                "findings": [f.to_dict() for f in self.findings], "notes": self.notes, "warnings": self.warnings,
+                "events": self.events}
 
     def __str__(self) -> str:
-        error = (f"below the tolerance {self.tolerance:.0e}" if self.rel_error <= self.tolerance
-                 else f"{self.rel_error:.2e}, cosine {self.cosine:.4f} (tolerance {self.tolerance:.0e})")
-        head = f"gradaccum.check, K = {self.k}: accumulated vs full-batch gradient: relative error {error}"
-        lines = [head] + ["  warning raised by your step: " + w for w in self.warnings]
+        if not math.isfinite(self.rel_error):
+            error = "not measured"
+        elif self.rel_error <= self.tolerance:
+            error = f"below the tolerance {self.tolerance:.0e}"
+        else:
+            error = f"{self.rel_error:.2e}, cosine {self.cosine:.4f} (tolerance {self.tolerance:.0e})"
+        lines = [f"gradaccum.check, K = {self.k}: accumulated vs full-batch gradient: relative error {error}"]
+        lines += ["  warning raised by your step: " + w for w in self.warnings]
+        if self.weights is not None and not self.ok and self.findings:
+            lines.append(f"  micro-batch weights: yours {nums(self.weights)}, full batch {nums(self.expected_weights)}")
+        lines += ["  " + n for n in self.notes]
         if self.ok and not self.findings:
             return "\n".join(lines + ["  OK: accumulation computes the full-batch gradient."])
         return "\n".join(lines + ["  " + str(f) for f in self.findings])
@@ -79,228 +112,442 @@ class Report:
     __repr__ = __str__
 
 
-# ------------------------------------------------------------------------------------ instrumentation
+# ------------------------------------------------------------------------------------------------ helpers
 
 
-@contextmanager
-def _recorded(events: list[str]) -> Iterator[None]:
-    """Record, in order, what a training step does: backward passes, clips, scaler calls, optimizer and
-    scheduler steps, and seed resets."""
-    originals = {
-        "backward": torch.Tensor.backward,
-        "clip_norm": torch.nn.utils.clip_grad_norm_,
-        "clip_value": torch.nn.utils.clip_grad_value_,
-        "update": torch.amp.GradScaler.update,
-        "unscale": torch.amp.GradScaler.unscale_,
-        "sched": torch.optim.lr_scheduler.LRScheduler.step,
-        "seed": torch.manual_seed,
-    }
-
-    def wrap(name: str, fn: Callable) -> Callable:
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            events.append(name)
-            return fn(*args, **kwargs)
-
-        return inner
-
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: events.append("optimizer.step"))
-    with mock.patch.object(torch.Tensor, "backward", wrap("backward", originals["backward"])), \
-            mock.patch.object(torch.nn.utils, "clip_grad_norm_", wrap("clip", originals["clip_norm"])), \
-            mock.patch.object(torch.nn.utils, "clip_grad_value_", wrap("clip", originals["clip_value"])), \
-            mock.patch.object(torch.amp.GradScaler, "update", wrap("scaler.update", originals["update"])), \
-            mock.patch.object(torch.amp.GradScaler, "unscale_", wrap("scaler.unscale_", originals["unscale"])), \
-            mock.patch.object(torch.optim.lr_scheduler.LRScheduler, "step", wrap("scheduler.step", originals["sched"])), \
-            mock.patch.object(torch, "manual_seed", wrap("manual_seed", originals["seed"])):
-        try:
-            yield
-        finally:
-            hook.remove()
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
-def _modes(model: nn.Module, kinds: tuple[type, ...]) -> nn.Module:
-    """A copy of ``model`` in which the modules of the given kinds are in eval mode."""
-    work = copy.deepcopy(model)
-    for m in work.modules():
-        if isinstance(m, kinds):
-            m.eval()
-    return work
+class _ForwardScope:
+    """Forward hooks on a model copy: each forward pass learns which samples of the window it holds (by value,
+    so copies and moved tensors are recognized), and the per-sample RNG is active inside it."""
+
+    def __init__(self, model: nn.Module, rng: SampleRNG, x: torch.Tensor):
+        self.rng, self.n = rng, x.shape[0]
+        self.rows = x.detach().reshape(self.n, -1)
+        self.seen = 0
+        self.expect: int | None = None
+        self.forwards: list[tuple[int, int]] = []
+        self.depth = 0
+        self.handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        model.register_forward_hook(self._post, always_call=True)]
+
+    def _locate(self, inp: torch.Tensor | None, n: int) -> int:
+        guess = self.expect if self.expect is not None else self.seen % self.n
+        self.expect = None
+        if inp is None or not n or n > self.n:
+            return guess
+        q = inp.detach().reshape(n, -1)
+        if q.shape[1] != self.rows.shape[1] or q.dtype != self.rows.dtype:
+            return guess
+        q = q.to(self.rows.device)
+        if guess + n <= self.n and torch.equal(self.rows[guess:guess + n], q):
+            return guess
+        for i in (self.rows == q[0]).all(1).nonzero().flatten().tolist():
+            if i + n <= self.n and torch.equal(self.rows[i:i + n], q):
+                return i
+        return guess
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        inp = first_tensor(args)
+        if inp is None:
+            inp = first_tensor(kwargs)
+        n = int(inp.shape[0]) if inp is not None and inp.dim() else 0
+        offset = self._locate(inp, n)
+        self.seen = offset + n
+        self.forwards.append((offset, n))
+        if self.depth == 0:
+            self.rng.start_forward(offset, n)
+            self.rng.__enter__()
+        self.depth += 1
+
+    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self.depth > 0:
+            self.depth -= 1
+            if self.depth == 0:
+                self.rng.__exit__(None, None, None)
+
+    def close(self) -> None:
+        while self.depth > 0:
+            self.depth -= 1
+            if self.depth == 0:
+                self.rng.__exit__(None, None, None)
+        for h in self.handles:
+            h.remove()
 
 
-def _grad(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None,
-          seed: int, events: list[str] | None = None, caught: list[str] | None = None) -> torch.Tensor:
-    import warnings
+@dataclass
+class _Run:
+    applied: torch.Tensor
+    passes: list
+    events: list[Event]
+    error: BaseException | None
+    warnings: list[str]
+    forwards: list[tuple[int, int]]
+    replayed: int
+    unreplayed: list[str]
+    draws: list
+    recorder_errors: list[str]
 
+
+def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step, seed: int,
+              mode: str = "replay", start: int | None = None, plans: dict | None = None) -> _Run:
+    """Run ``step`` on a copy of ``model``: randomness replayed per sample (``mode="replay"``, calls recorded) or
+    recorded as drawn (``mode="record"``, from ``torch.manual_seed(start)``)."""
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
-    torch.random.manual_seed(seed)  # the same random stream for every variant (dropout)
+    params = _trainable(work)
+    trace = GradTrace(params)
+    recorder = CallRecorder(params, trace)
+    trace.scale_now = recorder.scale_now
+    rng = SampleRNG(seed, replay=(mode == "replay"), plans=plans)
+    recorder.mute = lambda: rng.busy > 0
+    scope = _ForwardScope(work, rng, x) if mode == "replay" else None
+    torch.manual_seed(seed if start is None else start)
+    error = None
+    trace.attach()
     with warnings.catch_warnings(record=True) as raised:
         warnings.simplefilter("always")
-        if events is None:
-            (step or accumulate_backward)(work, loss_fn, x, y, k)
-        else:
-            with _recorded(events):
-                (step or accumulate_backward)(work, loss_fn, x, y, k)
-    if caught is not None:
-        caught.extend(dict.fromkeys(str(w.message).split(". ")[0] for w in raised))
-    return flat_grad(work).detach()
+        try:
+            with (recorder.active() if mode == "replay" else nullcontext()), (rng if mode == "record" else nullcontext()):
+                step(work, loss_fn, x, y, k)
+        except Exception as err:  # a finding, never a crash of the checker
+            error = err
+        finally:
+            if scope is not None:
+                scope.close()
+            trace.detach()
+    applied = recorder.applied if recorder.applied is not None else flat(params)
+    caught = list(dict.fromkeys(str(w.message).split(". ")[0] for w in raised))
+    return _Run(applied, trace.passes, recorder.events, error, caught, scope.forwards if scope else [],
+                rng.replayed, rng.unreplayed, rng.draws, recorder.errors)
 
 
-def _token_weighted(model: nn.Module, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+@dataclass
+class _Refs:
+    basis: torch.Tensor
+    full: torch.Tensor
+    out: torch.Tensor
+    error: BaseException | None
+    micro: int
+    plans: dict
+
+
+def _references(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, seed: int) -> _Refs:
+    r"""The full-batch gradient and the micro-batch gradients :math:`h_j`, randomness replayed per sample (the
+    full batch runs first: it decides how each random op splits into samples, for every later pass)."""
     work = copy.deepcopy(model)
-    work.zero_grad(set_to_none=True)
-    total = int((y != loss_fn.ignore_index).sum())
-    summed = copy.copy(loss_fn)
-    summed.reduction = "sum"
-    for xb, yb in split_batch(x, y, k):
-        out = work(xb)
-        (summed(out.reshape(-1, out.shape[-1]) if out.dim() > 2 else out, yb.reshape(-1) if out.dim() > 2 else yb) / total).backward()
-    return flat_grad(work).detach()
+    params = _trainable(work)
+    buffers = {name: b.detach().clone() for name, b in work.named_buffers()}
+    live = dict(work.named_buffers())
+    rng = SampleRNG(seed)
+    scope = _ForwardScope(work, rng, x)
+    b = x.shape[0] // k
+
+    def reset() -> None:
+        with torch.no_grad():
+            for name, value in buffers.items():
+                live[name].copy_(value)
+        work.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+
+    try:
+        reset()
+        scope.expect = 0
+        out = work(x)
+        loss_fn(out, y).backward()
+        full = flat(params)
+        basis = []
+        for j, (xb, yb) in enumerate(split_batch(x, y, k)):
+            reset()
+            scope.expect = j * b
+            try:
+                loss_fn(work(xb), yb).backward()
+            except Exception as err:
+                return _Refs(torch.empty(0), torch.empty(0), torch.empty(0), err, j + 1, rng.plans)
+            basis.append(flat(params))
+        return _Refs(torch.stack(basis), full, out.detach(), None, 0, rng.plans)
+    finally:
+        scope.close()
 
 
-# ------------------------------------------------------------------------------------------------- check
+@dataclass
+class _Probe:
+    weights: list[float]
+    residual: float
+    tokens: list[int]
+    positions: int
 
 
-def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None = None,
-          clip: float | None = None, tolerance: float | None = None, seed: int = 0) -> Report:
-    """Compare one accumulated window (``step``, or plain accumulation) with one full-batch pass; name causes.
+def _loss_probe(loss_fn: Callable, out: torch.Tensor, y: torch.Tensor, k: int, b: int) -> _Probe:
+    r"""How the loss weighs micro-batches, measured on the loss alone: with :math:`G` its gradient with respect to
+    the full batch's output and :math:`G_j` the gradient of micro-batch j's loss with respect to its part,
+    :math:`f_j = \langle G[j], G_j\rangle / \|G_j\|^2`; ``residual`` is how far :math:`G[j]` is from
+    :math:`f_j G_j` (0 for a loss that is a sum over positions). ``tokens``: positions with a non-zero gradient
+    (padding and ignored targets have none)."""
+    n = out.shape[0]
+    dim = 0 if out.shape[0] == n else next(d for d, s in enumerate(out.shape) if s == n)
+    o = out.detach().double().requires_grad_()
+    (g_full,) = torch.autograd.grad(loss_fn(o.to(out.dtype), y), o, allow_unused=True)
+    g_full = torch.zeros_like(o) if g_full is None else g_full
+    weights, residuals, tokens = [], [], []
+    for j in range(k):
+        oj = o.detach().narrow(dim, j * b, b).clone().requires_grad_()
+        (gj,) = torch.autograd.grad(loss_fn(oj.to(out.dtype), y[j * b:(j + 1) * b]), oj, allow_unused=True)
+        gj = torch.zeros_like(oj) if gj is None else gj
+        gf = g_full.narrow(dim, j * b, b)
+        gg = float((gj * gj).sum())
+        fj = float((gf * gj).sum()) / gg if gg > 0 else 0.0
+        weights.append(fj)
+        scale = max(float(gf.norm()), float(gj.norm()) * abs(fj), 1e-300)
+        residuals.append(float((gf - fj * gj).norm()) / scale if gg > 0 or float(gf.norm()) > 0 else 0.0)
+        nz = (gj != 0)
+        tokens.append(int(nz.reshape(*nz.shape[:-1], -1).any(-1).sum()) if gj.dim() >= 2 else int(nz.sum()))
+    positions = max(1, int(torch.tensor(out.shape[:-1]).prod()) // n) if out.dim() >= 2 else 1
+    return _Probe(weights, max(residuals), tokens, positions)
 
-    ``clip``: the threshold your loop clips to, if any (the full-batch reference is then clipped once, and the
-    placement your loop uses is identified). ``tolerance``: relative error that counts as equal (default 1e-9 for
-    float64 parameters, 1e-4 otherwise).
-    """
+
+def _validate(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: Any, clip: Any, tolerance: Any,
+              seed: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not callable(loss_fn):
+        raise ValueError("loss_fn must be callable as loss_fn(model(x), y) and return a scalar tensor.")
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise ValueError("x and y must be tensors whose first dimension is the batch; wrap other inputs in a model "
+                         "that takes one tensor.")
     check_k(k)
-    split_batch(x, y, k)  # batch divisible by K, matching lengths
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+    split_batch(x, y, k)
+    if step is not None and not callable(step):
+        raise ValueError("step must be a function step(model, loss_fn, x, y, k), or None for plain accumulation.")
+    for name, value in (("clip", clip), ("tolerance", tolerance)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"{name} must be a positive finite number or None, got {value!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}.")
+    if not _trainable(model):
         raise ValueError("the model has no trainable parameters to compare gradients of.")
-    tol = tolerance if tolerance is not None else (1e-9 if params[0].dtype == torch.float64 else 1e-4)
-    devices = [p.device.index or 0 for p in params if p.device.type == "cuda"]
-    with torch.random.fork_rng(devices=sorted(set(devices))):
-        _check_outputs(model, loss_fn, x, y, k)
-        events: list[str] = []
-        caught: list[str] = []
-        user = _grad(model, loss_fn, x, y, k, step, seed, events, caught)
-        full = _grad(model, loss_fn, x, y, 1, None, seed)
-        if clip is not None:
-            from .clipping import check_threshold, clip_vector
-
-            full = clip_vector(full, check_threshold(clip))
-        a = agreement(full, user) if full.norm() > 0 else agreement(full + 1, user + 1)
-        report = Report(k, a.rel_error, a.cosine, tol, events=events, warnings=caught)
-        report.findings += _event_findings(events, k)
-        if a.rel_error > tol or not torch.isfinite(user).all():
-            report.findings += _model_findings(model, loss_fn, x, y, k, step, clip, seed, tol, full, user,
-                                               explained=bool(report.findings))
-    return report
 
 
-def _check_outputs(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int) -> None:
-    (xb, yb), *_ = split_batch(x, y, k)
+def _check_outputs(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> None:
+    try:
+        with torch.no_grad():
+            out = copy.deepcopy(model)(x)
+    except Exception as err:
+        raise ValueError(f"model(x) raised {type(err).__name__}: {err}; the checker needs a model that runs on the "
+                         "whole batch x.") from err
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"the model must return a tensor that loss_fn can take, got {type(out).__name__}; "
+                         "wrap it so that model(x) returns the logits.")
+    if out.dim() == 0 or out.shape[0] != x.shape[0]:
+        raise ValueError(f"model(x) must return one output per sample (first dimension {x.shape[0]}), got shape "
+                         f"{tuple(out.shape)}.")
     with torch.no_grad():
-        out = copy.deepcopy(model)(xb)
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"the model must return a tensor that loss_fn can take, got {type(out).__name__}; "
-                             "wrap it so that model(x) returns the logits.")
-        loss = loss_fn(out, yb)
+        loss = loss_fn(out, y)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("loss_fn(model(x), y) must return a scalar tensor (a mean or sum over the batch).")
 
 
-def _event_findings(events: list[str], k: int) -> list[Finding]:
-    found = []
-    backs = [i for i, e in enumerate(events) if e == "backward"]
-    last = backs[-1] if backs else -1
-    before_last = lambda name: [i for i, e in enumerate(events) if e == name and i < last]  # noqa: E731
-    if before_last("optimizer.step"):
-        found.append(Finding("optimizer.step() inside the accumulation window",
-                             f"{events.count('optimizer.step')} optimizer steps in one window of {k} micro-batches",
-                             "step the optimizer once, after the last micro-batch", 6))
-    if events.count("scheduler.step"):
-        found.append(Finding("scheduler.step() inside the accumulation window",
-                             f"{events.count('scheduler.step')} scheduler steps in one window: warmup and decay run "
-                             f"up to {k}× too fast", "step the scheduler once per optimizer step", 6))
-    if events.count("clip") > 1 or before_last("clip"):
-        found.append(Finding("gradient clipping inside the accumulation window",
-                             f"{events.count('clip')} clip calls, {len(before_last('clip'))} before the last backward",
-                             "clip once, after the last micro-batch (after scaler.unscale_)", 3))
-    if before_last("scaler.update") or events.count("scaler.update") > 1:
-        found.append(Finding("the loss scale changes inside the window",
-                             f"scaler.update() called {events.count('scaler.update')}×, "
-                             f"{len(before_last('scaler.update'))} before the last backward",
-                             "call scaler.update() once per window, after scaler.step()", 4))
-    if events.count("scaler.unscale_") > 1 or before_last("scaler.unscale_"):
-        found.append(Finding("scaler.unscale_() inside the window",
-                             f"unscale_ called {events.count('scaler.unscale_')}×, "
-                             f"{len(before_last('scaler.unscale_'))} before the last backward",
-                             "unscale_ once, after the last backward, before clipping", 4))
-    if events.count("manual_seed"):
-        found.append(Finding("the RNG is re-seeded inside the window",
-                             f"torch.manual_seed called {events.count('manual_seed')}× in one window: dropout masks "
-                             "repeat from window to window", "seed once, at the start of training", 6))
-    return found
+class _Restore:
+    """Restores the model's parameters, buffers and gradients and Python's and NumPy's random states."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+        self.py = random.getstate()
+        self.np = sys.modules["numpy"].random.get_state() if "numpy" in sys.modules else None
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            for name, value in self.model.state_dict().items():
+                value.copy_(self.state[name])
+        for p, g in zip(self.model.parameters(), self.grads):
+            p.grad = g
+        random.setstate(self.py)
+        if self.np is not None:
+            sys.modules["numpy"].random.set_state(self.np)
 
 
-def _model_findings(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None,
-                    clip: float | None, seed: int, tol: float, full: torch.Tensor, user: torch.Tensor,
-                    explained: bool = False) -> list[Finding]:
-    found = []
-    grad = lambda m, kk, s=step: _grad(m, loss_fn, x, y, kk, s, seed)  # noqa: E731
-    rel = lambda a, b: agreement(a, b).rel_error if a.norm() > 0 else float((a - b).norm())  # noqa: E731
-    if not torch.isfinite(user).all():
-        found.append(Finding("non-finite gradients after the window", "inf or NaN in the accumulated gradient",
-                             "check the loss scale and skip the step on overflow (GradScaler does)", 4))
-    coupled = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]
-    dropouts = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
-    if coupled:
-        quiet = _modes(model, (_BatchNorm, nn.modules.dropout._DropoutNd))
-        err = rel(grad(quiet, 1, None), grad(quiet, k))
-        if err <= tol:
-            found.append(Finding("BatchNorm normalizes each micro-batch with its own statistics",
-                                 f"{len(coupled)} BatchNorm layer(s) in training mode ({', '.join(coupled[:3])}); with "
-                                 "them in eval mode the accumulated gradient matches",
-                                 "GroupNorm/LayerNorm, or larger micro-batches, PreciseBN (chapter 2)", 1))
-    if dropouts:
-        quiet = _modes(model, (nn.modules.dropout._DropoutNd,))
-        if not coupled and rel(grad(quiet, 1, None), grad(quiet, k)) <= tol:
-            found.append(Finding("dropout draws different masks in one pass and in K passes",
-                                 f"{len(dropouts)} active dropout layer(s); with dropout off the gradients match",
-                                 "nothing, if masks are fresh each micro-batch; compare with dropout off", 6,
-                                 expected=True))
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and loss_fn.reduction == "mean":
-        counts = [int((yb != loss_fn.ignore_index).sum()) for _, yb in split_batch(x, y, k)]
-        if len(set(counts)) > 1 and rel(full, _token_weighted(model, loss_fn, x, y, k)) <= max(tol, 1e-7):
-            found.append(Finding("per-micro-batch mean loss with different token counts",
-                                 f"tokens per micro-batch {counts}: averaging their means weighs them unequally; "
-                                 "sum / tokens of the window matches the full batch",
-                                 "reduction='sum' and divide by the tokens of the whole window (num_items_in_batch)", 6))
-    if clip is not None and step is not None:
-        from .clipping import PLACEMENTS, combine, micro_gradients
+# -------------------------------------------------------------------------------------------------- check
 
-        base = _modes(model, (_BatchNorm, nn.modules.dropout._DropoutNd))
-        micro = micro_gradients(copy.deepcopy(base), loss_fn, x, y, k)
-        mine = grad(base, k)
-        for placement in PLACEMENTS:
-            if placement != "once" and rel(combine(micro, clip, placement), mine) <= max(tol, 1e-6):  # type: ignore[arg-type]
-                found.append(Finding(f"your loop clips as placement '{placement}'",
-                                     "its gradient equals clipping.combine(..., placement) to rounding",
-                                     "clip once, after the last micro-batch", 3))
-    if step is not None and not found and not explained and rel(grad(model, k, None), user) > tol:
-        found.append(Finding("your step computes something other than plain accumulation",
-                             "plain accumulation of the same model gives a different gradient",
-                             "compare your loop line by line with gradaccum.accumulate.accumulate_backward", 6))
-    if not found and not explained:
-        found.append(Finding("unexplained difference", f"relative error {rel(full, user):.2e}",
-                             "look for other batch-coupled layers or state that changes between micro-batches", 6))
-    return found
+
+def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None = None,
+          clip: float | None = None, tolerance: float | None = None, seed: int = 0, partial: bool = True) -> Report:
+    """Compare one accumulated window (``step``, or plain accumulation) with one full-batch pass; name causes.
+
+    ``clip``: the threshold your loop clips to (norm); when None and your loop calls ``clip_grad_norm_`` or
+    ``clip_grad_value_``, the threshold it used is taken. The full-batch reference is then clipped once.
+    ``tolerance``: relative error that counts as equal (default 1e-9 for float64 parameters, 1e-4 otherwise).
+    ``seed``: seeds the per-sample randomness. ``partial``: also run ``step`` on a partial window of K − 1
+    micro-batches (as the last window of an epoch) and report a gradient that is not that window's mean.
+    """
+    _validate(model, loss_fn, x, y, k, step, clip, tolerance, seed)
+    _check_outputs(model, loss_fn, x, y)
+    params = _trainable(model)
+    float64 = params[0].dtype == torch.float64
+    tol = float(tolerance) if tolerance is not None else (1e-9 if float64 else 1e-4)
+    wtol = 1e-9 if float64 else 1e-5
+    n, b = x.shape[0], x.shape[0] // k
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+    restore = _Restore(model)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            return _check(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b)
+    finally:
+        restore()
+
+
+def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None,
+           clip: float | None, tol: float, wtol: float, seed: int, partial: bool, n: int, b: int) -> Report:
+    report = Report(k, float("nan"), float("nan"), tol, micro_batch=b, batch=n)
+    refs = _references(model, loss_fn, x, y, k, seed)
+    if refs.error is not None:
+        err = refs.error
+        report.findings.append(Finding(
+            "model_fails_on_micro_batch", f"the model fails on a micro-batch of {b} sample(s)",
+            f"micro-batch {refs.micro}: {type(err).__name__}: {str(err).strip().splitlines()[0]}",
+            "use larger micro-batches (BatchNorm needs more than one value per channel) or a per-sample "
+            "normalization such as GroupNorm", 1))
+        return report
+    run = _run_step(model, loss_fn, x, y, k, step or accumulate_backward, seed, plans=refs.plans)
+    clips = [e for e in run.events if e.kind == "clip"]
+    kind, norm_type, source = "norm", 2.0, None
+    if clip is not None:
+        source = "the clip argument"
+    else:
+        thresholds = {(e.detail.get("fn"), e.detail.get("max_norm", e.detail.get("clip_value")),
+                       e.detail.get("norm_type", 2.0)) for e in clips}
+        if len(thresholds) == 1:
+            fn, value, norm_type = next(iter(thresholds))
+            if value is not None:
+                clip, source = value, "your loop's threshold"
+                kind = "value" if fn == "clip_grad_value_" else "norm"
+                report.notes.append(f"clipping: your loop calls {fn} with threshold {num(clip)}; the full batch is "
+                                    "clipped once at the same threshold")
+    target = clip_vec(refs.full, clip, kind, norm_type) if clip is not None else refs.full
+    reseeded = None
+    seeds = [e for e in run.events if e.kind == "seed"]
+    draws = run.replayed + len(run.unreplayed)
+    if step is not None and run.error is None and (draws or seeds):
+        a = _run_step(model, loss_fn, x, y, k, step, seed, mode="record", start=seed + 1)
+        c = _run_step(model, loss_fn, x, y, k, step, seed, mode="record", start=seed + 2)
+        if a.error is None and c.error is None:
+            reseeded = identical_draws(a.draws, c.draws)
+    probe = _loss_probe(loss_fn, refs.out, y, k, b)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    slices, start = [], 0
+    for name, p in zip(names, _trainable(model)):
+        slices.append((name, slice(start, start + p.numel())))
+        start += p.numel()
+    rtol = 1e-9 if wtol < 1e-6 else 1e-4
+    m = Measurements(
+        k=k, b=b, n=n, tol=tol, wtol=wtol, basis=refs.basis, full=refs.full, target=target, applied=run.applied,
+        f=probe.weights, loss_residual=probe.residual, tokens=probe.tokens, positions_per_sample=probe.positions,
+        clip=clip, clip_kind=kind, clip_norm_type=norm_type, clip_source=source, events=run.events,
+        passes=run.passes, error=run.error, forwards=run.forwards, unreplayed=run.unreplayed, random_draws=draws,
+        reseeded=reseeded, coupled=lambda: coupled_modules(model, x, b, SampleRNG(seed), rtol),
+        param_slices=slices, has_step=step is not None)
+    findings, info = diagnose(m)
+    report.findings = findings
+    report.weights, report.expected_weights = info.get("weights"), info.get("expected_weights")
+    if run.error is None:
+        report.rel_error, report.cosine = rel(target, run.applied), cosine(target, run.applied)
+    report.warnings = run.warnings
+    report.events = [str(e) for e in run.events]
+    report.counts = {"backward": len(run.passes)}
+    for kind_ in ("optimizer.step", "scheduler.step", "scaler.step", "scaler.update", "scaler.unscale_", "clip",
+                  "zero_grad", "seed"):
+        report.counts[kind_] = sum(e.kind == kind_ for e in run.events)
+    if run.replayed:
+        report.notes.append(f"randomness: {run.replayed} random draw(s) in forward passes replayed per sample, so the "
+                            "full batch and the micro-batches use the same masks")
+    if step is not None and partial and k >= 2 and run.error is None and not set(report.codes) & LOOP_CODES:
+        extra = _partial_window(model, loss_fn, x, y, k, b, step, seed, refs, clip, kind, norm_type, wtol)
+        if extra is not None:
+            report.findings.append(extra)
+    return report
+
+
+def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, b: int,
+                    step: Step, seed: int, refs: _Refs, clip: float | None, kind: str, norm_type: float,
+                    wtol: float) -> Finding | None:
+    """Run ``step`` on the first K − 1 micro-batches with k = K − 1 and compare with their mean gradient."""
+    m = k - 1
+    xp, yp = x[: m * b], y[: m * b]
+    run = _run_step(model, loss_fn, xp, yp, m, step, seed, plans=refs.plans)
+    if run.error is not None:
+        return Finding("partial_window_not_checked", "the last partial window was not checked",
+                       f"your step raised {type(run.error).__name__} on a window of {m} micro-batch(es) with "
+                       f"k = {m}", "if your loader can end an epoch with fewer than K micro-batches, make step "
+                       "accept k < K", 6, "note")
+    probe = _loss_probe(loss_fn, refs.out.narrow(0, 0, m * b), yp, m, b)
+    basis = refs.basis[:m]
+    ideal = sum(fj * basis[j] for j, fj in enumerate(probe.weights))
+    if clip is not None:
+        ideal = clip_vec(ideal, clip, kind, norm_type)
+    error = rel(ideal, run.applied)
+    if error <= max(1e3 * wtol, 1e-9):
+        return None
+    w, residual, _ = fit_weights(basis, run.applied)
+    s = float(run.applied @ ideal) / float(ideal @ ideal) if float(ideal.norm()) > 0 else float("nan")
+    straight = abs(cosine(ideal, run.applied) - 1) <= max(1e3 * wtol, 1e-9)
+    if straight and abs(s - m / k) <= max(1e3 * wtol, 1e-6) * (m / k):
+        evidence = (f"a window of {m} micro-batches gets {num(s)}× its mean gradient = {m}/{k}: your step divides by "
+                    f"K = {k}, not by the {m} micro-batches present")
+    else:
+        evidence = (f"a window of {m} micro-batches gets weights {nums(w)} instead of {nums(probe.weights)} "
+                    f"(relative error {num(error)})")
+    return Finding("partial_window", "the last partial window is not normalized by its own size", evidence,
+                   "divide a window's loss by the micro-batches (or samples, or tokens) it holds, or drop incomplete "
+                   "windows (drop_last); if your loader never makes one, pass partial=False (--no-partial)", 6)
 
 
 # ------------------------------------------------------------------------------------------- the demos
 
 
+def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the non-padding positions of (N, T, V) logits and (N, T) targets (padding: -100)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
+class _FlatLoss(nn.CrossEntropyLoss):
+    """CrossEntropyLoss that accepts (N, T, V) logits and (N, T) targets. Kept for notebooks written before
+    :func:`demo_cases` returned :func:`token_cross_entropy`; no longer needed."""
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return super().forward(input.reshape(-1, input.shape[-1]), target.reshape(-1))
+
+
+#: What :func:`demo_cases` plants: case → codes of the bugs the checker must name (empty: a correct loop).
+DEMO_EXPECTED: dict[str, tuple[str, ...]] = {
+    "correct loop, GroupNorm": (),
+    "BatchNorm": ("batch_coupled_layer",),
+    "dropout, fresh masks (correct)": (),
+    "clipping inside the loop": ("clip_running_buffer",),
+    "RNG re-seeded per micro-batch": ("rng_reseeded",),
+    "scheduler stepped per micro-batch": ("scheduler_step_inside_window",),
+    "loss scale changed inside the window": ("scaler_update_inside_window",),
+    "mean of per-micro-batch token means": ("token_normalization",),
+    "two dropout layers (correct)": (),
+    "whole iteration, optimizer and LinearLR (correct)": (),
+    "clip once after unscale_ (correct)": (),
+    "missing 1/K": ("missing_1_over_k",),
+    "zero_grad inside the window": ("zero_grad_inside_window",),
+    "clip before unscale_": ("clip_before_unscale",),
+    "scaler.update() after every micro-batch": ("step_raised", "scaler_update_inside_window"),
+    "optimizer.step() after every micro-batch": ("optimizer_step_inside_window",),
+    "partial last window divided by K": ("partial_window",),
+    "BatchNorm and a missing 1/K": ("batch_coupled_layer", "missing_1_over_k"),
+}
+
+
 def demo_cases() -> dict[str, tuple[nn.Module, Callable, torch.Tensor, torch.Tensor, Step | None, float | None]]:
-    """A correct loop and one model or loop per planted bug: name → (model, loss_fn, x, y, step, clip)."""
+    """Correct loops and one model or loop per planted bug: name → (model, loss_fn, x, y, step, clip), usable as
+    returned: ``check(model, loss_fn, x, y, 4, step=step, clip=clip)``. :data:`DEMO_EXPECTED` says what each
+    plants. Needs the book's data (scikit-learn's digits)."""
     from .data import load_digits_split
     from .models import make_cnn
     from .silent import encode_batch, load_corpus, make_lm, make_vocab, spread_lines
@@ -334,10 +581,70 @@ def demo_cases() -> dict[str, tuple[nn.Module, Callable, torch.Tensor, torch.Ten
         for p in model.parameters():
             p.grad /= scaler.get_scale()
 
+    def whole_iteration(model, loss_fn, xs, ys, k):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=10)  # steps once in here
+        opt.zero_grad()
+        for xb, yb in split_batch(xs, ys, k):
+            (loss_fn(model(xb), yb) / k).backward()
+        opt.step()
+        warmup.step()
+        opt.zero_grad()
+
+    def amp_clip(unscale_first: bool) -> Step:
+        def step(model, loss_fn, xs, ys, k):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            scaler = torch.amp.GradScaler("cpu")
+            for xb, yb in split_batch(xs, ys, k):
+                scaler.scale(loss_fn(model(xb), yb) / k).backward()
+            if unscale_first:
+                scaler.unscale_(opt)
+            clip_grad_norm_(model.parameters(), 1.0)  # imported by name
+            scaler.step(opt)
+            scaler.update()
+
+        return step
+
+    def missing_k(model, loss_fn, xs, ys, k):
+        for xb, yb in split_batch(xs, ys, k):
+            loss_fn(model(xb), yb).backward()
+
+    def zero_grad_inside(model, loss_fn, xs, ys, k):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for xb, yb in split_batch(xs, ys, k):
+            opt.zero_grad()
+            (loss_fn(model(xb), yb) / k).backward()
+
+    def update_every_micro(model, loss_fn, xs, ys, k):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        for xb, yb in split_batch(xs, ys, k):
+            scaler.scale(loss_fn(model(xb), yb) / k).backward()
+            scaler.update()
+        scaler.step(opt)
+
+    def step_every_micro(model, loss_fn, xs, ys, k):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for xb, yb in split_batch(xs, ys, k):
+            (loss_fn(model(xb), yb) / k).backward()
+            opt.step()
+            opt.zero_grad()
+
+    accumulation_steps = 4  # a constant of the training script, used for every window
+
+    def fixed_k(model, loss_fn, xs, ys, k):
+        for xb, yb in split_batch(xs, ys, k):
+            (loss_fn(model(xb), yb) / accumulation_steps).backward()
+
     lines = load_corpus()
     vocab = make_vocab(lines)
     tx, ty = encode_batch(spread_lines(lines, 16, 50, 39, seed=1, sort=True), vocab)
-    dropout_model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10)).double()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        dropout_model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3),
+                                      nn.Linear(32, 10)).double()
+        two_dropouts = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32),
+                                     nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10)).double()
     return {
         "correct loop, GroupNorm": (make_cnn("group"), ce, x, y, None, None),
         "BatchNorm": (make_cnn("batch"), ce, x, y, None, None),
@@ -345,48 +652,151 @@ def demo_cases() -> dict[str, tuple[nn.Module, Callable, torch.Tensor, torch.Ten
         "clipping inside the loop": (make_cnn("group"), ce, x, y, clip_inside, 0.1),
         "RNG re-seeded per micro-batch": (dropout_model, ce, x, y, reseeding, None),
         "scheduler stepped per micro-batch": (make_cnn("group"), ce, x, y, scheduler_inside, None),
-        "loss scale changed inside the window": (make_cnn("group").float(), ce, x.float(), y, scaler_update_inside, None),
-        "mean of per-micro-batch token means": (make_lm(vocab), nn.CrossEntropyLoss(ignore_index=-100), tx, ty, _lm_mean_loss, None),
+        "loss scale changed inside the window": (make_cnn("group").float(), ce, x.float(), y, scaler_update_inside,
+                                                 None),
+        "mean of per-micro-batch token means": (make_lm(vocab), token_cross_entropy, tx, ty, _lm_mean_loss, None),
+        "two dropout layers (correct)": (two_dropouts, ce, x, y, None, None),
+        "whole iteration, optimizer and LinearLR (correct)": (make_cnn("group"), ce, x, y, whole_iteration, None),
+        "clip once after unscale_ (correct)": (make_cnn("group").float(), ce, x.float(), y, amp_clip(True), None),
+        "missing 1/K": (make_cnn("group"), ce, x, y, missing_k, None),
+        "zero_grad inside the window": (make_cnn("group"), ce, x, y, zero_grad_inside, None),
+        "clip before unscale_": (make_cnn("group").float(), ce, x.float(), y, amp_clip(False), None),
+        "scaler.update() after every micro-batch": (make_cnn("group").float(), ce, x.float(), y, update_every_micro,
+                                                    None),
+        "optimizer.step() after every micro-batch": (make_cnn("group"), ce, x, y, step_every_micro, None),
+        "partial last window divided by K": (make_cnn("group"), ce, x, y, fixed_k, None),
+        "BatchNorm and a missing 1/K": (make_cnn("batch"), ce, x, y, missing_k, None),
     }
 
 
 def _lm_mean_loss(model, loss_fn, xs, ys, k):
     for xb, yb in split_batch(xs, ys, k):
-        out = model(xb)
-        (loss_fn(out.reshape(-1, out.shape[-1]), yb.reshape(-1)) / k).backward()
+        (loss_fn(model(xb), yb) / k).backward()
 
 
-class _FlatLoss(nn.CrossEntropyLoss):
-    """CrossEntropyLoss that accepts (N, T, V) logits and (N, T) targets (used by the token demo)."""
+@dataclass(frozen=True)
+class DemoResult:
+    """One demo case: its report, what it plants, and whether the checker named exactly that."""
 
-    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return super().forward(input.reshape(-1, input.shape[-1]), target.reshape(-1))
+    name: str
+    report: Report
+    expected: tuple[str, ...]
+
+    @property
+    def as_expected(self) -> bool:
+        if not self.expected:
+            return self.report.ok
+        return not self.report.ok and set(self.expected) <= set(self.report.codes)
+
+
+def run_demo(k: int = 4) -> list[DemoResult]:
+    """Run :func:`check` on every :func:`demo_cases` case."""
+    results = []
+    for name, (model, loss_fn, x, y, step, clip) in demo_cases().items():
+        results.append(DemoResult(name, check(model, loss_fn, x, y, k, step=step, clip=clip), DEMO_EXPECTED[name]))
+    return results
+
+
+# ----------------------------------------------------------------------------------------- command line
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _load_target(target: str) -> Callable[[], Any]:
+    if ":" not in target:
+        raise _UsageError(f"give the target as module:function (or path/to/file.py:function), got {target!r}")
+    module_name, func_name = target.rsplit(":", 1)
+    try:
+        if module_name.endswith(".py"):
+            path = os.path.abspath(module_name)
+            if not os.path.exists(path):
+                raise _UsageError(f"no file {module_name}")
+            spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except _UsageError:
+        raise
+    except Exception as err:
+        raise _UsageError(f"cannot import {module_name}: {type(err).__name__}: {err}") from err
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise _UsageError(f"{module_name} has no function {func_name}")
+    return func
+
+
+def _made(func: Callable[[], Any]) -> tuple[Any, ...]:
+    try:
+        made = func()
+    except Exception as err:
+        raise _UsageError(f"{func.__name__}() raised {type(err).__name__}: {err}") from err
+    if not isinstance(made, (tuple, list)) or len(made) not in (4, 5):
+        raise _UsageError(f"{func.__name__}() must return (model, loss_fn, x, y) or (model, loss_fn, x, y, step), "
+                          f"got {type(made).__name__}"
+                          + (f" of length {len(made)}" if isinstance(made, (tuple, list)) else ""))
+    return tuple(made)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gradaccum.check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", nargs="?", help="module:function (or file.py:function) returning "
+                        "(model, loss_fn, x, y) or (model, loss_fn, x, y, step)")
+    parser.add_argument("-k", type=int, default=4, help="accumulation steps K (default 4)")
+    parser.add_argument("--clip", type=float, help="the threshold your loop clips the gradient norm to")
+    parser.add_argument("--tolerance", type=float, help="relative error that counts as equal (default 1e-9 for "
+                        "float64 parameters, 1e-4 otherwise)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds make() and the replayed randomness (default 0)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--no-partial", action="store_true", help="do not check a partial last window")
+    parser.add_argument("--demo", action="store_true", help="run every planted bug and the correct loops; fails "
+                        "when a planted bug is missed or a correct loop is flagged")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gradaccum.check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("target", nargs="?", help="module:function returning (model, loss_fn, x, y[, step])")
-    parser.add_argument("-k", type=int, default=4, help="accumulation steps K (default 4)")
-    parser.add_argument("--demo", action="store_true", help="run every planted bug and a clean loop")
+    """The command line; returns the exit status (0 no bug, 1 bug found, 2 usage error)."""
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.k < 1:
+        parser.error(f"-k must be >= 1, got {args.k}")
+    for name in ("clip", "tolerance"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"--{name} must be a positive number, got {value}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.demo:
-        bad = 0
-        for name, (model, loss_fn, x, y, step, clip) in demo_cases().items():
-            if name.startswith("mean of per-micro-batch"):
-                loss_fn = _FlatLoss(ignore_index=-100)
-            report = check(model, loss_fn, x, y, args.k, step=step, clip=clip)
-            print(f"== {name}\n{report}\n")
-            bad += not report.ok
-        return 0
-    if not args.target or ":" not in args.target:
+        if args.target:
+            parser.error("give either --demo or a target, not both")
+        results = run_demo(args.k)
+        if args.json:
+            print(json.dumps({"cases": [{"name": r.name, "expected": list(r.expected), "as_expected": r.as_expected,
+                                         "report": r.report.to_dict()} for r in results],
+                              "all_as_expected": all(r.as_expected for r in results)}, indent=2))
+        else:
+            for r in results:
+                plant = ", ".join(r.expected) if r.expected else "nothing (a correct loop)"
+                verdict = "as expected" if r.as_expected else "NOT AS EXPECTED"
+                print(f"== {r.name} (plants: {plant}): {verdict}\n{r.report}\n")
+            good = sum(r.as_expected for r in results)
+            print(f"demo: {good} of {len(results)} verdicts as expected")
+        return 0 if all(r.as_expected for r in results) else 1
+    if not args.target:
         parser.error("give module:function (or --demo)")
-    module, func = args.target.split(":", 1)
-    sys.path.insert(0, ".")
-    made = getattr(importlib.import_module(module), func)()
-    model, loss_fn, x, y, *rest = made
-    report = check(model, loss_fn, x, y, args.k, step=rest[0] if rest else None)
-    print(report)
+    try:
+        torch.manual_seed(args.seed)
+        model, loss_fn, x, y, *rest = _made(_load_target(args.target))
+        report = check(model, loss_fn, x, y, args.k, step=rest[0] if rest else None, clip=args.clip,
+                       tolerance=args.tolerance, seed=args.seed, partial=not args.no_partial)
+    except (_UsageError, ValueError) as err:
+        print(f"python -m gradaccum.check: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
     return 0 if report.ok else 1
 
 

@@ -7,13 +7,24 @@ the accumulated (= full-batch) gradient. The four placements:
 
 * ``"once"`` (c): :math:`\operatorname{clip}_c(g)` — clip once after the last micro-batch; equals clipping the
   full-batch gradient;
-* ``"scaled_micro"`` (a1): :math:`\sum_k \operatorname{clip}_c(g_k/K)` — each 1/K-scaled contribution is
-  clipped; acts like a threshold of :math:`Kc` and can inflate the result up to K-fold;
+* ``"scaled_micro"`` (a1): :math:`\sum_k \operatorname{clip}_c(g_k/K) = \frac1K\sum_k
+  \operatorname{clip}_{Kc}(g_k)` — each 1/K-scaled contribution is clipped, which is (a2) with the threshold
+  :math:`Kc`; its norm is at most :math:`\sum_k\min(c, \lVert g_k\rVert/K) \le \min(Kc,
+  \frac1K\sum_k\lVert g_k\rVert)`;
 * ``"raw_micro"`` (a2): :math:`\frac1K\sum_k \operatorname{clip}_c(g_k)` — each raw micro-gradient is
-  clipped, then averaged; never longer than :math:`c`, and shorter when micro-gradients disagree;
+  clipped, then averaged; its norm is at most :math:`\frac1K\sum_k\min(c, \lVert g_k\rVert) \le c`;
 * ``"running"`` (b): ``clip_grad_norm_`` on the running ``.grad`` buffer after every backward:
   :math:`r_k = \operatorname{clip}_c(r_{k-1} + g_k/K)`; earlier micro-batches are shrunk again by every later
-  clip, so the direction leans towards the last ones, and the result depends on their order.
+  clip, so the direction leans towards the last ones, and the result depends on their order; its norm is at
+  most :math:`c`.
+
+Whether (a1) and (a2) are longer or shorter than the correct step :math:`\min(\lVert g\rVert, c)` is *not*
+fixed: it depends on how the micro-gradients are aligned (:func:`errata_cases` gives one example of each
+direction). What is fixed are the upper bounds above (:func:`norm_bounds`) and two consequences: when the
+full-batch gradient is clipped (:math:`\lVert g\rVert \ge c`), (a1) is at most K times and (a2) at most
+once the correct length; with K = 2 neither is ever longer than :math:`\lVert g\rVert` (the clip is odd and
+nonexpansive); with K ≥ 3 and :math:`\lVert g\rVert < c` neither ratio is bounded, and either can even point
+the opposite way.
 """
 
 from __future__ import annotations
@@ -77,10 +88,100 @@ def combine(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement,
         return sum(clip_vector(g / k, c, mode) for g in micro_grads)  # type: ignore[return-value]
     if placement == "raw_micro":
         return sum(clip_vector(g, c, mode) for g in micro_grads) / k  # type: ignore[return-value]
-    running = torch.zeros_like(micro_grads[0])
-    for g in micro_grads:
-        running = clip_vector(running + g / k, c, mode)
+    return clip_running_buffer([g / k for g in micro_grads], c, mode)
+
+
+def clip_running_buffer(contributions: Sequence[torch.Tensor], c: float,
+                        mode: Literal["norm", "value"] = "norm") -> torch.Tensor:
+    r"""The buffer after adding each contribution and clipping it every time:
+    :math:`r_k = \operatorname{clip}_c(r_{k-1} + d_k)`, :math:`r_0 = 0`, returned as :math:`r_K`.
+
+    Placement (b) is this with :math:`d_k = g_k/K`; a loop without the :math:`1/K` factor (the Hugging Face
+    issue's example) passes the raw :math:`g_k`."""
+    check_threshold(c)
+    check_k(len(contributions))
+    running = torch.zeros_like(contributions[0])
+    for d in contributions:
+        running = clip_vector(running + d, c, mode)
     return running
+
+
+def norm_bounds(micro_grads: Sequence[torch.Tensor], c: float) -> dict[str, float]:
+    r"""Upper bounds on the step's norm under each placement, from the micro-gradients' norms alone.
+
+    With :math:`n_k = \lVert g_k\rVert`, :math:`g = \frac1K\sum_k g_k` and the triangle inequality
+    (each clipped vector is no longer than :math:`c` nor than the vector itself):
+
+    * ``once``: :math:`\min(\lVert g\rVert, c)` (an equality, up to ``clip_grad_norm_``'s :math:`10^{-6}`);
+    * ``scaled_micro``: :math:`\sum_k \min(c, n_k/K) \le \min\big(Kc, \frac1K\sum_k n_k\big)`;
+    * ``raw_micro``: :math:`\frac1K\sum_k \min(c, n_k) \le c`;
+    * ``running``: :math:`c` (its last operation is a clip).
+
+    Lower bounds do not exist beyond 0: opposing micro-gradients cancel after clipping (:func:`errata_cases`).
+    """
+    check_threshold(c)
+    k = len(micro_grads)
+    check_k(k)
+    norms = [float(torch.linalg.vector_norm(g)) for g in micro_grads]
+    mean = float(torch.linalg.vector_norm(sum(micro_grads) / k))  # type: ignore[arg-type]
+    return {
+        "once": min(mean, c),
+        "scaled_micro": sum(min(c, n / k) for n in norms),
+        "raw_micro": sum(min(c, n) for n in norms) / k,
+        "running": c,
+    }
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One placement against clipping once, on the same micro-gradients."""
+
+    placement: str
+    norm: float        # norm of the placement's step
+    correct: float     # norm of clip_c(g), the correct step
+    cosine: float      # cosine between the two steps (0 when either is zero)
+
+    @property
+    def ratio(self) -> float:
+        """Length of the placement's step in units of the correct one."""
+        return self.norm / self.correct
+
+
+def compare_to_once(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement) -> Comparison:
+    r"""The step under ``placement`` next to the correct step :math:`\operatorname{clip}_c(g)`."""
+    step = combine(micro_grads, c, placement)
+    correct = combine(micro_grads, c, "once")
+    n, m = float(torch.linalg.vector_norm(step)), float(torch.linalg.vector_norm(correct))
+    cos = float(step @ correct) / (n * m) if n > 0 and m > 0 else 0.0
+    return Comparison(placement, n, m, cos)
+
+
+#: Small two-dimensional cases for the errata: (placement, micro-gradients, threshold c).
+ERRATA_CASES: dict[str, tuple[str, tuple[tuple[float, float], ...], float]] = {
+    "(a1) too long: aligned": ("scaled_micro", ((2.0, 0.0),) * 4, 1.0),
+    "(a1) too short: opposing": ("scaled_micro", ((10.0, 0.0), (-9.0, 0.0)), 1.0),
+    "(a1) reversed, K = 3": ("scaled_micro", ((30.3, 0.0), (-15.0, 0.0), (-15.0, 0.0)), 1.0),
+    "(a2) too short: orthogonal": ("raw_micro", ((2.0, 0.0), (0.0, 2.0)), 1.0),
+    "(a2) too long and reversed": ("raw_micro", ((-3.0, 0.0),) + ((0.95, 0.0),) * 3, 1.0),
+}
+
+
+def errata_cases(dtype: torch.dtype = torch.float64) -> dict[str, Comparison]:
+    """:func:`compare_to_once` on every case of :data:`ERRATA_CASES`: each per-micro-batch placement errs in
+    both directions, depending on how the micro-gradients are aligned."""
+    out = {}
+    for name, (placement, vectors, c) in ERRATA_CASES.items():
+        grads = [torch.tensor(v, dtype=dtype) for v in vectors]
+        out[name] = compare_to_once(grads, c, placement)  # type: ignore[arg-type]
+    return out
+
+
+def format_errata_cases(cases: dict[str, Comparison]) -> str:
+    lines = [f"{'case':<30} {'K':>2} {'c':>4}  {'step norm':>10} {'correct':>8} {'ratio':>8} {'cos':>6}"]
+    for name, r in cases.items():
+        k, c = len(ERRATA_CASES[name][1]), ERRATA_CASES[name][2]
+        lines.append(f"{name:<30} {k:>2} {c:>4g}  {r.norm:>10.3g} {r.correct:>8.4g} {r.ratio:>8.3g} {r.cosine:>6.2f}")
+    return "\n".join(lines)
 
 
 def check_finite_grads(model: nn.Module) -> None:
@@ -255,13 +356,20 @@ def placement_table(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
                     c: float, mode: Literal["norm", "value"] = "norm") -> dict[int, dict[str, tuple[float, float]]]:
     """For each K: micro-gradient agreement, and per placement (final size / c, cosine to the correct step).
 
-    Size is the L2 norm for ``mode="norm"`` and the largest |element| for ``mode="value"``.
+    Size is the L2 norm for ``mode="norm"`` and the largest |element| for ``mode="value"``. Each row also holds,
+    in units of c and in the first slot, the size of the unclipped accumulated gradient (``"full"``) and of the
+    shortest and longest micro-gradient (``"smallest"``, ``"largest"``).
     """
     table: dict[int, dict[str, tuple[float, float]]] = {}
+    nan = float("nan")
     for k in ks:
         grads = micro_gradients(model, loss_fn, x, y, k)
         correct = combine(grads, c, "once", mode)
-        row = {"agreement": (mean_pairwise_cosine(grads), float("nan"))}
+        sizes = [float(torch.linalg.vector_norm(g) if mode == "norm" else g.abs().max()) / c for g in grads]
+        full = sum(grads) / k  # type: ignore[operator]
+        row = {"agreement": (mean_pairwise_cosine(grads), nan),
+               "full": (float(torch.linalg.vector_norm(full) if mode == "norm" else full.abs().max()) / c, nan),
+               "smallest": (min(sizes), nan), "largest": (max(sizes), nan)}
         for placement in PLACEMENTS:
             g = combine(grads, c, placement, mode)  # type: ignore[arg-type]
             size = torch.linalg.vector_norm(g) if mode == "norm" else g.abs().max()
@@ -288,24 +396,133 @@ class ClipRun:
 
 
 def train_placements(split: DigitsSplit, k: int, c: float, epochs: int = 8, seed: int = 0,
-                     placements: Sequence[str] = PLACEMENTS) -> list[ClipRun]:
-    """Train a GroupNorm SmallCNN (so that accumulation is otherwise exact) with each clip placement, plus the
-    full batch clipped once (``placement="full batch"``, K = 1), on the same batches."""
+                     placements: Sequence[str] = PLACEMENTS, norm: str = "group",
+                     full_batch: bool = True) -> list[ClipRun]:
+    """Train a SmallCNN with a per-sample normalization (``norm="group"`` or ``"layer"``, so that accumulation
+    is otherwise exact) with each clip placement, plus (if ``full_batch``) the full batch clipped once
+    (``placement="full batch"``, K = 1), on the same batches."""
     import functools
 
     from .accumulate import train
     from .models import make_cnn
 
     check_threshold(c)
+    if norm not in ("group", "layer"):
+        raise ValueError(f"norm must be 'group' or 'layer' (per-sample statistics), got {norm!r}; with BatchNorm "
+                         "the micro-batch statistics would change the runs as well (chapter 1).")
     runs = []
-    for placement in ("full batch", *placements):
+    for placement in (("full batch",) if full_batch else ()) + tuple(placements):
         kk, p = (1, "once") if placement == "full batch" else (k, placement)
         backward_fn = functools.partial(clipped_accumulation, c=c, placement=check_placement(p))
-        model = make_cnn("group", seed=seed, device=split.x_train.device)
+        model = make_cnn(norm, seed=seed, device=split.x_train.device)  # type: ignore[arg-type]
         r = train(model, split.x_train, split.y_train, split.x_val, split.y_val, batch_size=64, k=kk,
                   epochs=epochs, seed=seed, backward_fn=backward_fn)
         runs.append(ClipRun(placement, kk, r.val_acc, r.train_loss))
     return runs
+
+
+def last_epoch_loss(run: ClipRun, epochs: int) -> float:
+    """Mean training loss over the optimizer steps of the last epoch."""
+    per_epoch = len(run.losses) // epochs
+    return sum(run.losses[-per_epoch:]) / per_epoch
+
+
+#: Set-ups of the robustness checks: (normalization, threshold c).
+SETUPS: tuple[tuple[str, float], ...] = (("group", 0.3), ("layer", 0.3), ("group", 1.0))
+
+
+def table_sweep(split: DigitsSplit, setups: Sequence[tuple[str, float]] = SETUPS, seeds: Sequence[int] = (0, 1, 2),
+                ks: Sequence[int] = (1, 2, 4, 8, 16), batch_size: int = 64
+                ) -> dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]]:
+    """:func:`placement_table` for every set-up and seed: seed s takes a fresh SmallCNN initialized with seed s
+    and the training batch of ``batch_size`` images number s."""
+    from torch import nn as _nn
+
+    from .models import make_cnn
+
+    loss_fn = _nn.CrossEntropyLoss()
+    out = {}
+    for norm, c in setups:
+        for s in seeds:
+            x = split.x_train[s * batch_size:(s + 1) * batch_size]
+            y = split.y_train[s * batch_size:(s + 1) * batch_size]
+            model = make_cnn(norm, seed=s, device=x.device).train()  # type: ignore[arg-type]
+            out[(norm, c, s)] = placement_table(model, loss_fn, x, y, ks, c)
+    return out
+
+
+def train_sweep(split: DigitsSplit, k: int = 8, epochs: int = 2, setups: Sequence[tuple[str, float]] = SETUPS,
+                seeds: Sequence[int] = (0, 1, 2)) -> dict[tuple[str, float, int], dict[str, float]]:
+    """Last-epoch training loss of every placement, for every set-up and seed (short runs: ``epochs``)."""
+    out = {}
+    for norm, c in setups:
+        for s in seeds:
+            runs = train_placements(split, k, c, epochs=epochs, seed=s, norm=norm, full_batch=False)
+            out[(norm, c, s)] = {r.placement: last_epoch_loss(r, epochs) for r in runs}
+    return out
+
+
+def format_table_sweep(tables: dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]]) -> str:
+    """One line per (normalization, c, seed): the unclipped ‖g‖/c, (a1) and (a2) as ‖step‖/c and (b)'s cosine to
+    the correct step, at the smallest and the largest K > 1 of the tables."""
+    first = next(iter(tables.values()))
+    ks = [k for k in first if k > 1]
+    lo, hi = ks[0], ks[-1]
+    lines = [f"{'norm':<6} {'c':>4} {'seed':>4} {'‖g‖/c':>6}   {'(a1) ‖step‖/c':>15}   "
+             f"{'(a2) ‖step‖/c':>15}   {'(b) cosine':>13}",
+             f"{'':<23}" + f"   {f'K={lo}':>7}{f'K={hi}':>8}" * 3]
+    for (norm, c, s), tab in tables.items():
+        lines.append(f"{norm:<6} {c:>4g} {s:>4} {tab[lo]['full'][0]:>6.2f}   "
+                     f"{tab[lo]['scaled_micro'][0]:>7.2f}{tab[hi]['scaled_micro'][0]:>8.2f}   "
+                     f"{tab[lo]['raw_micro'][0]:>7.3f}{tab[hi]['raw_micro'][0]:>8.3f}   "
+                     f"{tab[lo]['running'][1]:>7.3f}{tab[hi]['running'][1]:>8.3f}")
+    return "\n".join(lines)
+
+
+def format_train_sweep(losses: dict[tuple[str, float, int], dict[str, float]]) -> str:
+    """One line per (normalization, c, seed): last-epoch training loss of every placement."""
+    lines = [f"{'norm':<6} {'c':>4} {'seed':>4}  " + "".join(f"{LABELS[p].split(' ')[0]:>8}" for p in PLACEMENTS)]
+    for (norm, c, s), row in losses.items():
+        lines.append(f"{norm:<6} {c:>4g} {s:>4}  " + "".join(f"{row[p]:>8.4f}" for p in PLACEMENTS))
+    return "\n".join(lines)
+
+
+def raw_micro_all_clipped(agreement: float, k: int) -> float:
+    r"""‖step‖/c of placement (a2) when *every* micro-gradient is longer than c.
+
+    Then each :math:`\operatorname{clip}_c(g_k) = c\,u_k` with :math:`u_k` the unit direction of
+    :math:`g_k`, and :math:`\lVert \frac1K\sum_k c\,u_k\rVert^2 = \frac{c^2}{K^2}\big(K + K(K-1)\bar a\big)`
+    with :math:`\bar a` the mean pairwise cosine, so
+
+    .. math:: \lVert\text{(a2)}\rVert / c = \sqrt{1/K + (1 - 1/K)\,\bar a}.
+
+    At fixed agreement :math:`\bar a` the step still shrinks as K grows, towards :math:`\sqrt{\bar a}`
+    (:math:`1/\sqrt K` for unrelated micro-gradients)."""
+    check_k(k)
+    if not -1.0 <= agreement <= 1.0:
+        raise ValueError(f"agreement is a mean cosine and must lie in [-1, 1], got {agreement}.")
+    return math.sqrt(max(0.0, 1 / k + (1 - 1 / k) * agreement))
+
+
+def scaler_clip_norm(grad_norm: float, c: float, scale: float = 2.0**16, unscale_first: bool = False) -> float:
+    """Norm of the gradient the optimizer receives from ``torch.amp.GradScaler`` with ``clip_grad_norm_(c)``,
+    for an accumulated gradient of true norm ``grad_norm``: ``unscale_`` then clip (right) or clip then
+    ``unscale_`` (wrong: the clip sees the scaled norm S·‖g‖ and brings it to c, unscaling leaves c/S).
+    Uses a real scaler on one float64 parameter on the CPU."""
+    check_threshold(c)
+    if not grad_norm > 0 or not math.isfinite(grad_norm):
+        raise ValueError(f"grad_norm must be a positive finite number, got {grad_norm}.")
+    p = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler.scale((p * torch.tensor([grad_norm, 0.0], dtype=torch.float64)).sum()).backward()
+    if unscale_first:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_([p], c)
+    else:
+        torch.nn.utils.clip_grad_norm_([p], c)
+        scaler.unscale_(opt)
+    return float(torch.linalg.vector_norm(p.grad))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------- figures

@@ -28,6 +28,13 @@ CHECK_CALL = re.compile(r"^exercises\.(check_\w+)\((.*)\)\s*$", re.M)
 
 BOOK_FILES = ("_config.yml", "_toc.yml", "intro.md", "references.md", "references.bib")
 
+#: Pages of the book that would give away exercise answers, replaced by a short note in the student edition
+#: (every other page in the table of contents is copied as it is).
+STUDENT_STUBS: dict[str, str] = {
+    "errata": "# Errata\n\nThe book's corrections are listed in the full edition: several of them concern exercise "
+              "solutions, so they are published together with the solutions.\n",
+}
+
 
 def _source(cell: dict[str, Any]) -> str:
     src = cell.get("source", "")
@@ -92,6 +99,16 @@ def write_student_edition(root: Path, out: Path) -> list[Path]:
         elif name == "_toc.yml":
             text = _student_toc(text)
         (out / name).write_text(text)
+    pages = re.findall(r"^\s*-\s*file:\s*(\S+)\s*$", _student_toc((root / "_toc.yml").read_text()), flags=re.M)
+    for page in pages:
+        if page.startswith("chapters/") or f"{page}.md" in BOOK_FILES:
+            continue
+        target = out / f"{page}.md"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if page in STUDENT_STUBS:
+            target.write_text(STUDENT_STUBS[page])
+        else:
+            shutil.copy(root / f"{page}.md", target)
     _write_binder(root, out)
     written = []
     for path in sorted((root / "chapters").glob("*.ipynb")):

@@ -7,7 +7,16 @@ every micro-batch: K collectives per optimizer step. Since the all-reduce is lin
 .. math:: \frac1p\sum_r \sum_k g_{r,k} \;=\; \sum_k \frac1p\sum_r g_{r,k},
 
 one all-reduce of the accumulated gradients gives the same result: ``with model.no_sync():`` around the forward
-*and* backward of the first K−1 micro-batches skips their all-reduces.
+*and* backward of the first K−1 micro-batches skips their all-reduces, and the K-th micro-batch's forward *and*
+backward run outside it. DDP decides in the *forward* pass whether the coming backward synchronizes: a forward
+inside ``no_sync()`` followed by a backward outside launches no all-reduce at all, so the ranks keep different
+gradients (:func:`placed_accumulate` reproduces each placement).
+
+DDP puts every parameter into one bucket for the first iteration (``find_unused_parameters=False``) and rebuilds
+the buckets, in the order the gradients became ready, after the first synchronized backward pass; from then on
+each synchronized backward launches one all-reduce per bucket. Without a communication hook DDP divides by p while
+copying each gradient into its bucket (``at::mul_out`` in ``reducer.cpp``), so a synchronization makes two passes
+over the gradients besides the all-reduce: copy in (and divide), copy out.
 
 Processes are started with ``torch.multiprocessing`` (spawn) on the loopback interface with a free port, the gloo
 backend on CPU (NCCL when every rank has a GPU), a process-group timeout, and a deadline after which every worker
@@ -104,7 +113,8 @@ def _launch(mp: Any, task: str, world_size: int, timeout: float, kwargs: dict[st
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
             for p in ctx.processes:  # let the other failures land in their error files
                 p.join(2)
-            causes = _worker_errors(ctx.error_files) or [str(err).strip().splitlines()[-1]]
+            exits = [proc.exitcode for proc in ctx.processes]
+            causes = _worker_errors(ctx.error_files, exits) or [str(err).strip().splitlines()[-1]]
             raise WorkerFailed(f"a worker of task {task!r} failed:\n" + "\n".join(causes)) from None
         finally:
             for p in ctx.processes:
@@ -117,17 +127,21 @@ def _launch(mp: Any, task: str, world_size: int, timeout: float, kwargs: dict[st
 _COMM_ERROR = ("gloo", "NCCL", "Connection reset", "Connection closed", "Broken pipe", "timed out", "Timed out")
 
 
-def _worker_errors(error_files: list[str]) -> list[str]:
-    """The last line of each worker's traceback, root causes first: errors that only report a lost peer (the
-    consequence of another rank's failure) come last."""
+def _worker_errors(error_files: list[str], exit_codes: list[int | None] | None = None) -> list[str]:
+    """The last line of each worker's traceback — or, for a worker that exited without one (``os._exit``, a
+    crash), its exit code — root causes first: errors that only report a lost peer (the consequence of another
+    rank's failure) come last."""
     import pickle
 
     found = []
     for rank, path in enumerate(error_files):
+        code = exit_codes[rank] if exit_codes and rank < len(exit_codes) else None
         if path and os.path.exists(path) and os.path.getsize(path) > 0:
             with open(path, "rb") as fh:
                 last = pickle.load(fh).strip().splitlines()[-1]
             found.append((any(mark in last for mark in _COMM_ERROR), f"rank {rank}: {last}"))
+        elif code not in (None, 0):
+            found.append((False, f"rank {rank}: process exited with exit code {code}"))
     return [text for _, text in sorted(found, key=lambda item: item[0])]
 
 
@@ -137,13 +151,40 @@ def _worker_errors(error_files: list[str]) -> list[str]:
 def ddp_accumulate(model: DDP, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, no_sync: bool) -> None:
     """One optimizer step's backward passes on this rank: K micro-batches, loss / K each. With ``no_sync`` the
     forward and backward of the first K−1 run inside ``model.no_sync()``, so only the last one all-reduces."""
-    micro = split_batch(x, y, k)
-    for i, (xb, yb) in enumerate(micro):
-        if no_sync and i < k - 1:
+    placed_accumulate(model, loss_fn, x, y, k, "no_sync" if no_sync else "sync every micro-batch")
+
+
+#: Where the micro-batches' forward and backward passes sit relative to ``model.no_sync()``:
+#:
+#: * ``"sync every micro-batch"`` — no ``no_sync()``: K synchronizations;
+#: * ``"no_sync"`` — forward and backward of micro-batches 1..K−1 inside, of micro-batch K outside: one;
+#: * ``"last forward inside"`` — as ``"no_sync"``, but micro-batch K's forward also runs inside and only its
+#:   backward outside: **none** (DDP prepares the reduction in the forward pass), so ranks keep their own gradients;
+#: * ``"forward outside"`` — every forward outside, the backward of micro-batches 1..K−1 inside: K, as without it.
+PLACEMENTS = ("sync every micro-batch", "no_sync", "last forward inside", "forward outside")
+
+
+def placed_accumulate(model: DDP, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int,
+                      placement: str) -> None:
+    """One optimizer step's K forward/backward passes (loss / K each) with ``no_sync()`` placed as ``placement``
+    says (one of :data:`PLACEMENTS`)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}.")
+    for i, (xb, yb) in enumerate(split_batch(x, y, k)):
+        last = i == k - 1
+        if placement == "sync every micro-batch" or (last and placement != "last forward inside"):
+            (loss_fn(model(xb), yb) / k).backward()
+        elif placement == "forward outside":
+            loss = loss_fn(model(xb), yb) / k
+            with model.no_sync():
+                loss.backward()
+        elif last:  # "last forward inside": the forward in the context, its backward after it
+            with model.no_sync():
+                loss = loss_fn(model(xb), yb) / k
+            loss.backward()
+        else:
             with model.no_sync():
                 (loss_fn(model(xb), yb) / k).backward()
-        else:
-            (loss_fn(model(xb), yb) / k).backward()
 
 
 @dataclass
@@ -179,13 +220,35 @@ def _shard(rank: int, world_size: int, per_rank: int, dtype: torch.dtype,
         data = (d.x_train, d.y_train)
     x, y = data
     if (rank + 1) * per_rank > x.shape[0]:
-        raise ValueError(f"{world_size} ranks × {per_rank} images exceed the {x.shape[0]} training images.")
+        raise ValueError(f"{world_size} ranks × {per_rank} images exceed the {x.shape[0]} training images; each "
+                         f"rank needs K·b·steps images of its own: lower the micro-batch size b, K or the steps "
+                         f"(micro_batch_that_fits gives the largest b that fits).")
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
     return x[sl].to(dtype), y[sl]
 
 
-def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None) -> dict[str, Any]:
-    """Gradients after one accumulated step with and without no_sync, and the all-reduce counts of each."""
+def micro_batch_that_fits(n_images: int, world_size: int, k: int, steps: int, cap: int = 8) -> int:
+    r"""The largest micro-batch size :math:`b \le` ``cap`` for which every rank gets its own
+    :math:`K b \cdot \text{steps}` images: :math:`b = \min(\text{cap}, \lfloor n / (p K \cdot \text{steps})\rfloor)`.
+
+    Raises ValueError when not even b = 1 fits (then fewer steps or a smaller K is needed).
+    """
+    check_k(k)
+    for name, value in (("n_images", n_images), ("world_size", world_size), ("steps", steps), ("cap", cap)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+    b = min(cap, n_images // (world_size * k * steps))
+    if b < 1:
+        raise ValueError(f"{world_size} ranks × K={k} × {steps} steps need more than the {n_images} images even "
+                         f"with micro-batches of 1; use at most {n_images // (world_size * k)} steps or a smaller K.")
+    return b
+
+
+def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None, steps: int = 1,
+                   bucket_cap_mb: float | None = None) -> dict[str, Any]:
+    """Gradients after one accumulated step with and without no_sync, and the all-reduce counts of each; with
+    ``steps`` > 1, also the all-reduce calls of each of ``steps`` optimizer steps (buckets of at most
+    ``bucket_cap_mb`` MiB), which show the first iteration's single bucket and the rebuilt buckets after it."""
     from .models import make_cnn
 
     x, y = _shard(rank, world_size, k * b, torch.float64, data)
@@ -196,7 +259,36 @@ def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None)
         model.register_comm_hook(counter, counting_hook)
         ddp_accumulate(model, nn.CrossEntropyLoss(), x, y, k, no_sync=mode == "no_sync")
         out[mode] = {"grad": flat_grad(model.module).detach(), "calls": counter.calls, "bytes": counter.bytes}
+        if steps > 1:
+            kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+            counter = CommCounter()
+            model = DDP(make_cnn("group", seed=0), **kwargs)
+            model.register_comm_hook(counter, counting_hook)
+            per_step = []
+            for _ in range(steps):
+                before = counter.calls
+                model.zero_grad(set_to_none=True)
+                ddp_accumulate(model, nn.CrossEntropyLoss(), x, y, k, no_sync=mode == "no_sync")
+                per_step.append(counter.calls - before)
+            out[mode]["calls per step"] = per_step
     out["params"] = sum(p.numel() for p in model.module.parameters())
+    return out
+
+
+def _task_placement(rank: int, world_size: int, k: int, b: int, data: Any = None) -> dict[str, Any]:
+    """For every entry of :data:`PLACEMENTS`: the all-reduce calls of one accumulated step and the gradient this
+    rank holds after it; plus ``"local"``, the gradient of this rank's own shard alone (no averaging)."""
+    from .accumulate import accumulated_gradient
+    from .models import make_cnn
+
+    x, y = _shard(rank, world_size, k * b, torch.float64, data)
+    out: dict[str, Any] = {"local": accumulated_gradient(make_cnn("group", seed=0), nn.CrossEntropyLoss(), x, y, k)}
+    for placement in PLACEMENTS:
+        counter = CommCounter()
+        model = DDP(make_cnn("group", seed=0))
+        model.register_comm_hook(counter, counting_hook)
+        placed_accumulate(model, nn.CrossEntropyLoss(), x, y, k, placement)
+        out[placement] = {"grad": flat_grad(model.module).detach(), "calls": counter.calls}
     return out
 
 
@@ -210,14 +302,17 @@ def mlp(width: int, seed: int = 0) -> nn.Module:
 
 def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b: int, steps: int,
                  sizes: list[int], data: Any = None) -> dict[str, Any]:
-    """Median step time with and without no_sync for each (width, K), and an all-reduce microbenchmark.
+    """Step times with and without no_sync for each (width, K), and an all-reduce microbenchmark.
 
-    Every configuration is warmed up, and the two modes alternate step by step so that drifts in machine load
-    affect both alike.
+    Every configuration is warmed up (2 pairs), then the two modes alternate step by step in the order
+    AB BA AB ...: with a fixed order, whichever runs first in a pair pays for what the previous pair left behind
+    (the K = 1 rows, which run identical code, differed by 2×). Each step starts after a barrier, so both ranks
+    time the same step. ``result["pairs"][width, K]`` holds the ``steps`` (sync, no_sync) pairs in the order they
+    ran, ``result["steps"][width, K, no_sync]`` the median of each mode.
     """
     x, y = _shard(rank, world_size, max(ks) * b, torch.float32, data)
     loss_fn = nn.CrossEntropyLoss()
-    result: dict[str, Any] = {"allreduce": {}, "copy": {}, "steps": {}, "params": {}}
+    result: dict[str, Any] = {"allreduce": {}, "copy": {}, "steps": {}, "params": {}, "pairs": {}}
     for n in sizes:  # all-reduce, and a plain copy, of n float32 values
         t, src = torch.ones(n), torch.ones(n)
         times, copies = [], []
@@ -240,7 +335,7 @@ def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b
             xk, yk = x[: k * b], y[: k * b]
             times: dict[bool, list[float]] = {False: [], True: []}
             for i in range(steps + 2):
-                for no_sync in (False, True):
+                for no_sync in ((False, True) if i % 2 == 0 else (True, False)):
                     dist.barrier()
                     start = time.perf_counter()
                     opt.zero_grad(set_to_none=True)
@@ -250,6 +345,7 @@ def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b
                         times[no_sync].append(time.perf_counter() - start)
             for no_sync, ts in times.items():
                 result["steps"][width, k, no_sync] = statistics.median(ts)
+            result["pairs"][width, k] = list(zip(times[False], times[True]))
     return result
 
 
@@ -291,10 +387,10 @@ def _task_train(rank: int, world_size: int, k: int, b: int, steps: int, data: An
 
 
 #: Tasks that train on the digits: launch() hands them the training images.
-DATA_TASKS = ("equality", "timing", "train")
+DATA_TASKS = ("equality", "timing", "train", "placement")
 
 TASKS: dict[str, Callable[..., Any]] = {"equality": _task_equality, "timing": _task_timing, "crash": _task_crash,
-                                        "train": _task_train}
+                                        "train": _task_train, "placement": _task_placement}
 
 
 # ------------------------------------------------------------------------------------- cost model
@@ -360,21 +456,24 @@ class StepPrediction:
 
 
 def predict_step(params: int, k: int, p: int, link: Interconnect, micro_compute: float,
-                 bytes_per_param: int = 4, buckets: int = 1, copy_bandwidth: float | None = None) -> StepPrediction:
+                 bytes_per_param: int = 4, buckets: int = 1, copy_bandwidth: float | None = None,
+                 copy_passes: int = 2) -> StepPrediction:
     """α–β prediction of one optimizer step: K micro-batches of ``micro_compute`` seconds each, plus K (naive)
     or 1 (no_sync) synchronizations of all gradients, split into ``buckets`` messages.
 
-    A synchronization is the ring all-reduce plus, if ``copy_bandwidth`` (bytes/s) is given, DDP's three extra
-    passes over the gradients (copy into the bucket, divide by p, copy back). Communication is assumed not to
-    overlap with compute, so this is an upper bound on the saving when it does.
+    A synchronization is the ring all-reduce plus, if ``copy_bandwidth`` (bytes/s) is given, ``copy_passes``
+    passes over the gradients: 2 for DDP without a communication hook (copy into the bucket with the division
+    by p fused into it, copy back), 3 with the default all-reduce hook registered (it divides in a pass of its
+    own). Communication is assumed not to overlap with compute, so this is an upper bound on the saving when it
+    does.
     """
     check_k(k)
-    if params < 1 or micro_compute < 0 or buckets < 1:
-        raise ValueError("params and buckets must be positive and micro_compute non-negative.")
+    if params < 1 or micro_compute < 0 or buckets < 1 or copy_passes < 0:
+        raise ValueError("params and buckets must be positive, micro_compute and copy_passes non-negative.")
     n_bytes = params * bytes_per_param
     one = buckets * ring_allreduce_time(n_bytes / buckets, p, link)
     if copy_bandwidth is not None and p > 1:
-        one += 3 * n_bytes / copy_bandwidth
+        one += copy_passes * n_bytes / copy_bandwidth
     compute = k * micro_compute
     return StepPrediction(compute, one, compute + k * one, compute + one)
 
@@ -388,7 +487,8 @@ def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, 
 
 
 def format_seconds(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} µs"
+    """Seconds in ms (from 1 ms on, also for negative differences) or µs, three significant digits."""
+    return f"{s * 1e3:.3g} ms" if abs(s) >= 1e-3 else f"{s * 1e6:.3g} µs"
 
 
 def bytes_human(n: float) -> str:
@@ -408,7 +508,12 @@ def log2_or_zero(x: float) -> float:
 
 @dataclass(frozen=True)
 class TimingFit:
-    """The α–β fit of the all-reduce microbenchmark, the copy bandwidth, and predicted vs measured savings."""
+    """The α–β fit of the all-reduce microbenchmark, the copy bandwidth, and predicted vs measured savings.
+
+    A row's measured saving is the median of the paired differences sync − no_sync (steps that ran back to back),
+    which cancels load that changes more slowly than a pair; at K = 1 both modes run the same code, so that row's
+    "saving" measures the noise.
+    """
 
     link: Interconnect
     copy_bandwidth: float
@@ -429,8 +534,10 @@ def analyse_timing(result: dict[str, Any], p: int) -> TimingFit:
             continue
         params = result["params"][width]
         sync, nosync = result["steps"][width, k, False], result["steps"][width, k, True]
+        pairs = result.get("pairs", {}).get((width, k))
+        saved = statistics.median(a - b for a, b in pairs) if pairs else sync - nosync
         pred = predict_step(params, k, p, link, 0.0, copy_bandwidth=copy_bw).saving
-        rows.append((width, params, k, sync, nosync, sync - nosync, pred))
+        rows.append((width, params, k, sync, nosync, saved, pred))
     return TimingFit(link, copy_bw, rows)
 
 
@@ -441,7 +548,7 @@ def format_timing(fit: TimingFit) -> str:
     for _, params, k, sync, nosync, meas, pred in fit.rows:
         ratio = f"{pred / meas:6.2f}" if k > 1 and meas > 0 else f"{'':>6}"
         lines.append(f"{params:>9,} {k:>3} {format_seconds(sync):>10} {format_seconds(nosync):>10}"
-                     f" {format_seconds(meas) if k > 1 else '—':>10} {format_seconds(pred) if k > 1 else '—':>10} {ratio}")
+                     f" {format_seconds(meas):>10} {format_seconds(pred) if k > 1 else '0':>10} {ratio}")
     return "\n".join(lines)
 
 

@@ -225,7 +225,8 @@ def check_clip_raw_micro(answer: object) -> Feedback:
             (1.0, "1 is the correct step: the average (1, 0) has norm 1 and is not clipped. Under (a2) g_1 is "
                   "clipped to (1, 0) *before* averaging, and then it cancels g_2."),
             (2.0, "average after clipping: ((1, 0) + (−1, 0)) / 2."),
-            (0.5, "g_2 = (−1, 0) has norm 1 = c, so it is not clipped; only g_1 is."),
+            (0.5, "(1, 0)/2 leaves g_2 out: g_2 = (−1, 0) has norm 1 = c, so it is not clipped, but it still enters "
+                  "the average."),
         ],
         hint="Clip g_1 and g_2 separately to norm ≤ 1, then average.",
     )
@@ -267,14 +268,19 @@ def check_effective_scale(answer: object, scale: float = 65536.0, k: int = 8) ->
 
 
 def check_fp16_subnormal(answer: object) -> Feedback:
-    """Exercise: the smallest positive float16 number."""
+    """Exercise: the smallest positive float16 number, smallest normal × epsilon = 2^-24 (from ``torch.finfo``)."""
+    import torch
+
+    f16, f32 = torch.finfo(torch.float16), torch.finfo(torch.float32)
+    smallest = f16.smallest_normal * f16.eps
     return check_number(
         answer,
-        2.0**-24,
+        smallest,
         mistakes=[
-            (2.0**-14, "2^-14 is the smallest *normal* float16; subnormals go 10 bits further down."),
-            (2.0**-10, "2^-10 is float16's machine epsilon (the spacing just above 1), not its smallest number."),
-            (2.0**-126, "that is float32's (and bfloat16's) smallest normal number."),
+            (f16.smallest_normal, "2^-14 is the smallest *normal* float16; subnormals go 10 bits further down."),
+            (f16.eps, "2^-10 is float16's machine epsilon (the spacing just above 1), not its smallest number."),
+            (f32.smallest_normal, "that is float32's (and bfloat16's) smallest normal number."),
+            (smallest / 2, "2^-25 is half the smallest subnormal: a tie between 0 and 2^-24, which rounds to 0."),
         ],
         rtol=5e-3,
         hint="Smallest normal times machine epsilon.",

@@ -167,23 +167,37 @@ class WindowResult:
 
 def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
                pattern: Pattern = "correct", dtype: torch.dtype = torch.float16, init_scale: float = 2.0**16,
-               overflow_micro: int | None = None, lr: float = 0.1) -> WindowResult:
-    """Run one accumulation window of the torch.amp recipe, or of one of its common mistakes, on a copy.
+               overflow_micro: int | None = None, lr: float = 0.1,
+               divide: Literal["loss", "grads"] = "loss") -> WindowResult:
+    r"""Run one accumulation window of the torch.amp recipe, or of one of its common mistakes, on a copy.
 
     * ``correct``: per micro-batch ``scaler.scale(loss / K).backward()`` under autocast; at the boundary
       ``unscale_`` → ``step`` → ``update``.
     * ``unscale_per_micro``: ``unscale_`` after every backward (raises on the second call).
-    * ``scale_changes_in_window``: the scale is doubled after every micro-batch (``update(new_scale=...)``,
-      what growth would do), so micro-gradients are summed at different scales.
+    * ``scale_changes_in_window``: the scale is set by hand to twice its value after every micro-batch
+      (``update(new_scale=2·S)``), so micro-gradients are summed at different scales and ``unscale_`` divides
+      them all by the scale in force at the boundary, :math:`2^K S`, which none of them used. (A dynamic scaler
+      never does this by itself: it grows only after ``growth_interval`` consecutive clean ``update()`` calls,
+      and a plain ``update()`` before any inf check raises.)
     * ``step_per_micro``: ``step`` and ``update`` after every micro-batch: K small steps, not one.
     * ``no_scaler``: autocast only, loss / K (right for bf16; for fp16 small gradients underflow).
 
     ``overflow_micro`` makes that micro-batch overflow in fp16 (its inputs are multiplied by 10⁶).
+
+    ``divide``: where the 1/K goes. ``"loss"`` (the recipe): each micro-batch's loss is divided by K before
+    ``backward``, so the backward pass holds :math:`\tfrac{S}{K}\,\nabla L`. ``"grads"``: the loss is only
+    scaled by S, and the accumulated gradients are divided by K after ``unscale_``; the backward pass then holds
+    :math:`S\,\nabla L`, K times larger, and overflows at a K times smaller S.
     """
     check_k(k)
     check_scale(init_scale)
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}; choose one of {PATTERNS}.")
+    if divide not in ("loss", "grads"):
+        raise ValueError(f"divide must be 'loss' (divide each micro-batch's loss by K) or 'grads' (divide the "
+                         f"accumulated gradients by K after unscale_), got {divide!r}.")
+    if divide == "grads" and pattern not in ("correct", "no_scaler"):
+        raise ValueError(f"divide='grads' is defined for the patterns 'correct' and 'no_scaler', not {pattern!r}.")
     work = copy.deepcopy(model).train()
     device_type = next(work.parameters()).device.type
     check_amp(device_type, dtype)
@@ -198,7 +212,9 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
             if i == overflow_micro:
                 xb = xb * 1e6
             with torch.autocast(device_type, dtype=dtype):
-                loss = loss_fn(work(xb), yb) / k
+                loss = loss_fn(work(xb), yb)
+                if divide == "loss":
+                    loss = loss / k
             result.scales.append(float(scaler.get_scale()) if scaler.is_enabled() else 1.0)
             scaler.scale(loss).backward()
             if pattern == "unscale_per_micro":
@@ -209,6 +225,11 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
                 steps_before = _step(scaler, opt, work, start, lr, steps_before)
                 opt.zero_grad(set_to_none=True)
         if pattern != "step_per_micro":
+            if divide == "grads":
+                scaler.unscale_(opt)  # no-op when the scaler is disabled
+                for p in work.parameters():
+                    if p.grad is not None:
+                        p.grad /= k
             steps_before = _step(scaler, opt, work, start, lr, steps_before)
     except (RuntimeError, AssertionError) as err:
         result.error = f"{type(err).__name__}: {err}"
@@ -233,6 +254,95 @@ def reference_update(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     from .accumulate import full_batch_gradient
 
     return full_batch_gradient(model, loss_fn, x, y)
+
+
+def mixed_scale_sum(micro_grads: Sequence[torch.Tensor], scales: Sequence[float], unscale_by: float) -> torch.Tensor:
+    r"""What ``unscale_`` leaves in ``.grad`` when micro-batch k ran its backward pass at scale :math:`S_k`:
+
+    .. math:: \frac{1}{S_{\text{unscale}}}\sum_{k=1}^{K} \frac{S_k}{K}\,g_k ,
+
+    with :math:`g_k` the gradient of micro-batch k's mean loss. With every :math:`S_k = S_{\text{unscale}}` this is
+    the accumulated gradient; otherwise micro-batch k is weighted by :math:`S_k/S_{\text{unscale}}`.
+    """
+    k = check_k(len(micro_grads))
+    if len(scales) != k:
+        raise ValueError(f"need one scale per micro-gradient: {k} micro-gradients, {len(scales)} scales.")
+    check_scale(unscale_by)
+    for s in scales:
+        check_scale(s)
+    return sum(s / unscale_by * g / k for s, g in zip(scales, micro_grads))  # type: ignore[return-value]
+
+
+def scale_history(updates: int, growth_interval: int, overflow_at: Sequence[int] = (),
+                  init_scale: float = 2.0**16, device_type: str = "cpu") -> list[float]:
+    """The scale a real ``torch.amp.GradScaler`` holds after each of ``updates`` iterations of
+    ``scale(loss).backward()`` → ``step`` → ``update`` on a one-parameter model; the iterations listed in
+    ``overflow_at`` (0-based) produce an inf gradient.
+
+    GradScaler multiplies the scale by ``backoff_factor`` (0.5) after a skipped step and by ``growth_factor`` (2)
+    after ``growth_interval`` consecutive unskipped ones; nothing else changes it.
+    """
+    check_scale(init_scale)
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1 (GradScaler's default is 2000), got {growth_interval!r}.")
+    if any(not 0 <= i < updates for i in overflow_at):
+        raise ValueError(f"overflow_at must list iterations in [0, {updates}), got {list(overflow_at)}.")
+    param = nn.Parameter(torch.ones(1, device=device_type))
+    opt = torch.optim.SGD([param], lr=0.0)
+    scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, growth_interval=growth_interval)
+    history = []
+    for i in range(updates):
+        opt.zero_grad(set_to_none=True)
+        factor = float("inf") if i in overflow_at else 1.0
+        scaler.scale((param * factor).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        history.append(float(scaler.get_scale()))
+    return history
+
+
+def _window_is_finite(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, scale: float,
+                      divide: str, dtype: torch.dtype) -> bool:
+    work = copy.deepcopy(model).train()
+    device_type = next(work.parameters()).device.type
+    work.zero_grad(set_to_none=True)
+    for xb, yb in split_batch(x, y, k):
+        with torch.autocast(device_type, dtype=dtype):
+            loss = loss_fn(work(xb), yb)
+            if divide == "loss":
+                loss = loss / k
+        (loss * scale).backward()  # what scaler.scale(loss) does: multiply by S in fp32
+    return all(bool(torch.isfinite(p.grad).all()) for p in work.parameters() if p.grad is not None)
+
+
+def largest_safe_log2_scale(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
+                            divide: Literal["loss", "grads"] = "loss", lo: int = 0, hi: int = 40,
+                            dtype: torch.dtype = torch.float16) -> int:
+    r"""The largest integer s in [lo, hi] for which one window (K micro-batches under autocast, loss scaled by
+    :math:`S = 2^s`) leaves finite accumulated gradients — the edge a dynamic scaler probes.
+
+    ``divide="loss"``: the backward pass holds :math:`	frac{S}{K}
+abla L`; ``divide="grads"``: it holds
+    :math:`S\,
+abla L` (the 1/K is applied to the gradients afterwards). Multiplying by a power of two is exact
+    in floating point until a value overflows, so the two edges differ by :math:`\log_2 K` when K is a power of
+    two. Bisection: assumes that a window that overflows at :math:`2^s` also overflows at every larger scale.
+    """
+    check_k(k)
+    if divide not in ("loss", "grads"):
+        raise ValueError(f"divide must be 'loss' or 'grads', got {divide!r}.")
+    if not lo < hi:
+        raise ValueError(f"need lo < hi, got lo={lo}, hi={hi}.")
+    check_amp(next(model.parameters()).device.type, dtype)
+    finite = lambda s: _window_is_finite(model, loss_fn, x, y, k, 2.0**s, divide, dtype)  # noqa: E731
+    if not finite(lo):
+        raise ValueError(f"the window already overflows at S = 2^{lo}; lower lo.")
+    if finite(hi):
+        raise ValueError(f"the window does not overflow even at S = 2^{hi}; raise hi.")
+    while hi - lo > 1:  # invariant: finite at lo, overflow at hi
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if finite(mid) else (lo, mid)
+    return lo
 
 
 # ------------------------------------------------------------------------- bf16 gradient accumulators

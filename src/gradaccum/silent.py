@@ -6,6 +6,15 @@ the last partial window, and logging the loss of a window.
 per-micro-batch means gives :math:`\frac1K\sum_k x_k/n_k`, which weighs a token of a short micro-batch more than a
 token of a long one. The fix: sum the loss and divide by the number of tokens in the whole window
 (Hugging Face's ``num_items_in_batch``), and across ranks by the all-reduced count.
+
+**Dropout.** Each micro-batch draws its own masks, which are different draws from the ones a single full-batch
+pass would draw; every mask entry is still Bernoulli(1 − p) and independent, so the accumulated gradient has the
+full-batch gradient's *distribution* (the same expectation over masks), not its value. Re-seeding the generator
+per micro-batch index repeats masks from window to window: that is the bug.
+
+**A last partial window** of :math:`k' < K` micro-batches divided by K has gradient
+:math:`\frac{k'}{K}\bar g` (:math:`\bar g` the mean gradient of its samples). Plain SGD's step shrinks by the same
+factor; Adam divides by the root of a running mean of squared gradients and largely undoes it.
 """
 
 from __future__ import annotations
@@ -214,6 +223,70 @@ def mask_agreement(masks: torch.Tensor) -> tuple[float, float]:
     return float(same_index), float(other_index)
 
 
+def dropout_mlp(layers: int, p: float = 0.3, hidden: int = 32, seed: int = 0) -> nn.Sequential:
+    """An MLP for the 8×8 digits (float64) with ``layers`` = 1 or 2 dropout layers:
+    Flatten → Linear(64, h) → ReLU → Dropout [→ Linear(h, h) → ReLU → Dropout] → Linear(h, 10).
+    The weights depend only on ``seed``."""
+    if layers not in (1, 2):
+        raise ValueError(f"layers must be 1 or 2 (dropout layers in the MLP), got {layers!r}.")
+    if not 0 < p < 1:
+        raise ValueError(f"dropout probability must lie in (0, 1), got {p}.")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mods: list[nn.Module] = [nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(p)]
+        if layers == 2:
+            mods += [nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(p)]
+        mods.append(nn.Linear(hidden, 10))
+        return nn.Sequential(*mods).double().train()
+
+
+def dropout_gradient(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+    """The gradient of one window of K micro-batches (each loss / K; K = 1 is the full batch) with the random
+    generator seeded once with ``seed`` before the window, i.e. for one draw of the dropout masks. Runs on a copy;
+    the caller's random state is restored."""
+    work = copy.deepcopy(model)
+    work.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for xb, yb in split_batch(x, y, k):
+            (loss_fn(work(xb), yb) / k).backward()
+    return flat_grad(work).detach()
+
+
+@dataclass(frozen=True)
+class DropoutComparison:
+    r"""Full-batch vs accumulated gradients of a model with dropout.
+
+    ``same_seed``: relative error between the two when both start from the same seed; ``single_draw``: the same for
+    two independent seeds; ``mean_gap``: relative difference between their means over ``draws`` seeds each;
+    ``noise``: the size ``mean_gap`` has from sampling alone when both have the same distribution,
+    :math:`\sqrt{(\operatorname{tr}\Sigma_{\text{full}} + \operatorname{tr}\Sigma_{\text{acc}})/\text{draws}}\,/\,
+    \lVert\text{mean}_{\text{full}}\rVert`.
+    """
+
+    same_seed: float
+    single_draw: float
+    mean_gap: float
+    noise: float
+    draws: int
+
+
+def compare_dropout(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, k: int, draws: int = 200,
+                    seed: int = 0) -> DropoutComparison:
+    """Compare full-batch and K-micro-batch gradients under dropout: one seed, independent seeds, and the means
+    over ``draws`` independent seeds each (full batch: seeds ``seed + 1 …``; accumulated: ``seed + 1 + draws …``)."""
+    check_k(k)
+    if draws < 2:
+        raise ValueError(f"need at least 2 draws to estimate a spread, got {draws}.")
+    rel = lambda a, b: float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(a))  # noqa: E731
+    full = torch.stack([dropout_gradient(model, loss_fn, x, y, 1, seed + 1 + i) for i in range(draws)])
+    acc = torch.stack([dropout_gradient(model, loss_fn, x, y, k, seed + 1 + draws + i) for i in range(draws)])
+    same = rel(dropout_gradient(model, loss_fn, x, y, 1, seed), dropout_gradient(model, loss_fn, x, y, k, seed))
+    mean_full = full.mean(0)
+    noise = float(torch.sqrt((full.var(0).sum() + acc.var(0).sum()) / draws) / torch.linalg.vector_norm(mean_full))
+    return DropoutComparison(same, rel(full[0], acc[0]), rel(mean_full, acc.mean(0)), noise, draws)
+
+
 # ----------------------------------------------------------------------------------------- step counting
 
 
@@ -242,6 +315,28 @@ def lr_trajectory(optimizer_steps: int, k: int, warmup: int, per_micro: bool,
             if not per_micro:
                 sched.step()
     return used, [str(w.message).split(". ")[0] for w in caught]
+
+
+def scheduler_order_warnings(k: int, windows: int, optimizer_first: bool) -> list[str]:
+    """The warnings PyTorch raises for a loop that (wrongly) calls ``scheduler.step()`` after every micro-batch and
+    ``optimizer.step()`` once per window, K·windows scheduler steps in all. With ``optimizer_first`` one optimizer
+    step runs before the loop (as in a loop whose first scheduler step follows an optimizer step). PyTorch checks
+    the order only at the scheduler's first ``step()``."""
+    import warnings
+
+    check_k(k)
+    param = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if optimizer_first:
+            opt.step()
+        for _ in range(windows):
+            for _ in range(k):
+                sched.step()
+            opt.step()
+    return [str(w.message).split(". ")[0] for w in caught]
 
 
 def adam_step_count(windows: int, k: int, step_per_micro: bool) -> int:
@@ -286,6 +381,85 @@ def partial_window_gradient(model: nn.Module, loss_fn, x: torch.Tensor, y: torch
     for xb, yb in split_batch(x, y, present):
         (loss_fn(work(xb), yb) / divisor).backward()
     return flat_grad(work).detach()
+
+
+OptimizerName = Literal["sgd", "momentum", "adam"]
+
+
+def _make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; use 'sgd', 'momentum' (SGD with momentum 0.9) or 'adam'.")
+
+
+def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, b: int, k: int, present: int,
+                       optimizer: OptimizerName, lr: float, warm_windows: int = 0, seed: int = 0) -> float:
+    r"""How much smaller the optimizer's *step* is when a last window of ``present`` < K micro-batches is divided
+    by K instead of by ``present``: :math:`\lVert\Delta\theta_{/K}\rVert / \lVert\Delta\theta_{/k'}\rVert`.
+
+    First ``warm_windows`` full windows (K micro-batches of b samples drawn at random from x, y) train a copy of
+    the model; both variants of the partial window then start from that same model and optimizer state. Plain SGD
+    gives exactly k'/K; SGD with momentum and Adam mix the partial gradient into running averages (Adam's first
+    step is invariant to the gradient's scale).
+    """
+    check_k(k)
+    if not 1 <= present < k:
+        raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches, got {present}.")
+    if b * k > x.shape[0]:
+        raise ValueError(f"a full window needs K·b = {k * b} samples, but only {x.shape[0]} were given.")
+    work = copy.deepcopy(model)
+    opt = _make_optimizer(optimizer, work.parameters(), lr)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(warm_windows):
+        idx = torch.randperm(x.shape[0], generator=gen)[: b * k]
+        opt.zero_grad(set_to_none=True)
+        for xb, yb in split_batch(x[idx], y[idx], k):
+            (loss_fn(work(xb), yb) / k).backward()
+        opt.step()
+    idx = torch.randperm(x.shape[0], generator=gen)[: b * present]
+    norms = []
+    for divisor in (k, present):
+        trial = copy.deepcopy(work)
+        trial_opt = _make_optimizer(optimizer, trial.parameters(), lr)
+        trial_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        before = [p.detach().clone() for p in trial.parameters()]
+        trial_opt.zero_grad(set_to_none=True)
+        for xb, yb in split_batch(x[idx], y[idx], present):
+            (loss_fn(trial(xb), yb) / divisor).backward()
+        trial_opt.step()
+        norms.append(float(torch.sqrt(sum(((p.detach() - q) ** 2).sum() for p, q in zip(trial.parameters(), before)))))
+    return norms[0] / norms[1]
+
+
+#: learning rates of :func:`partial_step_study`'s two set-ups, per optimizer
+STUDY_LR = {"CNN, digits": {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3},
+            "char LM": {"sgd": 0.5, "momentum": 0.1, "adam": 1e-2}}
+
+
+def partial_step_study(x_digits: torch.Tensor, y_digits: torch.Tensor, lines: Sequence[str], vocab: Vocab,
+                       seeds: Sequence[int] = (0, 1, 2), warm: Sequence[int] = (0, 10), k: int = 8,
+                       present: int = 3) -> dict[tuple[str, str, int], list[float]]:
+    """:func:`partial_step_ratio` for two set-ups — the book's GroupNorm ``SmallCNN`` on the digits (micro-batches
+    of 8 images) and the character LM on the corpus (micro-batches of 2 lines, token-mean loss) — with plain SGD,
+    SGD with momentum 0.9 and Adam (learning rates :data:`STUDY_LR`), after each number of ``warm`` windows, one
+    value per seed (the seed sets the model's initial weights and the batches).
+    Returns ``{(set-up, optimizer, warm windows): [ratio per seed]}``."""
+    from .models import make_cnn
+
+    lm_x, lm_y = encode_batch(lines, vocab)
+    setups = {"CNN, digits": (lambda sd: make_cnn("group", seed=sd), nn.CrossEntropyLoss(), x_digits, y_digits, 8),
+              "char LM": (lambda sd: make_lm(vocab, seed=sd), token_loss, lm_x, lm_y, 2)}
+    out: dict[tuple[str, str, int], list[float]] = {}
+    for name, (make, loss_fn, xs, ys, b) in setups.items():
+        for opt in ("sgd", "momentum", "adam"):
+            for w in warm:
+                out[name, opt, w] = [partial_step_ratio(make(sd), loss_fn, xs, ys, b, k, present, opt,  # type: ignore[arg-type]
+                                                        STUDY_LR[name][opt], w, seed=sd) for sd in seeds]
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,616 @@
+r"""The fingerprints :func:`gradaccum.check.check` names causes by, each derived from what was measured.
+
+Notation. The window holds K micro-batches :math:`B_1,\dots,B_K`; :math:`h_j = \nabla_\theta L(\theta; B_j)` is the
+gradient of ``loss_fn`` on micro-batch j alone (randomness replayed per sample). For a loss that is a sum over
+positions (samples, or tokens), the full-batch gradient is a combination
+
+.. math::
+    \nabla_\theta L(\theta; B) = \sum_j f_j\, h_j
+
+with weights :math:`f_j` measured on the loss alone (the gradient of ``loss_fn`` with respect to the model's
+output, full batch against micro-batch j): :math:`f_j = 1/K` for a mean over samples, :math:`n_j/\sum_i n_i` for a
+mean over :math:`n_j` tokens, 1 for a sum. When a layer couples the samples of a batch (BatchNorm in training)
+the identity fails, and the difference between :math:`\sum_j f_j h_j` and the full batch is the layer's share.
+
+A training step that only adds up micro-batch gradients, rescales its buffer, zeroes it or clips it produces
+:math:`g = \sum_j w_j h_j` for some weights :math:`w_j`, found by least squares on :math:`h_1..h_K`. The weights
+are the fingerprint:
+
+* :math:`w_j = K f_j` for all j (relative error exactly K − 1, cosine 1): the loss was not divided by K;
+  :math:`w_j = f_j / K`: divided twice; :math:`w_j = S f_j`: still multiplied by the loss scale S;
+* :math:`w_j = 0` for all but the last micro-batches: the buffer was emptied inside the window (``zero_grad``);
+* :math:`w_j` equal while :math:`f_j \propto n_j` differ: a mean of per-micro-batch token means;
+* :math:`w_j` growing towards the last micro-batch, matching chapter 3's placements to rounding: clipping inside
+  the window, on the running buffer (:math:`r_j = \mathrm{clip}(r_{j-1} + f_j h_j)`) or per micro-batch;
+* :math:`w_j \propto S_j` with the loss scale :math:`S_j` in force at backward j: the scale changed inside the
+  window.
+
+Calls that leave the gradient unchanged (a scheduler stepped per micro-batch) are named from the recorded calls.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .check_instrument import Event, Pass
+
+#: Severity of a finding: a bug; a note (nothing wrong, or a limit of this check); inconclusive (no verdict).
+SEVERITIES = ("bug", "note", "inconclusive")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One cause: a stable ``code``, what it is, the measured evidence, what to do, and the chapter about it."""
+
+    code: str
+    cause: str
+    evidence: str
+    fix: str
+    chapter: int | None = None
+    severity: str = "bug"
+
+    @property
+    def expected(self) -> bool:
+        """True for notes: behaviour that is correct, or a limit of the check, rather than a bug."""
+        return self.severity == "note"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "cause": self.cause, "evidence": self.evidence, "fix": self.fix,
+                "chapter": self.chapter, "severity": self.severity}
+
+    def __str__(self) -> str:
+        tag = {"bug": "BUG", "note": "note", "inconclusive": "??"}[self.severity]
+        where = f" (chapter {self.chapter})" if self.chapter else ""
+        return f"[{tag}] {self.cause}{where}\n       evidence: {self.evidence}\n       fix: {self.fix}"
+
+
+#: Codes of findings about how the loop weighs micro-batches (the partial-window probe runs only without them).
+LOOP_CODES = {"missing_1_over_k", "double_1_over_k", "gradient_scaled", "loss_scale_not_removed", "clip_missing",
+              "zero_grad_inside_window", "micro_batches_missing", "token_normalization", "clip_running_buffer",
+              "clip_per_micro_batch", "clip_before_unscale", "weights_differ", "scaler_update_inside_window",
+              "optimizer_step_inside_window", "scaler_step_inside_window", "unexplained"}
+
+
+def num(v: float) -> str:
+    """A number for a report: 4 significant digits (stable across machines for float64 experiments)."""
+    if v == 0 or not math.isfinite(v):
+        return f"{v:g}" if v else "0"
+    return f"{v:.4g}"
+
+
+def nums(vs: Sequence[float]) -> str:
+    return "[" + ", ".join(num(v) for v in vs) + "]"
+
+
+def ordinal_list(items: Sequence[int]) -> str:
+    items = list(items)
+    if len(items) <= 6:
+        return ", ".join(str(i) for i in items)
+    return ", ".join(str(i) for i in items[:5]) + f", … ({len(items)} in all)"
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖b − a‖ / ‖a‖ (‖b − a‖ when a = 0)."""
+    na = float(a.norm())
+    d = float((b - a).norm())
+    return d / na if na > 0 else d
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = float(a.norm()), float(b.norm())
+    return float(a @ b) / (na * nb) if na > 0 and nb > 0 else float("nan")
+
+
+def fit_weights(basis: torch.Tensor, g: torch.Tensor) -> tuple[list[float], float, float]:
+    r"""Least-squares weights :math:`w = \arg\min\|g - \sum_j w_j h_j\|`, the relative residual, and the
+    condition number of the (normalized) Gram matrix. ``basis`` is (K, P)."""
+    norms = basis.norm(dim=1).clamp_min(1e-300)
+    a = basis / norms[:, None]
+    gram = a @ a.T
+    rhs = a @ g
+    eig = torch.linalg.eigvalsh(gram)
+    cond = float(eig[-1] / eig[0].clamp_min(1e-300)) if eig[0] > 0 else float("inf")
+    sol = torch.linalg.lstsq(gram, rhs[:, None]).solution[:, 0]
+    w = sol / norms
+    residual = rel(g, w @ basis) if float(g.norm()) > 0 else 0.0
+    return [float(v) for v in w], residual, cond
+
+
+def clip_vec(v: torch.Tensor, c: float, kind: str = "norm", norm_type: float = 2.0) -> torch.Tensor:
+    """``clip_grad_norm_`` (coefficient min(1, c/(‖v‖+1e-6))) or ``clip_grad_value_`` on a flat vector."""
+    if kind == "value":
+        return v.clamp(-c, c)
+    norm = float(torch.linalg.vector_norm(v, ord=norm_type))
+    return v * min(1.0, c / (norm + 1e-6))
+
+
+def placements(basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "norm",
+               norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+    """Chapter 3's clipping placements for micro-batch gradients ``basis`` weighted by ``f``."""
+    parts = [fj * basis[j] for j, fj in enumerate(f)]
+    running = torch.zeros_like(basis[0])
+    for p in parts:
+        running = clip_vec(running + p, c, kind, norm_type)
+    return {
+        "once": clip_vec(sum(parts), c, kind, norm_type),
+        "scaled_micro": sum(clip_vec(p, c, kind, norm_type) for p in parts),
+        "raw_micro": sum(fj * clip_vec(basis[j], c, kind, norm_type) for j, fj in enumerate(f)),
+        "running": running,
+    }
+
+
+PLACEMENT_TEXT = {
+    "scaled_micro": "each micro-batch's 1/K-scaled gradient clipped on its own, then summed (chapter 3's (a1))",
+    "raw_micro": "each micro-batch's raw gradient clipped, then averaged (chapter 3's (a2))",
+    "running": "the running .grad buffer clipped after every backward (chapter 3's (b))",
+}
+
+
+@dataclass
+class Measurements:
+    """Everything :func:`diagnose` reads."""
+
+    k: int
+    b: int
+    n: int
+    tol: float
+    wtol: float  # tolerance on weights (float64: 1e-6)
+    basis: torch.Tensor  # (K, P) micro-batch gradients h_j
+    full: torch.Tensor  # full-batch gradient
+    target: torch.Tensor  # full batch, clipped once when a threshold applies
+    applied: torch.Tensor  # what the step produced
+    f: list[float]  # loss weights of micro-batches
+    loss_residual: float
+    tokens: list[int]
+    positions_per_sample: int
+    clip: float | None
+    clip_kind: str
+    clip_norm_type: float
+    clip_source: str | None  # "argument", "your loop" or None
+    events: list[Event]
+    passes: list[Pass]
+    error: BaseException | None
+    forwards: list[tuple[int, int]]
+    unreplayed: list[str]
+    random_draws: int
+    reseeded: tuple[int, int] | None  # (identical draws, draws compared) between two starting states
+    coupled: Callable[[], list[tuple[str, str, float]]]
+    param_slices: list[tuple[str, slice]]
+    has_step: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Findings:
+    """Findings by code, in the order they were raised; a second report of the same code adds evidence."""
+
+    def __init__(self) -> None:
+        self.by_code: dict[str, Finding] = {}
+
+    def add(self, code: str, cause: str, evidence: str, fix: str, chapter: int | None, severity: str = "bug") -> None:
+        if code in self.by_code:
+            old = self.by_code[code]
+            if evidence and evidence not in old.evidence:
+                self.by_code[code] = Finding(code, old.cause, old.evidence + "; " + evidence, old.fix, old.chapter,
+                                             old.severity)
+            return
+        self.by_code[code] = Finding(code, cause, evidence, fix, chapter, severity)
+
+    def remove(self, codes: set[str]) -> None:
+        for code in codes:
+            self.by_code.pop(code, None)
+
+    def __contains__(self, code: str) -> bool:
+        return code in self.by_code
+
+    def list(self) -> list[Finding]:
+        return list(self.by_code.values())
+
+
+def _user_frame(err: BaseException) -> str:
+    """Where in the user's code an exception was raised: the innermost frame outside torch and gradaccum."""
+    frames = traceback.extract_tb(err.__traceback__)
+    skip = (os.sep + "torch" + os.sep, os.sep + "gradaccum" + os.sep + "check")
+    mine = [f for f in frames if not any(s in f.filename for s in skip)]
+    if not mine:
+        return ""
+    f = mine[-1]
+    return f" at {os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+
+
+def _after(event: Event) -> str:
+    return "before the first backward" if event.after == 0 else f"after micro-batch {event.after}"
+
+
+def _counts(events: list[Event], kind: str) -> list[Event]:
+    return [e for e in events if e.kind == kind]
+
+
+def _is_zero(v: torch.Tensor) -> bool:
+    return float(v.abs().max()) == 0.0 if v.numel() else True
+
+
+def _inside(events: list[Event], last: int) -> list[Event]:
+    """Events before the last backward pass of the window."""
+    return [e for e in events if e.after < last]
+
+
+def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
+    """All findings for one window, and the measured quantities a report shows (weights, scale, calls)."""
+    out = _Findings()
+    info: dict[str, Any] = {}
+    k = m.k
+    last = len(m.passes)
+    events = m.events
+    info["backward_passes"] = last
+
+    # ---- the step raised
+    if m.error is not None:
+        err = m.error
+        text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}".rstrip(": ")
+        updates = _counts(events, "scaler.update")
+        out.add("step_raised", f"your step raised {type(err).__name__}",
+                f"{text}{_user_frame(err)}, after {last} backward pass(es); the window could not be compared",
+                "fix the error (the findings below name its cause when it is a known one); the checker's verdict "
+                "covers only what ran before it", None)
+        if "No inf checks were recorded" in str(err):
+            out.add("scaler_update_inside_window", "scaler.update() inside the window: the loss scale changes "
+                    "inside the window", f"scaler.update() called {_after(updates[-1]) if updates else ''} with no "
+                    "scaler.step() before it (torch raises: no inf checks recorded)",
+                    "call scaler.step(optimizer) and then scaler.update() once per window, after the last "
+                    "micro-batch's backward", 4)
+        if "unscale_() has already been called" in str(err):
+            out.add("scaler_unscale_inside_window", "scaler.unscale_() inside the window",
+                    f"a second unscale_() in one window ({len(_counts(events, 'scaler.unscale_'))} calls)",
+                    "unscale_ once, after the last backward, then clip, then scaler.step", 4)
+
+    _event_findings(m, out, last)
+    if m.error is not None:
+        return out.list(), info
+
+    g = m.applied
+    if not bool(torch.isfinite(g).all()):
+        out.add("non_finite", "non-finite gradients after the window", "inf or NaN in the gradient your step "
+                "produced", "with fp16, use a GradScaler (it skips the step on overflow); check the loss", 4)
+        return out.list(), info
+    if last == 0 and _is_zero(g) and not _is_zero(m.target):
+        out.add("no_gradient", "your step left no gradient in the model it was given",
+                "no backward pass reached the model's parameters and every .grad is empty",
+                "compute the loss with the `model` argument of step (not a model from elsewhere) and call "
+                "backward; leave the gradient in .grad (or step an optimizer built on model.parameters())", None)
+        return out.list(), info
+
+    w, residual, cond = fit_weights(m.basis, g)
+    top_w = max(abs(v) for v in w) if w else 0.0
+    w = [v if abs(v) > max(m.wtol, 1e-9) * top_w else 0.0 for v in w]  # rounding noise of the fit shown as 0
+    clip_factor = 1.0
+    ideal_unclipped = sum(fj * m.basis[j] for j, fj in enumerate(m.f))
+    if m.clip is not None:
+        clipped = clip_vec(ideal_unclipped, m.clip, m.clip_kind, m.clip_norm_type)
+        if m.clip_kind == "norm":
+            n0 = float(torch.linalg.vector_norm(ideal_unclipped, ord=m.clip_norm_type))
+            clip_factor = min(1.0, m.clip / (n0 + 1e-6))
+    else:
+        clipped = ideal_unclipped
+    e = [fj * clip_factor for fj in m.f]
+    info.update(weights=w, expected_weights=e, fit_residual=residual)
+    error = rel(m.target, g)
+    info["rel_error"], info["cosine"] = error, cosine(m.target, g)
+    if error <= m.tol:
+        return out.list(), info
+
+    # ---- the model or the loss: does the full batch equal the ideal accumulation of this model?
+    loss_tol = max(1e3 * m.wtol, 1e-6) if m.wtol < 1e-4 else 1e-2
+    if m.loss_residual > loss_tol:
+        out.add("loss_couples_samples", "the loss couples the samples of a batch: it is not a sum over "
+                "micro-batches", f"the loss's gradient on a micro-batch inside the full batch is not a multiple of "
+                f"its gradient on the micro-batch alone (relative residual {num(m.loss_residual)}); in-batch "
+                "negatives or batch statistics in the loss do this", "accumulation cannot reproduce such a loss; "
+                "enlarge the micro-batch, or use a method that caches embeddings across micro-batches (GradCache)",
+                6)
+    model_error = rel(m.full, ideal_unclipped)
+    if model_error > m.tol and m.loss_residual <= loss_tol:
+        _coupling_findings(m, out, ideal_unclipped, model_error)
+
+    # ---- the loop: does the step produce the ideal accumulation?
+    loop_error = rel(clipped, g)
+    info["loop_error"] = loop_error
+    if loop_error > m.tol:
+        _loop_findings(m, out, w, e, residual, cond, clipped, loop_error)
+    if error > m.tol and not any(f.severity in ("bug", "inconclusive") for f in out.list()):
+        out.add("unexplained", "unexplained difference", f"relative error {num(error)} against the full batch",
+                "look for state that changes between micro-batches, or other layers that couple samples", 6)
+    return out.list(), info
+
+
+def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
+    events, k = m.events, m.k
+    opt = [e for e in _counts(events, "optimizer.step")]
+    own = [e for e in opt if not e.detail.get("via_scaler")]
+    sstep = _counts(events, "scaler.step")
+    if len(own) > 1 or _inside(own, last):
+        out.add("optimizer_step_inside_window", "optimizer.step() inside the accumulation window",
+                f"optimizer.step() ran {len(own)}× in one window of {k} micro-batches "
+                f"({', '.join(_after(e) for e in own[:4])}{', …' if len(own) > 4 else ''}): every call applies a "
+                "partial gradient and the later micro-batches see changed weights",
+                "step the optimizer once per window, after the last micro-batch's backward", 6)
+    if len(sstep) > 1 or _inside(sstep, last):
+        out.add("scaler_step_inside_window", "scaler.step() (an optimizer step) inside the accumulation window",
+                f"scaler.step(optimizer) ran {len(sstep)}× in one window of {k} micro-batches "
+                f"({', '.join(_after(e) for e in sstep[:4])}); after an overflow only that micro-batch's step "
+                "is skipped", "scaler.step(optimizer) and scaler.update() once per window, after the last backward",
+                4)
+    sched = _counts(events, "scheduler.step")
+    if len(sched) > 1 or _inside(sched, last):
+        out.add("scheduler_step_inside_window", "scheduler.step() inside the accumulation window",
+                f"{len(sched)} scheduler step(s) in one window of {k} micro-batches "
+                f"({', '.join(_after(e) for e in sched[:4])}{', …' if len(sched) > 4 else ''}; the step a "
+                "scheduler's constructor makes is not counted): warmup and decay run up to "
+                f"{k}× too fast", "step the scheduler once per optimizer step, after it", 6)
+    updates = _counts(events, "scaler.update")
+    if (len(updates) > 1 or _inside(updates, last)) and m.error is None:
+        scales = [p.scale for p in m.passes if p.scale is not None]
+        changed = f"; loss scale at each backward {nums(scales)}" if len(set(scales)) > 1 else ""
+        out.add("scaler_update_inside_window", "scaler.update() inside the window: the loss scale changes "
+                "inside the window", f"scaler.update() called {len(updates)}×, {len(_inside(updates, last))} "
+                f"before the last backward{changed}", "call scaler.update() once per window, after scaler.step()",
+                4)
+    unscales = _counts(events, "scaler.unscale_")
+    if (len(unscales) > 1 or _inside(unscales, last)) and "scaler_unscale_inside_window" not in out:
+        out.add("scaler_unscale_inside_window", "scaler.unscale_() inside the window",
+                f"unscale_() called {len(unscales)}×, {len(_inside(unscales, last))} before the last backward",
+                "unscale_ once, after the last backward, then clip, then scaler.step", 4)
+    clips = _counts(events, "clip")
+    scaled = [e for e in clips if e.detail.get("scaled")]
+    if scaled:
+        e = scaled[0]
+        seen = e.detail.get("norm_before", float("nan"))
+        out.add("clip_before_unscale", "clipping before scaler.unscale_(): the threshold is applied to scaled "
+                "gradients", f"{e.detail.get('fn', 'clip')} ran {_after(e)} on gradients still multiplied by the "
+                f"loss scale (it saw a norm of {num(seen)}) and scaled them by {num(e.detail.get('factor', 1.0))}",
+                "call scaler.unscale_(optimizer) first, then clip, then scaler.step(optimizer)", 3)
+    inside = [e for e in clips if e.after < last and not e.detail.get("scaled")]
+    if inside:
+        # the placement: per micro-batch when the buffer held one micro-batch only at each clip
+        later = [e for e in inside if e.after >= 2]  # the first clip always sees one micro-batch only
+        per_micro = bool(later) and all(_held_one(m, e) for e in later)
+        code = "clip_per_micro_batch" if per_micro else "clip_running_buffer"
+        what = "each micro-batch's gradient separately" if per_micro else "on the running .grad buffer"
+        factors = [e.detail.get("factor", 1.0) for e in inside]
+        changed = any(abs(f - 1) > 1e-12 for f in factors)
+        effect = (f"it scaled the gradient by {nums(factors[:6])}" if changed else
+                  "it did not change this window's gradient (every norm was below the threshold) but will when "
+                  "gradients grow")
+        out.add(code, f"clipping inside the window, {what}",
+                f"{len(clips)} clip call(s), {len(inside)} before the last backward "
+                f"({', '.join(_after(e) for e in inside[:4])}); {effect}",
+                "clip once, after the last micro-batch (after scaler.unscale_ with a GradScaler)", 3)
+    if m.reseeded is not None and m.reseeded[0] > 0:
+        same, compared = m.reseeded
+        seeds = _counts(events, "seed")
+        calls = (f"; seeding calls in the window: {len(seeds)} ({', '.join(_after(e) for e in seeds[:4])})"
+                 if seeds else "")
+        out.add("rng_reseeded", "the RNG is re-seeded inside the window",
+                f"{same} of {compared} random draws (dropout masks) were identical when the window started from two "
+                f"different random states{calls}: the masks repeat from window to window",
+                "seed once, at the start of training; never inside the accumulation loop", 6)
+    elif _counts(events, "seed") and m.random_draws == 0:
+        out.add("seed_inside_window", "a seed is set inside the window", f"{len(_counts(events, 'seed'))} seeding "
+                "call(s); this window draws no random numbers, so nothing repeats yet",
+                "seed once, at the start of training (dropout added later would repeat its masks)", 6, "note")
+    foreign = [e for e in opt if not e.detail.get("owns_params", True)]
+    if foreign:
+        out.add("optimizer_not_on_model", "your step steps an optimizer that holds none of the model's parameters",
+                "the checker runs your step on a copy of the model; an optimizer built outside step holds the "
+                "original's parameters", "build the optimizer (and scheduler) inside step from model.parameters(), "
+                "or leave them out of step", None, "note")
+
+
+def _held_one(m: Measurements, e: Event) -> bool:
+    """Whether, at clip event e, the buffer held only the latest micro-batch (it was emptied before it)."""
+    j = e.after  # clip came after backward j (1-based)
+    if j > len(m.passes):
+        return False
+    return j == 1 or _is_zero(m.passes[j - 1].before)
+
+
+def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, model_error: float) -> None:
+    diffs = []
+    for name, sl in m.param_slices:
+        a, b = m.full[sl], ideal[sl]
+        if float(a.norm()) > 0:
+            diffs.append((rel(a, b), name))
+    diffs.sort(reverse=True)
+    layers = ", ".join(f"{name} {num(d)}" for d, name in diffs[:3])
+    coupled = m.coupled()
+    if coupled:
+        names = ", ".join(f"{cls} '{name}'" for name, cls, _ in coupled[:4]) + (", …" if len(coupled) > 4 else "")
+        bn = all("BatchNorm" in cls for _, cls, _ in coupled)
+        cause = ("BatchNorm normalizes each micro-batch with its own statistics" if bn else
+                 "a batch-coupled layer: a sample's output depends on the other samples of its batch")
+        fix = ("GroupNorm/LayerNorm, larger micro-batches, or PreciseBN for the running statistics (chapters 1, 2); "
+               "running statistics are also updated K times per step" if bn else
+               "replace the layer by a per-sample one, or accept (and measure) the difference; larger micro-batches "
+               "shrink it")
+        out.add("batch_coupled_layer", cause,
+                f"{len(coupled)} layer(s) give a sample a different output in a micro-batch of {m.b} than in the "
+                f"full batch of {m.n} (same inputs, same randomness): {names}; the ideal accumulation of this model "
+                f"differs from the full batch by {num(model_error)} (relative), most in {layers}", fix, 1)
+    elif m.unreplayed:
+        out.add("randomness_not_replayed", "randomness the checker could not replay per sample",
+                f"{len(m.unreplayed)} random draw(s) without a batch dimension, e.g. {m.unreplayed[0]}; the full "
+                f"batch and the micro-batches differ by {num(model_error)}",
+                "rerun with that randomness switched off (dropout p = 0) to compare like with like", 6,
+                "inconclusive")
+    else:
+        out.add("batch_coupled_layer", "batch coupling inside the model's forward: a sample's output depends on "
+                "the other samples of its batch", f"no single layer couples samples, but the model as a whole does: "
+                f"the ideal accumulation differs from the full batch by {num(model_error)} (most in {layers})",
+                "look for operations across the batch dimension in forward (means, sorting, in-batch attention)", 1)
+
+
+def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[float], residual: float, cond: float,
+                   clipped: torch.Tensor, loop_error: float) -> None:
+    k = m.k
+    events = m.events
+    fit_tol = 1e-6 if m.wtol < 1e-4 else 1e-2
+    if any(c in out for c in ("optimizer_step_inside_window", "scaler_step_inside_window")):
+        return  # the weights moved mid-window: the micro-batch gradients no longer describe the step
+    if residual > fit_tol:  # (a rank-deficient basis, e.g. duplicate micro-batches, still fits: min-norm weights)
+        sizes = sorted({n for _, n in m.forwards})
+        if m.unreplayed:
+            out.add("randomness_not_replayed", "randomness the checker could not replay per sample",
+                    f"{len(m.unreplayed)} random draw(s) without a batch dimension, e.g. {m.unreplayed[0]}",
+                    "rerun with that randomness switched off (dropout p = 0) to compare like with like", 6,
+                    "inconclusive")
+        elif m.has_step and sizes and sizes != [m.b]:
+            out.add("micro_batches_differ", "your step's micro-batches are not the K equal parts of the batch",
+                    f"its forward passes saw {len(m.forwards)} batch(es) of size(s) {sizes}; K = {k} micro-batches "
+                    f"of {m.b} were expected", "pass the K your loop uses (-k), and split the window into K equal, "
+                    "consecutive micro-batches", 6)
+        else:
+            out.add("unexplained", "your step's gradient is not a combination of the micro-batch gradients",
+                    f"relative residual {num(residual)} after fitting it with the K micro-batch gradients of loss_fn; "
+                    "does your step use loss_fn, and change nothing but .grad?",
+                    "compare your loop line by line with gradaccum.accumulate.accumulate_backward", 6)
+        return
+    missing = [j for j in range(k) if w[j] == 0 and e[j] != 0]  # exactly absent (rounding noise removed above)
+    present = [j for j in range(k) if j not in missing and e[j] != 0]
+    weights = f"weights {nums(w)} instead of {nums(e)}"
+    if missing:
+        resets = [j + 1 for j in range(1, len(m.passes)) if _is_zero(m.passes[j].before)
+                  and not _is_zero(m.passes[j - 1].after)]
+        zeros = [ev for ev in _inside(_counts(events, "zero_grad"), len(m.passes)) if ev.after > 0]
+        if resets or zeros:
+            calls = f" (zero_grad() called {len(zeros)}× inside the window)" if zeros else ""
+            out.add("zero_grad_inside_window", "zero_grad() inside the window: the gradient buffer is emptied "
+                    "between micro-batches", f"the .grad buffer was emptied before micro-batch(es) "
+                    f"{ordinal_list(resets)}{calls}; only micro-batch(es) {ordinal_list([j + 1 for j in present])} "
+                    f"reach the optimizer: {weights}", "zero the gradients once per window, before the first "
+                    "micro-batch (or after optimizer.step())", 6)
+        else:
+            out.add("micro_batches_missing", "micro-batches missing from the window",
+                    f"micro-batch(es) {ordinal_list([j + 1 for j in missing])} contribute nothing: {weights}",
+                    "check the loop's bounds: every micro-batch of the window needs its backward", 6)
+    if not present:
+        return
+    ratio = [w[j] / e[j] for j in present]
+    mean = sum(ratio) / len(ratio)
+    uniform = max(abs(r / mean - 1) for r in ratio) <= max(1e3 * m.wtol, 1e-6) if mean != 0 else False
+    f_present = [m.f[j] for j in present]
+    f_uniform = max(f_present) - min(f_present) <= 1e-9 * max(abs(v) for v in f_present)
+    w_present = [w[j] for j in present]
+    w_mean = sum(w_present) / len(w_present)
+    w_uniform = max(abs(v / w_mean - 1) for v in w_present) <= max(1e3 * m.wtol, 1e-6) if w_mean else False
+    clips = _counts(events, "clip")
+    if not uniform and not f_uniform and w_uniform:
+        out.add("token_normalization", "mean of per-micro-batch token means: micro-batches weighted equally, not by "
+                "their token counts", f"tokens per micro-batch {m.tokens}: the full batch weighs micro-batch "
+                f"gradients by their tokens, {nums(e)}; your loop weighs them equally, {nums(w)}",
+                "reduction='sum' and divide by the tokens of the whole window (num_items_in_batch), all-reduced "
+                "across ranks", 6)
+        plain = sum(e) / k  # equal weights that add up to the full batch's total
+        _scale_findings(m, out, w_mean / plain, loop_error, cosine(clipped, m.applied), clips, token=True)
+        return
+    if uniform:
+        if abs(mean - 1) > max(1e3 * m.wtol, 1e-9):
+            _scale_findings(m, out, mean, loop_error, cosine(clipped, m.applied), clips)
+        return
+    # weights of different shape: clipping placements, scale changes, or something else
+    c, kind, norm_type = _loop_clip(m, clips)
+    matched = None
+    if c is not None:
+        for name, vec in placements(m.basis, m.f, c, kind, norm_type).items():
+            if name != "once" and rel(vec, m.applied) <= max(1e3 * m.wtol, 1e-9):
+                matched = name
+                break
+    if matched is not None:
+        code = "clip_running_buffer" if matched == "running" else "clip_per_micro_batch"
+        out.remove({"clip_running_buffer", "clip_per_micro_batch"} - {code})  # the measured gradient decides
+        what = "on the running .grad buffer" if matched == "running" else "each micro-batch's gradient separately"
+        out.add(code, f"clipping inside the window, {what}", f"your gradient equals {PLACEMENT_TEXT[matched]} at "
+                f"threshold {num(c)} to rounding; later micro-batches weigh differently from earlier ones: {weights}",
+                "clip once, after the last micro-batch (after scaler.unscale_ with a GradScaler)", 3)
+        return
+    scales = [p.scale for p in m.passes if p.scale is not None]
+    if len(scales) == k and len(set(scales)) > 1:
+        known = "scaler_update_inside_window" in out
+        out.add("scaler_update_inside_window", "scaler.update() inside the window: the loss scale changes inside "
+                "the window", ("" if known else f"loss scale at each backward {nums(scales)}; ")
+                + f"micro-batches weigh in proportion to it: {weights}",
+                "one loss scale per window: call scaler.update() once, after scaler.step()", 4)
+        return
+    if any(code in out for code in ("clip_running_buffer", "clip_per_micro_batch", "clip_before_unscale")):
+        return
+    out.add("weights_differ", "your loop weighs micro-batches differently from the full batch", weights,
+            "compare your loop line by line with gradaccum.accumulate.accumulate_backward", 6)
+
+
+def _loop_clip(m: Measurements, clips: list[Event]) -> tuple[float | None, str, float]:
+    if m.clip is not None:
+        return m.clip, m.clip_kind, m.clip_norm_type
+    for e in clips:
+        if "max_norm" in e.detail:
+            return e.detail["max_norm"], "norm", e.detail.get("norm_type", 2.0)
+        if "clip_value" in e.detail:
+            return e.detail["clip_value"], "value", 2.0
+    return None, "norm", 2.0
+
+
+def _per_backward(m: Measurements) -> list[float] | None:
+    """How much of its micro-batch's gradient each backward pass added (divided by the loss scale in force)."""
+    if len(m.passes) != m.k:
+        return None
+    alphas = []
+    for j, p in enumerate(m.passes):
+        h = m.basis[j]
+        hh = float(h @ h)
+        if hh == 0:
+            return None
+        a = float((p.after - p.before) @ h) / hh
+        alphas.append(a / p.scale if p.scale else a)
+    return alphas
+
+
+def _scale_findings(m: Measurements, out: _Findings, s: float, loop_error: float, cos: float, clips: list[Event],
+                    token: bool = False) -> None:
+    """Findings for a gradient that is ``s`` times what it should be (same direction)."""
+    k = m.k
+    close = lambda a, b: abs(a - b) <= max(1e3 * m.wtol, 1e-6) * abs(b)  # noqa: E731
+    if close(s, 1.0):
+        return
+    alphas = _per_backward(m)
+    added = (f"; each backward added {nums(alphas)}× its micro-batch's gradient (the full batch weighs them "
+             f"{nums(m.f)})" if alphas else "")
+    head = (f"the gradient is {num(s)}× the full batch's (relative error {num(loop_error)}"
+            + (f" = K − 1, cosine {cos:.4f})" if k > 1 and close(s, k) else f", cosine {cos:.4f})"))
+    scalers = [p.scale for p in m.passes if p.scale is not None]
+    if k > 1 and close(s, k):
+        out.add("missing_1_over_k", "missing 1/K: the micro-batch losses are not divided by K",
+                head + added, "divide each micro-batch's loss by K before backward (or the gradients by K once, "
+                "before the step)", 6)
+    elif k > 1 and close(s, 1 / k):
+        out.add("double_1_over_k", "1/K applied twice: the gradient is K times too small",
+                head + added, "divide by K once: either each micro-batch's loss, or the gradients before the step "
+                "(a loss_fn with reduction='sum' needs no 1/K for micro-batches of equal size)", 6)
+    elif scalers and close(s, scalers[-1]):
+        out.add("loss_scale_not_removed", "the gradient still carries the loss scale",
+                head + f"; the loss scale is {num(scalers[-1])}" + added,
+                "scaler.unscale_(optimizer) (or scaler.step(optimizer), which unscales) before using the gradients",
+                4)
+    elif m.clip is not None and not clips and s > 1:
+        out.add("clip_missing", "your loop does not clip", head + f"; the full-batch gradient's norm "
+                f"{num(float(m.full.norm()))} exceeds the threshold {num(m.clip)} ({m.clip_source})",
+                "clip once per window, after the last backward (after scaler.unscale_), or drop clip=", 3)
+    elif any(e.detail.get("scaled") for e in clips):
+        out.add("clip_before_unscale", "", f"the step applies {num(s)}× the gradient clipped once after unscaling",
+                "", 3)
+    elif not token:
+        out.add("gradient_scaled", "the gradient is scaled by a constant factor", head + added,
+                "find where your loop multiplies or divides the loss or the gradients", 6)

@@ -1,0 +1,44 @@
+"""The checker on loops it was not written for: every correct loop ok, every planted bug named, nothing else.
+
+The matrix (families × loops) is in test_check_zoo.py. A case passes only when the set of bug codes the checker
+reports equals the planted set exactly: a missed cause and an extra one both fail. The figures the book reports
+(false positives on correct loops, planted bugs named) are recomputed from the same runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gradaccum import check as C
+from test_check_zoo import K, all_cases, family
+
+CASES = all_cases()
+IDS = [f"{fam}: {name}" for fam, name, _, _ in CASES]
+_REPORTS: dict[str, C.Report] = {}
+
+
+def _report(i: int, digits) -> C.Report:
+    fam, name, step, _ = CASES[i]
+    if IDS[i] not in _REPORTS:
+        model, loss_fn, x, y = family(fam, digits)
+        _REPORTS[IDS[i]] = C.check(model, loss_fn, x, y, K, step=step)
+    return _REPORTS[IDS[i]]
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_loop(i, digits):
+    expected = CASES[i][3]
+    report = _report(i, digits)
+    assert set(report.codes) == expected, f"{IDS[i]}\n{report}"
+    assert report.ok == (not expected), str(report)
+
+
+def test_false_positive_and_detection_figures(digits):
+    """Correct loops flagged / planted bugs named exactly, over the whole matrix."""
+    correct = [i for i, case in enumerate(CASES) if not case[3]]
+    planted = [i for i, case in enumerate(CASES) if case[3]]
+    flagged = [IDS[i] for i in correct if not _report(i, digits).ok]
+    named = [i for i in planted if set(_report(i, digits).codes) == CASES[i][3]]
+    families = {case[0] for case in CASES}
+    assert (len(correct), len(planted), len(families)) == (29, 69, 6)
+    assert flagged == [] and len(named) == len(planted) == 69
