@@ -62,9 +62,13 @@ student: $(STAMP)
 nbgrader: $(STAMP)
 	$(PY) -m gradaccum.course nbgrader --out _build/nbgrader
 
-# Run every chapter on a CUDA GPU (falls back to the CPU, and says so, where there is none).
+# Run every chapter on a CUDA GPU; where there is none, on the CPU, and it says so. Uses the project's .venv when
+# there is one (a GPU machine without Jupyter can use any Python with torch: make gpu-check PYTHON=python3).
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
-	GRADACCUM_DEVICE=$${GRADACCUM_DEVICE:-cuda} $(PYTHON) scripts/gpu_check.py
+	@dev=$${GRADACCUM_DEVICE:-$$($(GPU_PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}; \
+	if [ "$$dev" = cpu ]; then echo "gpu-check: no CUDA device here: running every chapter on the CPU instead"; fi; \
+	GRADACCUM_DEVICE=$$dev PYTHONPATH=$(CURDIR)/src $(GPU_PY) scripts/gpu_check.py
 
 # Install from binder/ alone into a fresh virtual environment and run one chapter there.
 binder-check:

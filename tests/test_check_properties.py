@@ -15,8 +15,8 @@ from torch import nn
 from gradaccum import check as C
 from gradaccum.models import make_cnn
 from test_check_zoo import (CORRECT, LAMBDA_TOKEN_LOSS, Block, CharLM, bug_double_k, bug_missing_k,
-                            bug_optimizer_each, bug_reseed_each, bug_scheduler_each, bug_zero_grad_inside, correct_plain,
-                            lm_batch, token_window_correct)
+                            bug_optimizer_each, bug_reseed_each, bug_scheduler_each, bug_zero_grad_inside,
+                            correct_plain, lm_batch, token_window_correct)
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -138,7 +138,8 @@ def test_errata_cases_err_in_both_directions():
     long_a1 = cases["(a1) too long: aligned"]
     assert long_a1.norm == pytest.approx(2.0) and long_a1.ratio == pytest.approx(2.0, rel=1e-5)
     short_a1 = cases["(a1) too short: opposing"]  # (10, 0), (−9, 0), c = 1: each g_k/2 is clipped to length 1
-    assert 1e-8 < short_a1.norm < 3e-8 and short_a1.correct == pytest.approx(0.5)
+    # exactly 0 for the projection; clip_grad_norm_'s +1e-6 leaves ~2e-8, a zero step with no direction (NaN cosine)
+    assert short_a1.norm < 1e-6 and short_a1.correct == pytest.approx(0.5) and math.isnan(short_a1.cosine)
     flip_a1 = cases["(a1) reversed, K = 3"]  # g = (0.1, 0) is not clipped; (a1) gives (−1, 0)
     assert flip_a1.ratio == pytest.approx(10.0, rel=1e-5) and flip_a1.cosine == pytest.approx(-1.0)
     short_a2 = cases["(a2) too short: orthogonal"]
@@ -146,6 +147,30 @@ def test_errata_cases_err_in_both_directions():
     long_a2 = cases["(a2) too long and reversed"]  # (−3, 0) and 3 × (0.95, 0), c = 1
     assert long_a2.norm == pytest.approx(0.4625, abs=1e-6) and long_a2.correct == pytest.approx(0.0375)
     assert long_a2.cosine == pytest.approx(-1.0) and long_a2.norm <= 1.0
+    short_b = cases["(b) too short and turned"]  # (10, 0), (−2, 1), c = 1: buffer (1, 0), then (0, 0.5), not clipped
+    assert short_b.norm == pytest.approx(0.5, abs=1e-6) and short_b.correct == pytest.approx(1.0, abs=1e-6)
+    assert short_b.cosine == pytest.approx(0.25 / (0.5 * math.hypot(4.0, 0.5)), abs=1e-6)  # ≈ 0.124
+    flip_b = cases["(b) reversed"]  # (10, 0), (−7, 0): ‖g‖ = 1.5 > c, yet (b) gives (−1, 0)
+    assert flip_b.norm == pytest.approx(1.0, abs=1e-6) and flip_b.cosine == pytest.approx(-1.0)
+    assert "n/a" in clipping.format_errata_cases(cases)  # no cosine printed for the zero step
+
+
+def test_running_reaches_c_exactly_when_its_final_buffer_exceeds_c():
+    for name in ("(b) too short and turned", "(b) reversed"):
+        _, vectors, c = clipping.ERRATA_CASES[name]
+        grads = [torch.tensor(v, dtype=torch.float64) for v in vectors]
+        buffers = clipping.running_buffer_norms(grads, c)
+        step = float(clipping.combine(grads, c, "running").norm())
+        assert step <= c + 1e-12
+        assert (abs(step - c) < 1e-5) == (buffers[-1] > c)
+    assert clipping.running_buffer_norms([torch.tensor([10.0, 0.0]), torch.tensor([-2.0, 1.0])], 1.0)[-1] \
+        == pytest.approx(0.5, abs=1e-6)
+    for seed in range(6):  # random cases: the equivalence holds both ways
+        grads = clipping.synthetic_micro_gradients(6, 0.2 * seed, norm=2.0, dim=8, seed=seed)
+        for c in (0.3, 1.0, 3.0):
+            last = clipping.running_buffer_norms(grads, c)[-1]
+            step = float(clipping.combine(grads, c, "running").norm())
+            assert step == pytest.approx(min(last, c), abs=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -175,10 +200,18 @@ def test_scaled_micro_is_raw_micro_at_threshold_kc():
 @pytest.mark.parametrize("k, alignment", [(2, 0.5), (8, 0.0), (16, 0.8)])
 def test_raw_micro_when_every_micro_gradient_is_clipped(k, alignment):
     grads = clipping.synthetic_micro_gradients(k, alignment, norm=3.0, dim=64, seed=1)
-    predicted = clipping.raw_micro_all_clipped(clipping.mean_pairwise_cosine(grads), k)
+    predicted = clipping.raw_micro_all_clipped(clipping.mean_pairwise_cosine(grads), k, 3.0)
     assert float(clipping.combine(grads, 1.0, "raw_micro").norm()) == pytest.approx(predicted, rel=1e-5)
     with pytest.raises(ValueError, match="agreement"):
-        clipping.raw_micro_all_clipped(1.5, k)
+        clipping.raw_micro_all_clipped(1.5, k, 3.0)
+
+
+def test_raw_micro_all_clipped_refuses_when_a_micro_gradient_is_not_clipped():
+    # (3, 0) and (0.5, 0) with c = 1: the formula would give sqrt(1/2 + 1/2) = 1, the true (a2) is 0.75
+    grads = [torch.tensor([3.0, 0.0], dtype=torch.float64), torch.tensor([0.5, 0.0], dtype=torch.float64)]
+    assert float(clipping.combine(grads, 1.0, "raw_micro").norm()) == pytest.approx(0.75, abs=1e-6)
+    with pytest.raises(ValueError, match="every micro-gradient longer than c"):
+        clipping.raw_micro_all_clipped(1.0, 2, 0.5)
 
 
 # ------------------------------------------------------------------ the numbers the exercise solutions state

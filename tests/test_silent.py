@@ -94,10 +94,11 @@ def test_window_log(lm):
 
 def test_dropout_masks_match_in_distribution_only(digits, loss_fn):
     x, y = digits.x_train[:32], digits.y_train[:32]
-    one, two = S.dropout_mlp(1), S.dropout_mlp(2)
+    two = S.dropout_mlp(2)
     same = lambda net, k: agreement(S.dropout_gradient(net, loss_fn, x, y, 1, 0),  # noqa: E731
                                     S.dropout_gradient(net, loss_fn, x, y, k, 0)).rel_error
-    assert same(one, 4) < 1e-12  # the CPU generator's coincidence: one (32, 32) draw = four (8, 32) draws
+    # one layer: whether one (32, 32) draw equals four (8, 32) draws depends on the mask layout and the torch
+    # build, so it is not tested
     assert same(two, 4) > 0.3 and same(two, 2) > 0.3  # a second layer interleaves the draws
     cmp = S.compare_dropout(two, loss_fn, x, y, 4, draws=100)
     assert cmp.single_draw > 0.3 and cmp.mean_gap < 2 * cmp.noise and cmp.draws == 100
@@ -122,7 +123,8 @@ def test_warmup_exercise_solution():
 
 
 def test_partial_step_ratio(digits, loss_fn):
-    """ex-ch6-partial: 3 micro-batches of K = 8 divided by K: gradient and SGD step 3/8; Adam's step about 1."""
+    """ex-ch6-partial: 3 micro-batches of K = 8 divided by K: gradient and SGD step 3/8; Adam's step about 1 early,
+    noticeably smaller after 200 windows."""
     from gradaccum.models import make_cnn
 
     model, x, y = make_cnn("group"), digits.x_train, digits.y_train
@@ -132,6 +134,9 @@ def test_partial_step_ratio(digits, loss_fn):
     assert abs(S.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "sgd", 0.1, warm_windows=2) - 0.375) < 1e-9
     assert abs(S.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "adam", 1e-3) - 1) < 1e-3
     assert abs(S.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "adam", 1e-3, warm_windows=2) - 1) < 0.1
+    # later, Adam's second moment remembers many full-size gradients and the step shrinks (seed 0: 0.875)
+    late = S.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "adam", 1e-3, warm_windows=200)
+    assert 0.375 < late < 0.93
     with pytest.raises(ValueError, match="unknown optimizer"):
         S.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "lion", 1e-3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="between 1 and K"):

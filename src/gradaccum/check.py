@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_  # bound before any patching: the checker sees it anyway
 
 from .accumulate import accumulate_backward, check_k, split_batch
-from .check_fingerprints import (LOOP_CODES, Finding, Measurements, clip_vec, cosine, diagnose, fit_weights, num,
+from .check_fingerprints import (PARTIAL_OK, Finding, Measurements, clip_vec, cosine, diagnose, fit_weights, num,
                                  nums, rel)
 from .check_instrument import (CallRecorder, Event, GradTrace, SampleRNG, coupled_modules, first_tensor, flat,
                                identical_draws)
@@ -210,7 +210,8 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
     with warnings.catch_warnings(record=True) as raised:
         warnings.simplefilter("always")
         try:
-            with (recorder.active() if mode == "replay" else nullcontext()), (rng if mode == "record" else nullcontext()):
+            calls = recorder.active() if mode == "replay" else nullcontext()
+            with calls, (rng if mode == "record" else nullcontext()):
                 step(work, loss_fn, x, y, k)
         except Exception as err:  # a finding, never a crash of the checker
             error = err
@@ -256,7 +257,11 @@ def _references(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.T
         reset()
         scope.expect = 0
         out = work(x)
-        loss_fn(out, y).backward()
+        try:
+            loss_fn(out, y).backward()
+        except RuntimeError as err:
+            raise ValueError(f"loss_fn(model(x), y).backward() raised: {err}; the checker needs a loss that is "
+                             "differentiable with respect to the model's trainable parameters.") from err
         full = flat(params)
         basis = []
         for j, (xb, yb) in enumerate(split_batch(x, y, k)):
@@ -277,7 +282,6 @@ class _Probe:
     weights: list[float]
     residual: float
     tokens: list[int]
-    positions: int
 
 
 def _loss_probe(loss_fn: Callable, out: torch.Tensor, y: torch.Tensor, k: int, b: int) -> _Probe:
@@ -304,8 +308,7 @@ def _loss_probe(loss_fn: Callable, out: torch.Tensor, y: torch.Tensor, k: int, b
         residuals.append(float((gf - fj * gj).norm()) / scale if gg > 0 or float(gf.norm()) > 0 else 0.0)
         nz = (gj != 0)
         tokens.append(int(nz.reshape(*nz.shape[:-1], -1).any(-1).sum()) if gj.dim() >= 2 else int(nz.sum()))
-    positions = max(1, int(torch.tensor(out.shape[:-1]).prod()) // n) if out.dim() >= 2 else 1
-    return _Probe(weights, max(residuals), tokens, positions)
+    return _Probe(weights, max(residuals), tokens)
 
 
 def _validate(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: Any, clip: Any, tolerance: Any,
@@ -385,7 +388,6 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
     micro-batches (as the last window of an epoch) and report a gradient that is not that window's mean.
     """
     _validate(model, loss_fn, x, y, k, step, clip, tolerance, seed)
-    _check_outputs(model, loss_fn, x, y)
     params = _trainable(model)
     float64 = params[0].dtype == torch.float64
     tol = float(tolerance) if tolerance is not None else (1e-9 if float64 else 1e-4)
@@ -395,6 +397,7 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
     restore = _Restore(model)
     try:
         with torch.random.fork_rng(devices=devices):
+            _check_outputs(model, loss_fn, x, y)
             return _check(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b)
     finally:
         restore()
@@ -445,7 +448,7 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
     rtol = 1e-9 if wtol < 1e-6 else 1e-4
     m = Measurements(
         k=k, b=b, n=n, tol=tol, wtol=wtol, basis=refs.basis, full=refs.full, target=target, applied=run.applied,
-        f=probe.weights, loss_residual=probe.residual, tokens=probe.tokens, positions_per_sample=probe.positions,
+        f=probe.weights, loss_residual=probe.residual, tokens=probe.tokens,
         clip=clip, clip_kind=kind, clip_norm_type=norm_type, clip_source=source, events=run.events,
         passes=run.passes, error=run.error, forwards=run.forwards, unreplayed=run.unreplayed, random_draws=draws,
         reseeded=reseeded, coupled=lambda: coupled_modules(model, x, b, SampleRNG(seed), rtol),
@@ -462,10 +465,10 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
                   "zero_grad", "seed"):
         report.counts[kind_] = sum(e.kind == kind_ for e in run.events)
     if run.replayed:
-        report.notes.append(f"randomness: {run.replayed} random draw(s) in forward passes replayed per sample, so the "
-                            "full batch and the micro-batches use the same masks")
-    if step is not None and partial and k >= 2 and run.error is None and not set(report.codes) & LOOP_CODES:
-        extra = _partial_window(model, loss_fn, x, y, k, b, step, seed, refs, clip, kind, norm_type, wtol)
+        report.notes.append(f"randomness: {run.replayed} random op call(s) (dropout) in the window's forward passes "
+                            "were replayed per sample, so the full batch and the micro-batches use the same masks")
+    if step is not None and partial and k >= 2 and run.error is None and set(report.codes) <= PARTIAL_OK:
+        extra = _partial_window(model, loss_fn, x, y, k, b, step, seed, refs, clip, kind, norm_type, wtol, tol)
         if extra is not None:
             report.findings.append(extra)
     return report
@@ -473,7 +476,7 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
 
 def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, b: int,
                     step: Step, seed: int, refs: _Refs, clip: float | None, kind: str, norm_type: float,
-                    wtol: float) -> Finding | None:
+                    wtol: float, tol: float) -> Finding | None:
     """Run ``step`` on the first K − 1 micro-batches with k = K − 1 and compare with their mean gradient."""
     m = k - 1
     xp, yp = x[: m * b], y[: m * b]
@@ -489,12 +492,13 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
     if clip is not None:
         ideal = clip_vec(ideal, clip, kind, norm_type)
     error = rel(ideal, run.applied)
-    if error <= max(1e3 * wtol, 1e-9):
+    if error <= tol:
         return None
     w, residual, _ = fit_weights(basis, run.applied)
     s = float(run.applied @ ideal) / float(ideal @ ideal) if float(ideal.norm()) > 0 else float("nan")
-    straight = abs(cosine(ideal, run.applied) - 1) <= max(1e3 * wtol, 1e-9)
-    if straight and abs(s - m / k) <= max(1e3 * wtol, 1e-6) * (m / k):
+    thr = max(1e-6 if wtol < 1e-6 else 1e-2, tol)
+    straight = abs(cosine(ideal, run.applied) - 1) <= thr
+    if straight and abs(s - m / k) <= thr * (m / k):
         evidence = (f"a window of {m} micro-batches gets {num(s)}× its mean gradient = {m}/{k}: your step divides by "
                     f"K = {k}, not by the {m} micro-batches present")
     else:

@@ -34,7 +34,7 @@ import math
 import os
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,11 +71,8 @@ class Finding:
         return f"[{tag}] {self.cause}{where}\n       evidence: {self.evidence}\n       fix: {self.fix}"
 
 
-#: Codes of findings about how the loop weighs micro-batches (the partial-window probe runs only without them).
-LOOP_CODES = {"missing_1_over_k", "double_1_over_k", "gradient_scaled", "loss_scale_not_removed", "clip_missing",
-              "zero_grad_inside_window", "micro_batches_missing", "token_normalization", "clip_running_buffer",
-              "clip_per_micro_batch", "clip_before_unscale", "weights_differ", "scaler_update_inside_window",
-              "optimizer_step_inside_window", "scaler_step_inside_window", "unexplained"}
+#: Findings that leave the window's weights measurable: the partial-window probe runs only when no others were found.
+PARTIAL_OK = {"batch_coupled_layer", "scheduler_step_inside_window", "rng_reseeded"}
 
 
 def num(v: float) -> str:
@@ -146,6 +143,46 @@ def placements(basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "n
     }
 
 
+CLIP_RUNNING = "clipping inside the window, on the running .grad buffer"
+CLIP_PER_MICRO = "clipping inside the window, each micro-batch's gradient separately"
+CLIP_FIX = "clip once, after the last micro-batch (after scaler.unscale_ with a GradScaler)"
+
+#: Every finding the checker can report: code → what it means (the book page "Check your own loop" lists them).
+CODES: dict[str, str] = {
+    "missing_1_over_k": "the micro-batch losses are not divided by K: the gradient is K times the full batch's",
+    "double_1_over_k": "divided by K twice: the gradient is 1/K of the full batch's",
+    "gradient_scaled": "the gradient is a constant multiple of the full batch's, by another factor",
+    "loss_scale_not_removed": "the gradient still carries GradScaler's loss scale",
+    "zero_grad_inside_window": "the .grad buffer is emptied between micro-batches: only the last ones count",
+    "micro_batches_missing": "some micro-batches contribute nothing, and the buffer was not emptied",
+    "clip_running_buffer": "clip_grad_norm_ on the running .grad buffer after every backward",
+    "clip_per_micro_batch": "each micro-batch's gradient clipped on its own",
+    "clip_before_unscale": "clipping ran on gradients still multiplied by the loss scale",
+    "clip_missing": "a clip threshold was given but the loop does not clip",
+    "scaler_update_inside_window": "GradScaler.update() before the last backward: the loss scale changes inside",
+    "scaler_step_inside_window": "GradScaler.step() (an optimizer step) more than once per window",
+    "scaler_unscale_inside_window": "GradScaler.unscale_() more than once per window",
+    "optimizer_step_inside_window": "optimizer.step() more than once per window, or before the last backward",
+    "scheduler_step_inside_window": "scheduler.step() more than once per window (constructors not counted)",
+    "batch_coupled_layer": "a layer (BatchNorm, or any other) makes a sample's output depend on its batch",
+    "loss_couples_samples": "the loss is not a sum over micro-batches (in-batch negatives, batch statistics)",
+    "token_normalization": "micro-batches weighted equally although the full batch weighs them by tokens",
+    "rng_reseeded": "random draws do not depend on the state the window starts from: a seed is set inside",
+    "seed_inside_window": "(note) a seed is set inside the window, but nothing random is drawn",
+    "partial_window": "a window of K − 1 micro-batches is not normalized by its own size",
+    "partial_window_not_checked": "(note) the step refused a window of K − 1 micro-batches",
+    "step_raised": "your step raised an exception (the checker reports it instead of crashing)",
+    "model_fails_on_micro_batch": "the model raises on a micro-batch of b samples (BatchNorm with b = 1)",
+    "non_finite": "inf or NaN in the gradient",
+    "no_gradient": "the step left no gradient in the model it was given",
+    "optimizer_not_on_model": "(note) the step steps an optimizer built on another model",
+    "micro_batches_differ": "the step's forward passes do not see the K equal micro-batches",
+    "weights_differ": "micro-batches weighed differently from the full batch, in no known pattern",
+    "randomness_not_replayed": "(inconclusive) random draws without a batch dimension could not be replayed",
+    "autocast_precision": "(inconclusive) a small difference from a step run under torch.autocast",
+    "unexplained": "a difference none of the fingerprints explains",
+}
+
 PLACEMENT_TEXT = {
     "scaled_micro": "each micro-batch's 1/K-scaled gradient clipped on its own, then summed (chapter 3's (a1))",
     "raw_micro": "each micro-batch's raw gradient clipped, then averaged (chapter 3's (a2))",
@@ -161,7 +198,7 @@ class Measurements:
     b: int
     n: int
     tol: float
-    wtol: float  # tolerance on weights (float64: 1e-6)
+    wtol: float  # rounding of the fitted weights (float64: 1e-9, otherwise 1e-5)
     basis: torch.Tensor  # (K, P) micro-batch gradients h_j
     full: torch.Tensor  # full-batch gradient
     target: torch.Tensor  # full batch, clipped once when a threshold applies
@@ -169,7 +206,6 @@ class Measurements:
     f: list[float]  # loss weights of micro-batches
     loss_residual: float
     tokens: list[int]
-    positions_per_sample: int
     clip: float | None
     clip_kind: str
     clip_norm_type: float
@@ -184,7 +220,12 @@ class Measurements:
     coupled: Callable[[], list[tuple[str, str, float]]]
     param_slices: list[tuple[str, slice]]
     has_step: bool
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def thr(self) -> float:
+        """What counts as equal when reading fingerprints (weights, fits, scales): 1e-6 for float64, 1e-2 for
+        lower precision, never below the tolerance the verdict uses."""
+        return max(1e-6 if self.wtol < 1e-6 else 1e-2, self.tol)
 
 
 class _Findings:
@@ -306,7 +347,7 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
         return out.list(), info
 
     # ---- the model or the loss: does the full batch equal the ideal accumulation of this model?
-    loss_tol = max(1e3 * m.wtol, 1e-6) if m.wtol < 1e-4 else 1e-2
+    loss_tol = m.thr
     if m.loss_residual > loss_tol:
         out.add("loss_couples_samples", "the loss couples the samples of a batch: it is not a sum over "
                 "micro-batches", f"the loss's gradient on a micro-batch inside the full batch is not a multiple of "
@@ -321,8 +362,17 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     # ---- the loop: does the step produce the ideal accumulation?
     loop_error = rel(clipped, g)
     info["loop_error"] = loop_error
-    if loop_error > m.tol:
+    if loop_error > m.tol and m.loss_residual <= loss_tol:  # (the weights f mean nothing for a coupled loss)
         _loop_findings(m, out, w, e, residual, cond, clipped, loop_error)
+    autocast = _counts(m.events, "autocast")
+    if error > m.tol and autocast and error <= 0.1 and not any(f.severity in ("bug", "inconclusive")
+                                                                 for f in out.list()):
+        dtype = autocast[0].detail.get("dtype", "")
+        out.add("autocast_precision", "your step runs under torch.autocast; the full-batch reference does not",
+                f"{len(autocast)} autocast region(s) ({dtype}); relative error {num(error)}, cosine "
+                f"{cosine(m.target, g):.4f}: the size of {dtype} rounding, and no fingerprint of a bug",
+                "pass a tolerance that matches the autocast precision (about 3e-2 for bfloat16, 3e-3 for float16)",
+                4, "inconclusive")
     if error > m.tol and not any(f.severity in ("bug", "inconclusive") for f in out.list()):
         out.add("unexplained", "unexplained difference", f"relative error {num(error)} against the full batch",
                 "look for state that changes between micro-batches, or other layers that couple samples", 6)
@@ -375,22 +425,22 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
                 "gradients", f"{e.detail.get('fn', 'clip')} ran {_after(e)} on gradients still multiplied by the "
                 f"loss scale (it saw a norm of {num(seen)}) and scaled them by {num(e.detail.get('factor', 1.0))}",
                 "call scaler.unscale_(optimizer) first, then clip, then scaler.step(optimizer)", 3)
-    inside = [e for e in clips if e.after < last and not e.detail.get("scaled")]
+    inside = [e for e in clips if e.after < last]
     if inside:
         # the placement: per micro-batch when the buffer held one micro-batch only at each clip
         later = [e for e in inside if e.after >= 2]  # the first clip always sees one micro-batch only
         per_micro = bool(later) and all(_held_one(m, e) for e in later)
-        code = "clip_per_micro_batch" if per_micro else "clip_running_buffer"
-        what = "each micro-batch's gradient separately" if per_micro else "on the running .grad buffer"
         factors = [e.detail.get("factor", 1.0) for e in inside]
         changed = any(abs(f - 1) > 1e-12 for f in factors)
         effect = (f"it scaled the gradient by {nums(factors[:6])}" if changed else
                   "it did not change this window's gradient (every norm was below the threshold) but will when "
                   "gradients grow")
-        out.add(code, f"clipping inside the window, {what}",
-                f"{len(clips)} clip call(s), {len(inside)} before the last backward "
-                f"({', '.join(_after(e) for e in inside[:4])}); {effect}",
-                "clip once, after the last micro-batch (after scaler.unscale_ with a GradScaler)", 3)
+        evidence = (f"{len(clips)} clip call(s), {len(inside)} before the last backward "
+                    f"({', '.join(_after(e) for e in inside[:4])}); {effect}")
+        if per_micro:
+            out.add("clip_per_micro_batch", CLIP_PER_MICRO, evidence, CLIP_FIX, 3)
+        else:
+            out.add("clip_running_buffer", CLIP_RUNNING, evidence, CLIP_FIX, 3)
     if m.reseeded is not None and m.reseeded[0] > 0:
         same, compared = m.reseeded
         seeds = _counts(events, "seed")
@@ -459,7 +509,7 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
                    clipped: torch.Tensor, loop_error: float) -> None:
     k = m.k
     events = m.events
-    fit_tol = 1e-6 if m.wtol < 1e-4 else 1e-2
+    fit_tol = m.thr
     if any(c in out for c in ("optimizer_step_inside_window", "scaler_step_inside_window")):
         return  # the weights moved mid-window: the micro-batch gradients no longer describe the step
     if residual > fit_tol:  # (a rank-deficient basis, e.g. duplicate micro-batches, still fits: min-norm weights)
@@ -480,13 +530,33 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
                     "does your step use loss_fn, and change nothing but .grad?",
                     "compare your loop line by line with gradaccum.accumulate.accumulate_backward", 6)
         return
+    resets = [j + 1 for j in range(1, len(m.passes)) if _is_zero(m.passes[j].before)
+              and not _is_zero(m.passes[j - 1].after)]
+    zeros = [ev for ev in _inside(_counts(events, "zero_grad"), len(m.passes)) if ev.after > 0]
+    if cond > 1e10:
+        # micro-batch gradients linearly dependent (duplicate samples, tiny models): weights are not unique, so
+        # read the buffer trace instead, and the scale along the ideal gradient
+        if resets and m.passes and rel(m.passes[-1].after, m.applied) <= fit_tol:
+            out.add("zero_grad_inside_window", "zero_grad() inside the window: the gradient buffer is emptied "
+                    "between micro-batches", f"the .grad buffer was emptied before micro-batch(es) "
+                    f"{ordinal_list(resets)}; the step applies what the last backward pass(es) left in it",
+                    "zero the gradients once per window, before the first micro-batch", 6)
+            return
+        denom = float(clipped @ clipped)
+        s = float(m.applied @ clipped) / denom if denom > 0 else float("nan")
+        cos = cosine(clipped, m.applied)
+        if abs(cos - 1) <= m.thr:
+            _scale_findings(m, out, s, loop_error, cos, _counts(events, "clip"))
+        else:
+            out.add("weights_differ", "your loop weighs micro-batches differently from the full batch",
+                    f"cosine {cos:.4f} with the full batch (the micro-batch gradients are linearly dependent, so "
+                    "the weights cannot be told apart)",
+                    "compare your loop line by line with gradaccum.accumulate.accumulate_backward", 6)
+        return
     missing = [j for j in range(k) if w[j] == 0 and e[j] != 0]  # exactly absent (rounding noise removed above)
     present = [j for j in range(k) if j not in missing and e[j] != 0]
     weights = f"weights {nums(w)} instead of {nums(e)}"
     if missing:
-        resets = [j + 1 for j in range(1, len(m.passes)) if _is_zero(m.passes[j].before)
-                  and not _is_zero(m.passes[j - 1].after)]
-        zeros = [ev for ev in _inside(_counts(events, "zero_grad"), len(m.passes)) if ev.after > 0]
         if resets or zeros:
             calls = f" (zero_grad() called {len(zeros)}× inside the window)" if zeros else ""
             out.add("zero_grad_inside_window", "zero_grad() inside the window: the gradient buffer is emptied "
@@ -494,7 +564,8 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
                     f"{ordinal_list(resets)}{calls}; only micro-batch(es) {ordinal_list([j + 1 for j in present])} "
                     f"reach the optimizer: {weights}", "zero the gradients once per window, before the first "
                     "micro-batch (or after optimizer.step())", 6)
-        else:
+        elif not any(c in out for c in ("clip_running_buffer", "clip_per_micro_batch", "clip_before_unscale",
+                                        "scaler_update_inside_window")):  # (those shrink early ones to ~0)
             out.add("micro_batches_missing", "micro-batches missing from the window",
                     f"micro-batch(es) {ordinal_list([j + 1 for j in missing])} contribute nothing: {weights}",
                     "check the loop's bounds: every micro-batch of the window needs its backward", 6)
@@ -502,12 +573,12 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         return
     ratio = [w[j] / e[j] for j in present]
     mean = sum(ratio) / len(ratio)
-    uniform = max(abs(r / mean - 1) for r in ratio) <= max(1e3 * m.wtol, 1e-6) if mean != 0 else False
+    uniform = max(abs(r / mean - 1) for r in ratio) <= m.thr if mean != 0 else False
     f_present = [m.f[j] for j in present]
     f_uniform = max(f_present) - min(f_present) <= 1e-9 * max(abs(v) for v in f_present)
     w_present = [w[j] for j in present]
     w_mean = sum(w_present) / len(w_present)
-    w_uniform = max(abs(v / w_mean - 1) for v in w_present) <= max(1e3 * m.wtol, 1e-6) if w_mean else False
+    w_uniform = max(abs(v / w_mean - 1) for v in w_present) <= m.thr if w_mean else False
     clips = _counts(events, "clip")
     if not uniform and not f_uniform and w_uniform:
         out.add("token_normalization", "mean of per-micro-batch token means: micro-batches weighted equally, not by "
@@ -519,7 +590,7 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         _scale_findings(m, out, w_mean / plain, loop_error, cosine(clipped, m.applied), clips, token=True)
         return
     if uniform:
-        if abs(mean - 1) > max(1e3 * m.wtol, 1e-9):
+        if abs(mean - 1) > m.thr:
             _scale_findings(m, out, mean, loop_error, cosine(clipped, m.applied), clips)
         return
     # weights of different shape: clipping placements, scale changes, or something else
@@ -527,16 +598,18 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     matched = None
     if c is not None:
         for name, vec in placements(m.basis, m.f, c, kind, norm_type).items():
-            if name != "once" and rel(vec, m.applied) <= max(1e3 * m.wtol, 1e-9):
+            if name != "once" and rel(vec, m.applied) <= m.thr:
                 matched = name
                 break
     if matched is not None:
-        code = "clip_running_buffer" if matched == "running" else "clip_per_micro_batch"
-        out.remove({"clip_running_buffer", "clip_per_micro_batch"} - {code})  # the measured gradient decides
-        what = "on the running .grad buffer" if matched == "running" else "each micro-batch's gradient separately"
-        out.add(code, f"clipping inside the window, {what}", f"your gradient equals {PLACEMENT_TEXT[matched]} at "
-                f"threshold {num(c)} to rounding; later micro-batches weigh differently from earlier ones: {weights}",
-                "clip once, after the last micro-batch (after scaler.unscale_ with a GradScaler)", 3)
+        evidence = (f"your gradient equals {PLACEMENT_TEXT[matched]} at threshold {num(c)} to rounding; the "
+                    f"micro-batches no longer weigh what they weigh in the full batch: {weights}")
+        if matched == "running":  # the measured gradient decides the placement
+            out.remove({"clip_per_micro_batch"})
+            out.add("clip_running_buffer", CLIP_RUNNING, evidence, CLIP_FIX, 3)
+        else:
+            out.remove({"clip_running_buffer"})
+            out.add("clip_per_micro_batch", CLIP_PER_MICRO, evidence, CLIP_FIX, 3)
         return
     scales = [p.scale for p in m.passes if p.scale is not None]
     if len(scales) == k and len(set(scales)) > 1:
@@ -582,7 +655,7 @@ def _scale_findings(m: Measurements, out: _Findings, s: float, loop_error: float
                     token: bool = False) -> None:
     """Findings for a gradient that is ``s`` times what it should be (same direction)."""
     k = m.k
-    close = lambda a, b: abs(a - b) <= max(1e3 * m.wtol, 1e-6) * abs(b)  # noqa: E731
+    close = lambda a, b: abs(a - b) <= m.thr * abs(b)  # noqa: E731
     if close(s, 1.0):
         return
     alphas = _per_backward(m)

@@ -220,7 +220,8 @@ class SampleRNG(TorchDispatchMode):
 def _draws_nothing(func, args, kwargs) -> bool:  # noqa: ANN001
     """Seeded ops that draw nothing for these arguments: dropout with p = 0, or not in training."""
     for i, arg in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None)
+        default = arg.default_value if arg.has_default_value() else None
+        value = args[i] if i < len(args) else kwargs.get(arg.name, default)
         if arg.name in ("dropout_p", "p") and func._overloadpacket.__name__ not in ("bernoulli_", "bernoulli") \
                 and isinstance(value, (int, float)) and value == 0:
             return True
@@ -312,7 +313,7 @@ class Event:
 
 _CLIP_NAMES = {"clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "_clip_grads_with_norm_"}
 _SEED_NAMES = {"manual_seed", "seed", "set_rng_state", "manual_seed_all"}
-_NAMES = {"step", "__init__", "zero_grad", "scale", "unscale_", "update"} | _CLIP_NAMES | _SEED_NAMES
+_NAMES = {"step", "__init__", "zero_grad", "scale", "unscale_", "update", "__enter__"} | _CLIP_NAMES | _SEED_NAMES
 
 
 class CallRecorder:
@@ -412,6 +413,10 @@ class CallRecorder:
             if isinstance(obj, LRScheduler):
                 self._push(frame, "sched_init")
             return
+        if name == "__enter__":
+            if isinstance(obj, torch.amp.autocast) and getattr(obj, "_enabled", True):
+                self._event("autocast", dtype=str(getattr(obj, "fast_dtype", "")).replace("torch.", ""))
+            return
         if isinstance(obj, torch.amp.GradScaler) and name in ("scale", "unscale_", "step", "update"):
             self.scaler = obj
             if name == "unscale_":
@@ -459,7 +464,7 @@ class CallRecorder:
 # -------------------------------------------------------------------------------- which layers couple samples
 
 
-def _slice(t: torch.Tensor, n: int, b: int, reference: torch.Tensor | None = None) -> torch.Tensor | None:
+def _slice(t: torch.Tensor, n: int, b: int) -> torch.Tensor | None:
     """The first b samples of ``t`` (batch dimension: the first of size n)."""
     for d, s in enumerate(t.shape):
         if s == n:
@@ -476,7 +481,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
     return float((a.detach() - b.detach()).abs().max()) <= rtol * max(scale, 1e-30) if a.numel() else True
 
 
-def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG, rtol: float) -> list[tuple[str, str, float]]:
+def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
+                    rtol: float) -> list[tuple[str, str, float]]:
     """Modules whose output for a sample depends on the other samples of its batch, found by measurement.
 
     Every module is called twice on the inputs it received in a full-batch forward pass: on all N samples, and

@@ -16,7 +16,9 @@ the accumulated (= full-batch) gradient. The four placements:
 * ``"running"`` (b): ``clip_grad_norm_`` on the running ``.grad`` buffer after every backward:
   :math:`r_k = \operatorname{clip}_c(r_{k-1} + g_k/K)`; earlier micro-batches are shrunk again by every later
   clip, so the direction leans towards the last ones, and the result depends on their order; its norm is at
-  most :math:`c`.
+  most :math:`c`, and equals :math:`c` only when the final buffer :math:`r_{K-1} + g_K/K` is longer than
+  :math:`c` (otherwise the last clip does nothing, and the step can be shorter than the correct one, or even
+  reversed: :data:`ERRATA_CASES`).
 
 Whether (a1) and (a2) are longer or shorter than the correct step :math:`\min(\lVert g\rVert, c)` is *not*
 fixed: it depends on how the micro-gradients are aligned (:func:`errata_cases` gives one example of each
@@ -115,7 +117,8 @@ def norm_bounds(micro_grads: Sequence[torch.Tensor], c: float) -> dict[str, floa
     * ``once``: :math:`\min(\lVert g\rVert, c)` (an equality, up to ``clip_grad_norm_``'s :math:`10^{-6}`);
     * ``scaled_micro``: :math:`\sum_k \min(c, n_k/K) \le \min\big(Kc, \frac1K\sum_k n_k\big)`;
     * ``raw_micro``: :math:`\frac1K\sum_k \min(c, n_k) \le c`;
-    * ``running``: :math:`c` (its last operation is a clip).
+    * ``running``: :math:`c` (its last operation is a clip; an equality only when the buffer before that clip
+      is longer than :math:`c`, see :func:`running_buffer_norms`).
 
     Lower bounds do not exist beyond 0: opposing micro-gradients cancel after clipping (:func:`errata_cases`).
     """
@@ -139,7 +142,7 @@ class Comparison:
     placement: str
     norm: float        # norm of the placement's step
     correct: float     # norm of clip_c(g), the correct step
-    cosine: float      # cosine between the two steps (0 when either is zero)
+    cosine: float      # cosine between the two steps (NaN when either is zero up to clip_grad_norm_'s 1e-6)
 
     @property
     def ratio(self) -> float:
@@ -148,11 +151,14 @@ class Comparison:
 
 
 def compare_to_once(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement) -> Comparison:
-    r"""The step under ``placement`` next to the correct step :math:`\operatorname{clip}_c(g)`."""
+    r"""The step under ``placement`` next to the correct step :math:`\operatorname{clip}_c(g)`.
+
+    A step shorter than ``EPS`` is zero up to ``clip_grad_norm_``'s :math:`10^{-6}` term (an exact projection
+    would give 0); its direction is rounding noise, so its cosine is reported as NaN."""
     step = combine(micro_grads, c, placement)
     correct = combine(micro_grads, c, "once")
     n, m = float(torch.linalg.vector_norm(step)), float(torch.linalg.vector_norm(correct))
-    cos = float(step @ correct) / (n * m) if n > 0 and m > 0 else 0.0
+    cos = float(step @ correct) / (n * m) if n >= EPS and m >= EPS else math.nan
     return Comparison(placement, n, m, cos)
 
 
@@ -163,12 +169,15 @@ ERRATA_CASES: dict[str, tuple[str, tuple[tuple[float, float], ...], float]] = {
     "(a1) reversed, K = 3": ("scaled_micro", ((30.3, 0.0), (-15.0, 0.0), (-15.0, 0.0)), 1.0),
     "(a2) too short: orthogonal": ("raw_micro", ((2.0, 0.0), (0.0, 2.0)), 1.0),
     "(a2) too long and reversed": ("raw_micro", ((-3.0, 0.0),) + ((0.95, 0.0),) * 3, 1.0),
+    "(b) too short and turned": ("running", ((10.0, 0.0), (-2.0, 1.0)), 1.0),
+    "(b) reversed": ("running", ((10.0, 0.0), (-7.0, 0.0)), 1.0),
 }
 
 
 def errata_cases(dtype: torch.dtype = torch.float64) -> dict[str, Comparison]:
     """:func:`compare_to_once` on every case of :data:`ERRATA_CASES`: each per-micro-batch placement errs in
-    both directions, depending on how the micro-gradients are aligned."""
+    both directions, depending on how the micro-gradients are aligned; (b) too, when its final buffer is not
+    longer than c."""
     out = {}
     for name, (placement, vectors, c) in ERRATA_CASES.items():
         grads = [torch.tensor(v, dtype=dtype) for v in vectors]
@@ -180,7 +189,8 @@ def format_errata_cases(cases: dict[str, Comparison]) -> str:
     lines = [f"{'case':<30} {'K':>2} {'c':>4}  {'step norm':>10} {'correct':>8} {'ratio':>8} {'cos':>6}"]
     for name, r in cases.items():
         k, c = len(ERRATA_CASES[name][1]), ERRATA_CASES[name][2]
-        lines.append(f"{name:<30} {k:>2} {c:>4g}  {r.norm:>10.3g} {r.correct:>8.4g} {r.ratio:>8.3g} {r.cosine:>6.2f}")
+        cos = "   n/a" if math.isnan(r.cosine) else f"{r.cosine:>6.2f}"  # a zero step has no direction
+        lines.append(f"{name:<30} {k:>2} {c:>4g}  {r.norm:>10.3g} {r.correct:>8.4g} {r.ratio:>8.3g} {cos}")
     return "\n".join(lines)
 
 
@@ -310,6 +320,22 @@ def placement_effects(k: int, c: float, alignment: float, norm: float = 1.0, see
     return rows
 
 
+def running_buffer_norms(micro_grads: Sequence[torch.Tensor], c: float) -> list[float]:
+    r"""Placement (b): the norm :math:`\lVert r_{k-1} + g_k/K\rVert` of the running buffer just *before* each
+    clip, :math:`k = 1..K`. The step has norm :math:`c` (up to :math:`10^{-6}`) exactly when the last entry
+    exceeds :math:`c`; otherwise the last clip does nothing and the step is that (shorter) buffer."""
+    check_threshold(c)
+    k = len(micro_grads)
+    check_k(k)
+    running = torch.zeros_like(micro_grads[0])
+    norms = []
+    for g in micro_grads:
+        running = running + g / k
+        norms.append(float(torch.linalg.vector_norm(running)))
+        running = clip_vector(running, c)
+    return norms
+
+
 def running_clip_weights(micro_grads: Sequence[torch.Tensor], c: float) -> list[float]:
     r"""Placement (b) returns :math:`\sum_j w_j g_j` with :math:`w_j = \frac1K\prod_{i\ge j}\kappa_i`, where
     :math:`\kappa_i\le 1` is the coefficient of the clip after micro-batch i. The correct step has
@@ -357,8 +383,9 @@ def placement_table(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
     """For each K: micro-gradient agreement, and per placement (final size / c, cosine to the correct step).
 
     Size is the L2 norm for ``mode="norm"`` and the largest |element| for ``mode="value"``. Each row also holds,
-    in units of c and in the first slot, the size of the unclipped accumulated gradient (``"full"``) and of the
-    shortest and longest micro-gradient (``"smallest"``, ``"largest"``).
+    in units of c and in the first slot, the size of the unclipped accumulated gradient (``"full"``), of the
+    shortest and longest micro-gradient (``"smallest"``, ``"largest"``) and, for ``mode="norm"``, the norm of
+    placement (b)'s buffer before its last clip (``"buffer"``, :func:`running_buffer_norms`; NaN by value).
     """
     table: dict[int, dict[str, tuple[float, float]]] = {}
     nan = float("nan")
@@ -369,7 +396,8 @@ def placement_table(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
         full = sum(grads) / k  # type: ignore[operator]
         row = {"agreement": (mean_pairwise_cosine(grads), nan),
                "full": (float(torch.linalg.vector_norm(full) if mode == "norm" else full.abs().max()) / c, nan),
-               "smallest": (min(sizes), nan), "largest": (max(sizes), nan)}
+               "smallest": (min(sizes), nan), "largest": (max(sizes), nan),
+               "buffer": (running_buffer_norms(grads, c)[-1] / c if mode == "norm" else nan, nan)}
         for placement in PLACEMENTS:
             g = combine(grads, c, placement, mode)  # type: ignore[arg-type]
             size = torch.linalg.vector_norm(g) if mode == "norm" else g.abs().max()
@@ -487,8 +515,12 @@ def format_train_sweep(losses: dict[tuple[str, float, int], dict[str, float]]) -
     return "\n".join(lines)
 
 
-def raw_micro_all_clipped(agreement: float, k: int) -> float:
+def raw_micro_all_clipped(agreement: float, k: int, smallest_over_c: float) -> float:
     r"""‖step‖/c of placement (a2) when *every* micro-gradient is longer than c.
+
+    ``smallest_over_c`` is the norm of the shortest micro-gradient in units of c; the formula assumes it
+    exceeds 1 (a ``ValueError`` otherwise: a micro-gradient shorter than c is not clipped, so compute the step
+    with ``combine(grads, c, "raw_micro")`` instead).
 
     Then each :math:`\operatorname{clip}_c(g_k) = c\,u_k` with :math:`u_k` the unit direction of
     :math:`g_k`, and :math:`\lVert \frac1K\sum_k c\,u_k\rVert^2 = \frac{c^2}{K^2}\big(K + K(K-1)\bar a\big)`
@@ -501,6 +533,9 @@ def raw_micro_all_clipped(agreement: float, k: int) -> float:
     check_k(k)
     if not -1.0 <= agreement <= 1.0:
         raise ValueError(f"agreement is a mean cosine and must lie in [-1, 1], got {agreement}.")
+    if not smallest_over_c > 1.0:
+        raise ValueError(f"the formula needs every micro-gradient longer than c, but the shortest has norm "
+                         f"{smallest_over_c}·c; compute (a2) with combine(grads, c, 'raw_micro') instead.")
     return math.sqrt(max(0.0, 1 / k + (1 - 1 / k) * agreement))
 
 

@@ -14,7 +14,10 @@ per micro-batch index repeats masks from window to window: that is the bug.
 
 **A last partial window** of :math:`k' < K` micro-batches divided by K has gradient
 :math:`\frac{k'}{K}\bar g` (:math:`\bar g` the mean gradient of its samples). Plain SGD's step shrinks by the same
-factor; Adam divides by the root of a running mean of squared gradients and largely undoes it.
+factor. Adam divides by the root of a running mean of squared gradients: its first step is invariant to the
+gradient's scale, and early in training (a second-moment estimate built from few steps) it nearly undoes the
+shrink; once that estimate reflects many earlier, full-size gradients, the step shrinks noticeably (how much depends
+on the model and on how long Adam has run).
 """
 
 from __future__ import annotations
@@ -442,11 +445,12 @@ STUDY_LR = {"CNN, digits": {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3},
 
 def partial_step_study(x_digits: torch.Tensor, y_digits: torch.Tensor, lines: Sequence[str], vocab: Vocab,
                        seeds: Sequence[int] = (0, 1, 2), warm: Sequence[int] = (0, 10), k: int = 8,
-                       present: int = 3) -> dict[tuple[str, str, int], list[float]]:
+                       present: int = 3, optimizers: Sequence[OptimizerName] = ("sgd", "momentum", "adam"),
+                       ) -> dict[tuple[str, str, int], list[float]]:
     """:func:`partial_step_ratio` for two set-ups — the book's GroupNorm ``SmallCNN`` on the digits (micro-batches
     of 8 images) and the character LM on the corpus (micro-batches of 2 lines, token-mean loss) — with plain SGD,
     SGD with momentum 0.9 and Adam (learning rates :data:`STUDY_LR`), after each number of ``warm`` windows, one
-    value per seed (the seed sets the model's initial weights and the batches).
+    value per seed (the seed sets the model's initial weights and the batches); ``optimizers`` picks a subset.
     Returns ``{(set-up, optimizer, warm windows): [ratio per seed]}``."""
     from .models import make_cnn
 
@@ -455,7 +459,7 @@ def partial_step_study(x_digits: torch.Tensor, y_digits: torch.Tensor, lines: Se
               "char LM": (lambda sd: make_lm(vocab, seed=sd), token_loss, lm_x, lm_y, 2)}
     out: dict[tuple[str, str, int], list[float]] = {}
     for name, (make, loss_fn, xs, ys, b) in setups.items():
-        for opt in ("sgd", "momentum", "adam"):
+        for opt in optimizers:
             for w in warm:
                 out[name, opt, w] = [partial_step_ratio(make(sd), loss_fn, xs, ys, b, k, present, opt,  # type: ignore[arg-type]
                                                         STUDY_LR[name][opt], w, seed=sd) for sd in seeds]
