@@ -198,7 +198,7 @@ MAKE_TARGETS = {
 NOT_RUN = {
     "make binder-check": "creates a fresh virtual environment and downloads torch from PyPI into it (network, "
                          "minutes): run by hand before publishing the Binder link",
-    "bash scripts/loaded_nbval.sh [RUNS] [PYTEST ARGS...]": "what `make nbval-loaded` runs (see MAKE_TARGETS)",
+    "bash scripts/loaded_nbval.sh [RUNS] [NOTEBOOK ...]": "what `make nbval-loaded` runs (see MAKE_TARGETS)",
 }
 
 

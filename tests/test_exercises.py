@@ -22,6 +22,8 @@ from gradaccum import exercises as ex
         (ex.check_fp16_subnormal, 5.96e-8),
         (ex.check_fp16_subnormal, 2**-24),
         (ex.check_backoff_scale, 32768),
+        (ex.check_fp16_subnormal, 6.0e-8),  # two significant digits, as asked (0.66% off)
+        (ex.check_backoff_steps, 0),
         (ex.check_allreduce_calls, 24),
         (ex.check_ring_bytes, 175),
         (ex.check_window_token_loss, 40 / 110),
@@ -72,6 +74,8 @@ def test_right_answers_pass(checker, right):
         (ex.check_fp16_subnormal, 2**-25, "rounds to 0"),
         (ex.check_backoff_scale, 65536, "backoff"),
         (ex.check_backoff_scale, 65536 * 0.5**8, "once per window"),
+        (ex.check_backoff_steps, 7, "steps per micro-batch"),
+        (ex.check_backoff_steps, 1, "skips"),
         (ex.check_allreduce_calls, 8, "*bucket*"),
         (ex.check_allreduce_calls, 3, "with no_sync"),
         (ex.check_ring_bytes, 100, "reduce-scatter *and*"),
@@ -84,6 +88,9 @@ def test_right_answers_pass(checker, right):
         (ex.check_nosync_saving, 140, "K − 1"),
         (ex.check_nosync_saving, 17.5, "one all-reduce"),
         (ex.check_nosync_saving, 70, "2(p − 1)/p"),
+        (ex.check_allreduce_calls, 22, "very first step"),     # 1 + 7 · 3: the first step's single bucket
+        (ex.check_ring_bytes, 200, "almost 2n"),              # the large-p limit 2n, not 2(p − 1)/p · n
+        (ex.check_nosync_saving, 0.1225, "in seconds"),       # 122.5 ms written in seconds
     ],
 )
 def test_typical_mistakes_are_explained(checker, wrong, phrase):
@@ -167,3 +174,11 @@ def test_checkers_accept_what_torch_computes_and_refuse_arrays_politely():
     assert not ex.check_clip_raw_micro(1e-3).correct
     fb = ex.check_clip_raw_micro(np.array([0.0, 0.0]))
     assert not fb.correct and "one number" in fb.message
+
+
+@pytest.mark.parametrize("wrong, phrase", [(0, "not positive"), (1e-45, "2^-149"), (2.0**-149, "2^-149"),
+                                           (1.18e-38, "smallest normal number"), (3e-9, "is not right")])
+def test_fp16_subnormal_tiny_answers_get_true_feedback(wrong, phrase):
+    """Answers far below 1e-12 must not all be read as 'float32's smallest normal number'."""
+    fb = ex.check_fp16_subnormal(wrong)
+    assert not fb and phrase in fb.message

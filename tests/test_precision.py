@@ -188,3 +188,63 @@ def test_bf16_accumulator_exercise_solution(digits, loss_fn):
     grads = micro_gradients(make_cnn("group"), loss_fn, digits.x_train[:256], digits.y_train[:256], 64)
     assert abs(precision.accumulation_error(grads, torch.bfloat16) - 0.009) < 0.002
     assert precision.accumulation_error(grads, torch.float32) < 1e-6
+
+
+def test_float64_model_is_refused(digits, loss_fn):
+    """autocast leaves float64 alone: an fp16 'recipe' on a float64 model would silently run in float64."""
+    model = make_cnn("group")  # float64, make_cnn's default
+    x, y = digits.x_train[:16], digits.y_train[:16]
+    with pytest.raises(ValueError, match="must be float32"):
+        precision.amp_window(model, loss_fn, x, y, 2)
+    with pytest.raises(ValueError, match="must be float32"):
+        precision.largest_safe_log2_scale(model, loss_fn, x, y, 2)
+
+
+def _mlp(inplace: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(inplace=inplace), nn.Linear(32, 10)).double()
+
+
+def test_activation_gradients_exact_with_inplace_relu(digits, loss_fn):
+    x, y = digits.x_train[:16], digits.y_train[:16]
+    plain = precision.activation_gradients(_mlp(False), loss_fn, x, y)
+    inplace = precision.activation_gradients(_mlp(True), loss_fn, x, y)
+    assert plain.numel() == 16 * (32 + 32 + 10) and torch.equal(plain, inplace)
+    # the Linear slot holds dL/dz (pre-ReLU), which differs from the ReLU slot where z < 0
+    assert not torch.equal(plain[: 16 * 32], plain[16 * 32: 2 * 16 * 32])
+
+
+class _Tuple(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.inner = nn.GRU(8, 8, batch_first=True) if kind == "gru" else nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x.reshape(-1, 8, 8)
+        out = self.inner(z)[0] if isinstance(self.inner, nn.GRU) else self.inner(z, z, z)[0]
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("kind, name", [("gru", "GRU"), ("mha", "MultiheadAttention")])
+def test_activation_gradients_refuse_tuple_outputs(digits, loss_fn, kind, name):
+    with pytest.raises(ValueError, match=f"'inner' \\({name}\\) returns tuple"):
+        precision.activation_gradients(_Tuple(kind).double(), loss_fn, digits.x_train[:4], digits.y_train[:4])
+
+
+def test_unscale_and_update_per_micro_raise_nothing_but_are_wrong(f32, loss_fn):
+    model, x, y = f32
+    ref = precision.reference_update(model, loss_fn, x, y)
+    clean = precision.amp_window(model, loss_fn, x, y, 4, "unscale_update_per_micro")
+    assert clean.error is None and clean.steps == 1 and agreement(ref, clean.update).rel_error > 0.99
+    over = precision.amp_window(model, loss_fn, x, y, 4, "unscale_update_per_micro", overflow_micro=1)
+    assert over.error is None and over.steps == 0
+    assert over.scales == [2.0**16, 2.0**16, 2.0**15, 2.0**14] and over.final_scale == 2.0**12
+
+
+def test_only_s_over_k_reaches_the_backward_pass(f32, loss_fn):
+    """The identity behind 'where the 1/K goes': loss / 4 at S = 2^15 is bitwise loss at S = 2^13."""
+    model, x, y = f32
+    a = precision.scaled_window_grads(model, loss_fn, x, y, 4, 2.0**15, "loss")
+    b = precision.scaled_window_grads(model, loss_fn, x, y, 4, 2.0**13, "grads")
+    assert torch.equal(a, b) and torch.isfinite(a).all()

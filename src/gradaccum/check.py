@@ -47,8 +47,8 @@ from torch.nn.utils import clip_grad_norm_  # bound before any patching: the che
 from .accumulate import accumulate_backward, check_k, split_batch
 from .check_fingerprints import (PARTIAL_OK, Finding, Measurements, clip_vec, cosine, diagnose, fit_weights, num,
                                  nums, rel)
-from .check_instrument import (CallRecorder, Event, GradTrace, SampleRNG, coupled_modules, first_tensor, flat,
-                               identical_draws)
+from .check_instrument import (CallRecorder, Event, GradTrace, OutsideDraws, SampleRNG, coupled_modules,
+                               first_tensor, flat, identical_draws)
 
 Step = Callable[[nn.Module, Callable, torch.Tensor, torch.Tensor, int], Any]
 
@@ -189,6 +189,7 @@ class _Run:
     unreplayed: list[str]
     draws: list
     recorder_errors: list[str]
+    outside: list[str] = field(default_factory=list)
 
 
 def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step, seed: int,
@@ -211,7 +212,9 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
         warnings.simplefilter("always")
         try:
             calls = recorder.active() if mode == "replay" else nullcontext()
-            with calls, (rng if mode == "record" else nullcontext()):
+            outside = (OutsideDraws(lambda: scope is not None and scope.depth > 0) if mode == "replay" else
+                       nullcontext())
+            with calls, (rng if mode == "record" else outside):
                 step(work, loss_fn, x, y, k)
         except Exception as err:  # a finding, never a crash of the checker
             error = err
@@ -222,7 +225,8 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
     applied = recorder.applied if recorder.applied is not None else flat(params)
     caught = list(dict.fromkeys(str(w.message).split(". ")[0] for w in raised))
     return _Run(applied, trace.passes, recorder.events, error, caught, scope.forwards if scope else [],
-                rng.replayed, rng.unreplayed, rng.draws, recorder.errors)
+                rng.replayed, rng.unreplayed, rng.draws, recorder.errors,
+                outside.draws if isinstance(outside, OutsideDraws) else [])
 
 
 @dataclass
@@ -418,11 +422,15 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
     run = _run_step(model, loss_fn, x, y, k, step or accumulate_backward, seed, plans=refs.plans)
     clips = [e for e in run.events if e.kind == "clip"]
     kind, norm_type, source = "norm", 2.0, None
+    thresholds = {(e.detail.get("fn"), e.detail.get("max_norm", e.detail.get("clip_value")),
+                   e.detail.get("norm_type", 2.0)) for e in clips}
+    given = clip
     if clip is not None:
         source = "the clip argument"
+        loop = ", ".join(f"{fn} with threshold {num(v)}" for fn, v, _ in sorted(thresholds, key=str))
+        report.notes.append(f"clipping: the full batch is clipped once at threshold {num(clip)} (the clip argument)"
+                            + (f"; your loop calls {loop}" if loop else "; your loop makes no clip call"))
     else:
-        thresholds = {(e.detail.get("fn"), e.detail.get("max_norm", e.detail.get("clip_value")),
-                       e.detail.get("norm_type", 2.0)) for e in clips}
         if len(thresholds) == 1:
             fn, value, norm_type = next(iter(thresholds))
             if value is not None:
@@ -452,8 +460,25 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
         clip=clip, clip_kind=kind, clip_norm_type=norm_type, clip_source=source, events=run.events,
         passes=run.passes, error=run.error, forwards=run.forwards, unreplayed=run.unreplayed, random_draws=draws,
         reseeded=reseeded, coupled=lambda: coupled_modules(model, x, b, SampleRNG(seed), rtol),
-        param_slices=slices, has_step=step is not None)
+        param_slices=slices, has_step=step is not None, outside_draws=run.outside)
     findings, info = diagnose(m)
+    codes = {f.code for f in findings}
+    if given is not None and run.error is None:
+        if not clips and "clip_missing" not in codes:
+            findings.append(Finding(
+                "clip_missing", "a clip threshold was given but your loop makes no clip call",
+                f"threshold {num(given)} (the clip argument); the full-batch gradient's norm "
+                f"{num(float(refs.full.norm()))} is below it, so this window is not affected, but larger gradients "
+                "will be clipped in the reference and not in your loop", "clip once per window, after the last "
+                "backward (after scaler.unscale_), or drop the clip argument", 3, "note"))
+        differ = sorted({v for _, v, _ in thresholds if v is not None and v != given})
+        if differ:
+            findings.insert(0, Finding(
+                "clip_threshold_differs", "the clip threshold you gave is not the one your loop uses",
+                f"you gave {num(given)}; your loop's clip call(s) use {', '.join(num(v) for v in differ)}: the "
+                "comparison clips the full batch at the threshold you gave, so a difference below may come from "
+                "the two thresholds alone", f"rerun with --clip {num(differ[0])} (or without --clip: the checker "
+                "then reads the threshold from your loop)", 3, "note"))
     report.findings = findings
     report.weights, report.expected_weights = info.get("weights"), info.get("expected_weights")
     if run.error is None:
@@ -765,18 +790,39 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit status (0 no bug, 1 bug found, 2 usage error)."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in raw
+
+    def usage_json(message: str) -> int:
+        """With --json, a usage error is still JSON on stdout (exit status 2); the message also goes to stderr."""
+        print(json.dumps({"ok": False, "usage_error": message, "findings": []}, indent=2))
+        return 2
+
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        if as_json and exit_.code == 2:
+            return usage_json("invalid command line (argparse's message is on stderr)")
+        raise
+    problem = None
     if args.k < 1:
-        parser.error(f"-k must be >= 1, got {args.k}")
+        problem = f"-k must be >= 1, got {args.k}"
     for name in ("clip", "tolerance"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
-            parser.error(f"--{name} must be a positive number, got {value}")
+            problem = problem or f"--{name} must be a positive number, got {value}"
     if args.seed < 0:
-        parser.error(f"--seed must be >= 0, got {args.seed}")
+        problem = problem or f"--seed must be >= 0, got {args.seed}"
+    if args.demo and args.target:
+        problem = problem or "give either --demo or a target, not both"
+    if not args.demo and not args.target:
+        problem = problem or "give module:function (or --demo)"
+    if problem is not None:
+        if args.json:
+            print(f"python -m gradaccum.check: error: {problem}", file=sys.stderr)
+            return usage_json(problem)
+        parser.error(problem)
     if args.demo:
-        if args.target:
-            parser.error("give either --demo or a target, not both")
         results = run_demo(args.k)
         if args.json:
             print(json.dumps({"cases": [{"name": r.name, "expected": list(r.expected), "as_expected": r.as_expected,
@@ -790,8 +836,6 @@ def main(argv: list[str] | None = None) -> int:
             good = sum(r.as_expected for r in results)
             print(f"demo: {good} of {len(results)} verdicts as expected")
         return 0 if all(r.as_expected for r in results) else 1
-    if not args.target:
-        parser.error("give module:function (or --demo)")
     try:
         torch.manual_seed(args.seed)
         model, loss_fn, x, y, *rest = _made(_load_target(args.target))
@@ -799,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
                        tolerance=args.tolerance, seed=args.seed, partial=not args.no_partial)
     except (_UsageError, ValueError) as err:
         print(f"python -m gradaccum.check: error: {err}", file=sys.stderr)
-        return 2
+        return usage_json(str(err)) if args.json else 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else report)
     return 0 if report.ok else 1
 

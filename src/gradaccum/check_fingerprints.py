@@ -34,7 +34,7 @@ import math
 import os
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -158,7 +158,8 @@ CODES: dict[str, str] = {
     "clip_running_buffer": "clip_grad_norm_ on the running .grad buffer after every backward",
     "clip_per_micro_batch": "each micro-batch's gradient clipped on its own",
     "clip_before_unscale": "clipping ran on gradients still multiplied by the loss scale",
-    "clip_missing": "a clip threshold was given but the loop does not clip",
+    "clip_missing": "a clip threshold was given but the loop does not clip (a note when it does not bite)",
+    "clip_threshold_differs": "(note) the clip threshold given differs from the one the loop's clip call uses",
     "scaler_update_inside_window": "GradScaler.update() before the last backward: the loss scale changes inside",
     "scaler_step_inside_window": "GradScaler.step() (an optimizer step) more than once per window",
     "scaler_unscale_inside_window": "GradScaler.unscale_() more than once per window",
@@ -182,6 +183,11 @@ CODES: dict[str, str] = {
     "autocast_precision": "(inconclusive) a small difference from a step run under torch.autocast",
     "unexplained": "a difference none of the fingerprints explains",
 }
+
+#: The loop the checker compares with, in four lines (what "compare your loop" means).
+CORRECT_LOOP = ("compare your loop with the correct one: optimizer.zero_grad(); for xb, yb in zip(x.chunk(K), "
+                "y.chunk(K)): (loss_fn(model(xb), yb) / K).backward(); then, once, clip (if you clip) and "
+                "optimizer.step()")
 
 PLACEMENT_TEXT = {
     "scaled_micro": "each micro-batch's 1/K-scaled gradient clipped on its own, then summed (chapter 3's (a1))",
@@ -220,6 +226,7 @@ class Measurements:
     coupled: Callable[[], list[tuple[str, str, float]]]
     param_slices: list[tuple[str, slice]]
     has_step: bool
+    outside_draws: list[str] = field(default_factory=list)  # random ops the step ran outside the model's forward
 
     @property
     def thr(self) -> float:
@@ -344,6 +351,8 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     error = rel(m.target, g)
     info["rel_error"], info["cosine"] = error, cosine(m.target, g)
     if error <= m.tol:
+        if _counts(m.events, "clip"):  # a clip that bites on both sides can hide a missing 1/K from the step
+            _backward_weight_findings(m, out, rel(clipped, g), cosine(clipped, g))
         return out.list(), info
 
     # ---- the model or the loss: does the full batch equal the ideal accumulation of this model?
@@ -373,6 +382,8 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
                 f"{cosine(m.target, g):.4f}: the size of {dtype} rounding, and no fingerprint of a bug",
                 "pass a tolerance that matches the autocast precision (about 3e-2 for bfloat16, 3e-3 for float16)",
                 4, "inconclusive")
+    if error > m.tol and m.outside_draws and not any(f.severity in ("bug", "inconclusive") for f in out.list()):
+        _outside_randomness(m, out)
     if error > m.tol and not any(f.severity in ("bug", "inconclusive") for f in out.list()):
         out.add("unexplained", "unexplained difference", f"relative error {num(error)} against the full batch",
                 "look for state that changes between micro-batches, or other layers that couple samples", 6)
@@ -514,11 +525,8 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         return  # the weights moved mid-window: the micro-batch gradients no longer describe the step
     if residual > fit_tol:  # (a rank-deficient basis, e.g. duplicate micro-batches, still fits: min-norm weights)
         sizes = sorted({n for _, n in m.forwards})
-        if m.unreplayed:
-            out.add("randomness_not_replayed", "randomness the checker could not replay per sample",
-                    f"{len(m.unreplayed)} random draw(s) without a batch dimension, e.g. {m.unreplayed[0]}",
-                    "rerun with that randomness switched off (dropout p = 0) to compare like with like", 6,
-                    "inconclusive")
+        if m.unreplayed or m.outside_draws:
+            _outside_randomness(m, out)
         elif m.has_step and sizes and sizes != [m.b]:
             out.add("micro_batches_differ", "your step's micro-batches are not the K equal parts of the batch",
                     f"its forward passes saw {len(m.forwards)} batch(es) of size(s) {sizes}; K = {k} micro-batches "
@@ -528,8 +536,9 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
             out.add("unexplained", "your step's gradient is not a combination of the micro-batch gradients",
                     f"relative residual {num(residual)} after fitting it with the K micro-batch gradients of loss_fn; "
                     "does your step use loss_fn, and change nothing but .grad?",
-                    "compare your loop line by line with gradaccum.accumulate.accumulate_backward", 6)
+                    CORRECT_LOOP, 6)
         return
+    _backward_weight_findings(m, out, loop_error, cosine(clipped, m.applied))
     resets = [j + 1 for j in range(1, len(m.passes)) if _is_zero(m.passes[j].before)
               and not _is_zero(m.passes[j - 1].after)]
     zeros = [ev for ev in _inside(_counts(events, "zero_grad"), len(m.passes)) if ev.after > 0]
@@ -551,7 +560,7 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
             out.add("weights_differ", "your loop weighs micro-batches differently from the full batch",
                     f"cosine {cos:.4f} with the full batch (the micro-batch gradients are linearly dependent, so "
                     "the weights cannot be told apart)",
-                    "compare your loop line by line with gradaccum.accumulate.accumulate_backward", 6)
+                    CORRECT_LOOP, 6)
         return
     missing = [j for j in range(k) if w[j] == 0 and e[j] != 0]  # exactly absent (rounding noise removed above)
     present = [j for j in range(k) if j not in missing and e[j] != 0]
@@ -591,7 +600,9 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         return
     if uniform:
         if abs(mean - 1) > m.thr:
-            _scale_findings(m, out, mean, loop_error, cosine(clipped, m.applied), clips)
+            what = ("the weights of the micro-batches that reach the step are" if missing else
+                    "the micro-batch weights are")
+            _scale_findings(m, out, mean, loop_error, cosine(clipped, m.applied), clips, what=what)
         return
     # weights of different shape: clipping placements, scale changes, or something else
     c, kind, norm_type = _loop_clip(m, clips)
@@ -622,7 +633,73 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     if any(code in out for code in ("clip_running_buffer", "clip_per_micro_batch", "clip_before_unscale")):
         return
     out.add("weights_differ", "your loop weighs micro-batches differently from the full batch", weights,
-            "compare your loop line by line with gradaccum.accumulate.accumulate_backward", 6)
+            CORRECT_LOOP, 6)
+
+
+def _backward_weight_findings(m: Measurements, out: _Findings, loop_error: float, cos: float) -> None:
+    r"""Missing or doubled 1/K read from what each backward pass added, :math:`\alpha_j` (before any clipping),
+    against the full batch's weights :math:`f_j`: :math:`\alpha_j = K f_j` for all j is a missing 1/K,
+    :math:`\alpha_j = f_j / K` a doubled one. Used only when the step applies the buffer the last backward left,
+    rescaled by nothing but its clip calls (so a loop that divides the gradients after the window is not blamed)."""
+    k = m.k
+    alphas = _per_backward(m)
+    if k < 2 or alphas is None or not m.passes:
+        return
+    p = m.passes[-1]
+    left = p.after / p.scale if p.scale else p.after
+    factor = 1.0
+    for ev in _counts(m.events, "clip"):
+        if ev.after == len(m.passes):
+            factor *= ev.detail.get("factor", 1.0)
+    if rel(left * factor, m.applied) > m.thr:
+        return
+    present = [j for j in range(k) if m.f[j] != 0]
+    if not present:
+        return
+    ratio = [alphas[j] / m.f[j] for j in present]
+    mean = sum(ratio) / len(ratio)
+    if mean == 0 or max(abs(r / mean - 1) for r in ratio) > m.thr:
+        return
+    clips = _counts(m.events, "clip")
+    before = " (measured before any clipping)" if clips else ""
+    evidence = (f"each backward added {nums(alphas)}× its micro-batch's gradient{before}; "
+                f"the full batch weighs them {nums(m.f)}: the micro-batch weights are {num(mean)}× the full "
+                "batch's")
+    if not clips:
+        kminus1 = " = K − 1" if abs(loop_error - (k - 1)) <= m.thr * (k - 1) else ""
+        evidence += (f" (your step against the ideal accumulation Σ f_j h_j: relative error "
+                     f"{num(loop_error)}{kminus1}, cosine {cos:.4f})")
+    if clips:
+        c = ", ".join(sorted({num(e.detail.get("max_norm", e.detail.get("clip_value", float("nan"))))
+                              for e in clips}))
+        evidence += (f"; your clipping (threshold {c}) rescales the step and hides part or all of this from it "
+                     f"(your step against the ideal accumulation: relative error {num(loop_error)}), but the "
+                     "weights hold whenever the threshold does not bite")
+    if abs(mean - k) <= m.thr * k:
+        out.add("missing_1_over_k", "missing 1/K: the micro-batch losses are not divided by K", evidence,
+                "divide each micro-batch's loss by K before backward (or the gradients by K once, before the step)",
+                6)
+    elif abs(mean - 1 / k) <= m.thr / k:
+        out.add("double_1_over_k", "1/K applied twice: the gradient is K times too small", evidence,
+                "divide by K once: either each micro-batch's loss, or the gradients before the step "
+                "(a loss_fn with reduction='sum' needs no 1/K for micro-batches of equal size)", 6)
+
+
+def _outside_randomness(m: Measurements, out: _Findings) -> None:
+    """Random draws the checker could not replay per sample (no batch dimension, or outside the model's forward):
+    the full batch and the micro-batches do not see the same random numbers, so no verdict."""
+    if m.unreplayed:
+        out.add("randomness_not_replayed", "randomness the checker could not replay per sample",
+                f"{len(m.unreplayed)} random draw(s) without a batch dimension, e.g. {m.unreplayed[0]}",
+                "rerun with that randomness switched off (dropout p = 0) to compare like with like", 6,
+                "inconclusive")
+    if m.outside_draws:
+        out.add("randomness_not_replayed", "randomness in your step outside the model's forward (e.g. noise or "
+                "augmentation added to the inputs), which the checker cannot replay",
+                f"{len(m.outside_draws)} random draw(s) in your step outside model.forward, e.g. "
+                f"{m.outside_draws[0]}: the full-batch reference does not draw them",
+                "rerun with that randomness switched off (or moved into the data pipeline, before step) to compare "
+                "like with like", 6, "inconclusive")
 
 
 def _loop_clip(m: Measurements, clips: list[Event]) -> tuple[float | None, str, float]:
@@ -652,17 +729,24 @@ def _per_backward(m: Measurements) -> list[float] | None:
 
 
 def _scale_findings(m: Measurements, out: _Findings, s: float, loop_error: float, cos: float, clips: list[Event],
-                    token: bool = False) -> None:
-    """Findings for a gradient that is ``s`` times what it should be (same direction)."""
+                    token: bool = False, what: str = "the gradient is") -> None:
+    """Findings for a gradient that is ``s`` times what it should be (same direction). ``what`` names the
+    measured quantity ``s`` is read from (the fitted micro-batch weights, or the whole gradient)."""
     k = m.k
     close = lambda a, b: abs(a - b) <= m.thr * abs(b)  # noqa: E731
     if close(s, 1.0):
         return
+    named = [c for c in ("missing_1_over_k", "double_1_over_k") if c in out]
+    if named:  # already named from the per-backward weights (a clip may have rescaled the step): add the fit
+        after = " after clipping" if clips else ""
+        out.add(named[0], "", f"fitted on the step{after}, {what} {num(s)}× the full batch's", "", 6)
+        return
     alphas = _per_backward(m)
     added = (f"; each backward added {nums(alphas)}× its micro-batch's gradient (the full batch weighs them "
              f"{nums(m.f)})" if alphas else "")
-    head = (f"the gradient is {num(s)}× the full batch's (relative error {num(loop_error)}"
-            + (f" = K − 1, cosine {cos:.4f})" if k > 1 and close(s, k) else f", cosine {cos:.4f})"))
+    kminus1 = " = K − 1" if k > 1 and abs(loop_error - (k - 1)) <= m.thr * (k - 1) else ""
+    head = (f"{what} {num(s)}× the full batch's (your step against the ideal accumulation Σ f_j h_j of this model: "
+            f"relative error {num(loop_error)}{kminus1}, cosine {cos:.4f})")
     scalers = [p.scale for p in m.passes if p.scale is not None]
     if k > 1 and close(s, k):
         out.add("missing_1_over_k", "missing 1/K: the micro-batch losses are not divided by K",

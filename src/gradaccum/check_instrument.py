@@ -217,6 +217,23 @@ class SampleRNG(TorchDispatchMode):
         self.draws.append((tuple(t.shape), values))
 
 
+class OutsideDraws(TorchDispatchMode):
+    """Records random ops a step runs outside the model's forward (``inside()`` false), e.g. noise added to the
+    inputs in the training loop: the checker cannot replay those per sample, so they make its verdict inconclusive."""
+
+    def __init__(self, inside: Callable[[], bool]):
+        super().__init__()
+        self.inside = inside
+        self.draws: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if _SEEDED in func.tags and not self.inside() and not _draws_nothing(func, args, kwargs):
+            shape = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None
+            self.draws.append(f"{func} on shape {shape}")
+        return func(*args, **kwargs)
+
+
 def _draws_nothing(func, args, kwargs) -> bool:  # noqa: ANN001
     """Seeded ops that draw nothing for these arguments: dropout with p = 0, or not in training."""
     for i, arg in enumerate(func._schema.arguments):

@@ -324,33 +324,33 @@ def running_buffer_norms(micro_grads: Sequence[torch.Tensor], c: float) -> list[
     r"""Placement (b): the norm :math:`\lVert r_{k-1} + g_k/K\rVert` of the running buffer just *before* each
     clip, :math:`k = 1..K`. The step has norm :math:`c` (up to :math:`10^{-6}`) exactly when the last entry
     exceeds :math:`c`; otherwise the last clip does nothing and the step is that (shorter) buffer."""
-    check_threshold(c)
-    k = len(micro_grads)
-    check_k(k)
-    running = torch.zeros_like(micro_grads[0])
-    norms = []
-    for g in micro_grads:
-        running = running + g / k
-        norms.append(float(torch.linalg.vector_norm(running)))
-        running = clip_vector(running, c)
-    return norms
+    return [norm for norm, _ in _running_pass(micro_grads, c)]
 
 
 def running_clip_weights(micro_grads: Sequence[torch.Tensor], c: float) -> list[float]:
     r"""Placement (b) returns :math:`\sum_j w_j g_j` with :math:`w_j = \frac1K\prod_{i\ge j}\kappa_i`, where
     :math:`\kappa_i\le 1` is the coefficient of the clip after micro-batch i. The correct step has
     :math:`w_j = \kappa/K` for all j: equal weights."""
+    coefs = [coef for _, coef in _running_pass(micro_grads, c)]
+    k = len(coefs)
+    return [math.prod(coefs[j:]) / k for j in range(k)]
+
+
+def _running_pass(micro_grads: Sequence[torch.Tensor], c: float) -> list[tuple[float, float]]:
+    """Placement (b) step by step: (norm of the running buffer before the clip, the clip's coefficient) after
+    each micro-batch, with ``clip_grad_norm_``'s coefficient min(1, c / (norm + 1e-6))."""
     check_threshold(c)
     k = len(micro_grads)
     check_k(k)
     running = torch.zeros_like(micro_grads[0])
-    coefs = []
+    steps = []
     for g in micro_grads:
         running = running + g / k
-        coef = min(1.0, c / (float(torch.linalg.vector_norm(running)) + EPS))
+        norm = float(torch.linalg.vector_norm(running))
+        coef = min(1.0, c / (norm + EPS))
         running = running * coef
-        coefs.append(coef)
-    return [math.prod(coefs[j:]) / k for j in range(k)]
+        steps.append((norm, coef))
+    return steps
 
 
 def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, c: float,

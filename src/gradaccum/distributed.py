@@ -103,8 +103,17 @@ def launch(task: str, world_size: int = 2, timeout: float = 60.0, **kwargs: Any)
 
 def _launch(mp: Any, task: str, world_size: int, timeout: float, kwargs: dict[str, Any]) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world_size, free_port(), task, kwargs, out_dir), nprocs=world_size,
-                                 join=False, start_method="spawn")
+        # The workers inherit this environment: their C++ warnings (timestamped, one per rank — e.g. DDP's note that
+        # find_unused_parameters=True found no unused parameter) stay out of the caller's stderr unless the caller
+        # chose a TORCH_CPP_LOG_LEVEL; errors still reach WorkerFailed.
+        had = os.environ.get("TORCH_CPP_LOG_LEVEL")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        try:
+            ctx = mp.start_processes(_entry, args=(world_size, free_port(), task, kwargs, out_dir),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        finally:
+            if had is None:
+                del os.environ["TORCH_CPP_LOG_LEVEL"]
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=0.2):
@@ -129,9 +138,15 @@ _COMM_ERROR = ("gloo", "NCCL", "Connection reset", "Connection closed", "Broken 
 
 def _worker_errors(error_files: list[str], exit_codes: list[int | None] | None = None) -> list[str]:
     """The last line of each worker's traceback — or, for a worker that exited without one (``os._exit``, a
-    crash), its exit code — root causes first: errors that only report a lost peer (the consequence of another
-    rank's failure) come last."""
+    crash), its exit code — root causes first, then the consequences of another rank's failure.
+
+    Three kinds, in this order (by rank within a kind): (1) a traceback that is not a lost peer, or a non-zero
+    exit code without a traceback (the root causes); (2) a traceback that only reports a lost peer (``gloo``,
+    ``Connection reset``, a timeout, ...); (3) a worker killed by a signal — a negative exit code, e.g. −15 for
+    SIGTERM, which ``torch.multiprocessing`` sends to the survivors once one worker has failed.
+    """
     import pickle
+    import signal
 
     found = []
     for rank, path in enumerate(error_files):
@@ -139,9 +154,15 @@ def _worker_errors(error_files: list[str], exit_codes: list[int | None] | None =
         if path and os.path.exists(path) and os.path.getsize(path) > 0:
             with open(path, "rb") as fh:
                 last = pickle.load(fh).strip().splitlines()[-1]
-            found.append((any(mark in last for mark in _COMM_ERROR), f"rank {rank}: {last}"))
+            found.append((1 if any(mark in last for mark in _COMM_ERROR) else 0, f"rank {rank}: {last}"))
+        elif code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            found.append((2, f"rank {rank}: killed by {name} (exit code {code}), a consequence of the failure above"))
         elif code not in (None, 0):
-            found.append((False, f"rank {rank}: process exited with exit code {code}"))
+            found.append((0, f"rank {rank}: process exited with exit code {code}"))
     return [text for _, text in sorted(found, key=lambda item: item[0])]
 
 
@@ -244,11 +265,45 @@ def micro_batch_that_fits(n_images: int, world_size: int, k: int, steps: int, ca
     return b
 
 
+#: DDP options whose per-step all-reduce counts :func:`_task_equality` also records (with ``steps`` > 1): the
+#: single first-iteration bucket is a property of the default ``find_unused_parameters=False``; ``static_graph``
+#: with ``no_sync()`` in the very first step fails inside DDP on torch 2.13 (pytorch/pytorch#143580) unless that
+#: step synchronizes (``"static_graph=True, first step synced"`` runs step 1 without ``no_sync()``).
+DDP_VARIANTS: dict[str, dict[str, bool]] = {
+    "find_unused_parameters=True": {"find_unused_parameters": True},
+    "static_graph=True": {"static_graph": True},
+    "static_graph=True, first step synced": {"static_graph": True},
+}
+
+
+def _calls_per_step(x: torch.Tensor, y: torch.Tensor, k: int, steps: int, no_sync: bool, first_sync: bool = False,
+                    **ddp_kwargs: Any) -> list[int] | str:
+    """All-reduce calls in each of ``steps`` accumulated optimizer steps of a fresh DDP model built with
+    ``ddp_kwargs``; step 1 without ``no_sync()`` if ``first_sync``. A RuntimeError inside DDP is returned as its
+    first line (every rank raises it alike, so the process group stays usable)."""
+    from .models import make_cnn
+
+    counter = CommCounter()
+    model = DDP(make_cnn("group", seed=0), **ddp_kwargs)
+    model.register_comm_hook(counter, counting_hook)
+    per_step = []
+    try:
+        for s in range(steps):
+            before = counter.calls
+            model.zero_grad(set_to_none=True)
+            ddp_accumulate(model, nn.CrossEntropyLoss(), x, y, k, no_sync=no_sync and not (first_sync and s == 0))
+            per_step.append(counter.calls - before)
+    except RuntimeError as err:
+        return f"RuntimeError: {str(err).strip().splitlines()[0]}"
+    return per_step
+
+
 def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None, steps: int = 1,
                    bucket_cap_mb: float | None = None) -> dict[str, Any]:
     """Gradients after one accumulated step with and without no_sync, and the all-reduce counts of each; with
     ``steps`` > 1, also the all-reduce calls of each of ``steps`` optimizer steps (buckets of at most
-    ``bucket_cap_mb`` MiB), which show the first iteration's single bucket and the rebuilt buckets after it."""
+    ``bucket_cap_mb`` MiB), which show the first iteration's single bucket and the rebuilt buckets after it, and
+    the same counts under each of :data:`DDP_VARIANTS` (``out[mode]["variants"]``)."""
     from .models import make_cnn
 
     x, y = _shard(rank, world_size, k * b, torch.float64, data)
@@ -260,17 +315,12 @@ def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None,
         ddp_accumulate(model, nn.CrossEntropyLoss(), x, y, k, no_sync=mode == "no_sync")
         out[mode] = {"grad": flat_grad(model.module).detach(), "calls": counter.calls, "bytes": counter.bytes}
         if steps > 1:
-            kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-            counter = CommCounter()
-            model = DDP(make_cnn("group", seed=0), **kwargs)
-            model.register_comm_hook(counter, counting_hook)
-            per_step = []
-            for _ in range(steps):
-                before = counter.calls
-                model.zero_grad(set_to_none=True)
-                ddp_accumulate(model, nn.CrossEntropyLoss(), x, y, k, no_sync=mode == "no_sync")
-                per_step.append(counter.calls - before)
-            out[mode]["calls per step"] = per_step
+            cap = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+            out[mode]["calls per step"] = _calls_per_step(x, y, k, steps, mode == "no_sync", **cap)
+            out[mode]["variants"] = {
+                name: _calls_per_step(x, y, k, steps, mode == "no_sync", first_sync="first step synced" in name,
+                                      **cap, **options)
+                for name, options in DDP_VARIANTS.items()}
     out["params"] = sum(p.numel() for p in model.module.parameters())
     return out
 
@@ -423,8 +473,10 @@ def ring_allreduce_time(n_bytes: float, p: int, link: Interconnect) -> float:
     Each rank sends and receives :math:`\frac{2(p-1)}{p}n` bytes (a reduce-scatter then an all-gather, p − 1
     rounds each, a 1/p chunk per round).
     """
-    if p < 1 or n_bytes < 0:
-        raise ValueError(f"need p >= 1 and n_bytes >= 0, got p={p}, n_bytes={n_bytes}.")
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"p is a number of ranks: an int >= 1, got {p!r}; round it to a whole number of ranks.")
+    if not n_bytes >= 0:
+        raise ValueError(f"n_bytes must be >= 0, got {n_bytes!r}.")
     if p == 1:
         return 0.0
     return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * n_bytes / link.bandwidth
@@ -479,11 +531,19 @@ def predict_step(params: int, k: int, p: int, link: Interconnect, micro_compute:
 
 
 def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, micro_compute: float) -> "Any":
-    """Fraction of step time saved by no_sync over K (rows) × number of GPUs p (columns)."""
+    r"""Fraction of step time saved by no_sync over K (rows) × number of GPUs p (columns).
+
+    With A the time of one synchronization and c of one micro-batch's compute, the model gives
+    :math:`\frac{(K-1)A}{K(c+A)}`: by construction it grows with K and with A (slower links, more bytes), and it
+    is 0 at K = 1. Raises ValueError where a step would take no time at all (p = 1 with ``micro_compute`` = 0).
+    """
     import numpy as np
 
-    return np.array([[predict_step(params, k, p, link, micro_compute).saving / predict_step(params, k, p, link, micro_compute).with_sync
-                      for p in ps] for k in ks])
+    if 1 in ps and micro_compute == 0:
+        raise ValueError("with p = 1 and micro_compute = 0 a step takes no time, so the share saved is undefined: "
+                         "give micro_compute > 0 (seconds per micro-batch) or use p >= 2.")
+    preds = [[predict_step(params, k, p, link, micro_compute) for p in ps] for k in ks]
+    return np.array([[pred.saving / pred.with_sync for pred in row] for row in preds])
 
 
 def format_seconds(s: float) -> str:
@@ -596,13 +656,16 @@ def plot_prediction(params_millions: float, k: int, p: int, preset: str, micro_c
     return fig
 
 
-def plot_savings_grid(params: int, ks: list[int], ps: list[int], micro_compute: float, presets: list[str]):
-    """Predicted fraction of step time saved by no_sync over K × p, one panel per interconnect."""
+def plot_savings_grid(params: int, ks: list[int], ps: list[int] | dict[str, list[int]], micro_compute: float,
+                      presets: list[str]):
+    """Predicted fraction of step time saved by no_sync over K × p, one panel per interconnect; ``ps`` is one list
+    of GPU counts for every panel, or a dict giving each interconnect its own (NVLink: one 8-GPU node)."""
     from .plotting import figure, heatmap
 
     fig, axes = figure(len(presets), 4.8 * len(presets), 3.6)
     for ax, name in zip(axes, presets):
-        image = heatmap(ax, savings_grid(params, ks, ps, PRESETS[name], micro_compute), ks, ps, fmt="{:.0%}",
+        cols = ps[name] if isinstance(ps, dict) else ps
+        image = heatmap(ax, savings_grid(params, ks, cols, PRESETS[name], micro_compute), ks, cols, fmt="{:.0%}",
                         vmin=0.0, vmax=1.0, xlabel="GPUs p", ylabel="K", title=name)
     fig.colorbar(image, ax=axes, label="share of step time saved", shrink=0.9)
     return fig

@@ -277,22 +277,43 @@ def check_effective_scale(answer: object, scale: float = 65536.0, k: int = 8) ->
 
 
 def check_fp16_subnormal(answer: object) -> Feedback:
-    """Exercise: the smallest positive float16 number, smallest normal × epsilon = 2^-24 (from ``torch.finfo``)."""
+    """Exercise: the smallest positive float16 number, smallest normal × epsilon = 2^-24 ≈ 5.96e-8 (from
+    ``torch.finfo``), asked to two significant digits: accepted within 1% (6.0e-8 is 0.66% off).
+
+    Mistakes far below 1e-12 (float32's smallest normal and subnormal) are matched with a relative tolerance
+    only (within a factor 2, since numpy prints 2^-149 as 1e-45); ``check_number`` matches mistakes with an absolute tolerance of 1e-12, which would pair 0 or 1e-45
+    with any of them.
+    """
     import torch
 
     f16, f32 = torch.finfo(torch.float16), torch.finfo(torch.float32)
     smallest = f16.smallest_normal * f16.eps
+    rtol = 1e-2
+    tiny = [
+        (f32.smallest_normal, "that is float32's (and bfloat16's) smallest normal number, not float16's."),
+        (f32.smallest_normal * f32.eps, "that is float32's smallest subnormal (2^-149), not float16's."),
+    ]
+    if answer is not None and not isinstance(answer, bool):
+        try:
+            value = float(answer)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            value = math.nan
+        if value == 0:
+            return Feedback(False, "0 is not positive: the question asks for the smallest number above 0.")
+        for wrong, why in tiny:
+            if math.isclose(value, wrong, rel_tol=0.5, abs_tol=0.0):  # relative only; 1e-45 as numpy prints it
+                return Feedback(False, why)
     return check_number(
         answer,
         smallest,
         mistakes=[
             (f16.smallest_normal, "2^-14 is the smallest *normal* float16; subnormals go 10 bits further down."),
             (f16.eps, "2^-10 is float16's machine epsilon (the spacing just above 1), not its smallest number."),
-            (f32.smallest_normal, "that is float32's (and bfloat16's) smallest normal number."),
             (smallest / 2, "2^-25 is half the smallest subnormal: a tie between 0 and 2^-24, which rounds to 0."),
         ],
-        rtol=5e-3,
-        hint="Smallest normal times machine epsilon.",
+        rtol=rtol,
+        atol=0.0,
+        hint="Smallest normal times machine epsilon; give two significant digits (or the exact power of two).",
     )
 
 
@@ -310,6 +331,22 @@ def check_backoff_scale(answer: object, scale: float = 65536.0, backoff: float =
     )
 
 
+def check_backoff_steps(answer: object, k: int = 8) -> Feedback:
+    """Exercise: the optimizer steps taken in a window of K micro-batches in which one overflowed (correct
+    recipe): 0, the whole step is skipped."""
+    return check_number(
+        answer,
+        0.0,
+        mistakes=[
+            (float(k - 1), "that is a loop that steps per micro-batch; the recipe steps once per window, and "
+                           "scaler.step skips that step when the accumulated gradient holds an inf."),
+            (1.0, "scaler.step finds the inf in the accumulated gradient and skips the window's only step."),
+        ],
+        atol=0.0,
+        hint="How many times does scaler.step run per window, and what does it do after an overflow?",
+    )
+
+
 # --------------------------------------------------------------------------------------- chapter 5
 
 
@@ -320,6 +357,9 @@ def check_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedb
         float(k * buckets),
         mistakes=[
             (float(k), "each backward pass all-reduces every *bucket*, not the model as one message."),
+            (float(1 + (k - 1) * buckets), "that is the very first step, whose first backward still has all "
+                                           "parameters in one bucket (with find_unused_parameters=False); from the "
+                                           "second step on every synchronized backward all-reduces each bucket."),
             (float(buckets), "that is the count with no_sync: one synchronized backward per step."),
             (1.0, "DDP all-reduces once per bucket per synchronized backward pass."),
         ],
@@ -336,6 +376,7 @@ def check_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Fe
             (megabytes, "a ring all-reduce is a reduce-scatter *and* an all-gather: each sends (p−1)/p of the data."),
             ((p - 1) / p * megabytes, "that is one of the two phases; the all-gather sends as much again."),
             (2 * (p - 1) * megabytes, "each round sends a 1/p chunk, not the whole buffer."),
+            (2 * megabytes, "“almost 2n” is the limit for many ranks; with p ranks it is exactly 2(p − 1)/p · n."),
         ],
         rtol=5e-3,
         hint="2(p − 1) rounds, each sending one chunk of n/p.",
@@ -401,6 +442,7 @@ def check_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float
             (one, "that is one all-reduce; no_sync saves K − 1 of them per step."),
             ((k - 1) * megabytes / 1000 / gb_per_s * 1000, "a ring all-reduce sends 2(p − 1)/p · n bytes, not n."),
             ((k - 1) * one / 2, "a ring all-reduce has two phases (reduce-scatter and all-gather): 2(p − 1)/p · n."),
+            ((k - 1) * one / 1000, "right number, wrong unit: that is in seconds; the answer is asked in milliseconds."),
         ],
         rtol=5e-3,
         hint="(K − 1) · 2(p − 1)/p · n / β.",

@@ -92,25 +92,52 @@ def cast_report(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) ->
                       float(torch.isinf(low).double().mean()))
 
 
+def _hooked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Leaf modules, plus modules that own parameters directly (their computation may bypass their children,
+    as ``nn.MultiheadAttention`` does with ``out_proj``)."""
+    return [(name, m) for name, m in model.named_modules()
+            if not list(m.children()) or list(m.parameters(recurse=False))]
+
+
 def activation_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int = 1) -> torch.Tensor:
-    """Gradients of the loss / K with respect to every leaf module's output (what a backward pass holds in
-    low precision under autocast), computed in the model's own precision; on a copy of ``model``."""
+    r"""Gradients of the loss / K with respect to every leaf module's output (what a backward pass holds in
+    low precision under autocast), computed in the model's own precision; on a copy of ``model``.
+
+    A tensor hook is registered on each output as it is produced, and the gradient it receives is cloned. A hook
+    registered before an in-place change (``nn.ReLU(inplace=True)``) receives the gradient with respect to the
+    value *before* the change, so a Linear layer followed by an in-place ReLU contributes its own output's
+    gradient :math:`\partial L/\partial z`, and the ReLU its output's, exactly as without ``inplace``.
+
+    Raises ``ValueError`` for a module whose output is not one tensor (``nn.GRU``, ``nn.LSTM`` and
+    ``nn.MultiheadAttention`` return tuples): which of its outputs' gradients to report is not defined here.
+    """
     check_k(k)
     work = copy.deepcopy(model)
-    outputs: list[torch.Tensor] = []
+    grads: list[torch.Tensor | None] = []
 
-    def keep(module: nn.Module, inputs: object, out: torch.Tensor) -> None:
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.retain_grad()
-            outputs.append(out)
+    def watch(name: str):
+        def keep(module: nn.Module, inputs: object, out: object) -> None:
+            if not isinstance(out, torch.Tensor):
+                raise ValueError(f"activation_gradients needs modules that return one tensor; module "
+                                 f"{name or '(root)'!r} ({type(module).__name__}) returns {type(out).__name__}. "
+                                 "Pass a model without it, or hook the tensor you care about yourself.")
+            if out.requires_grad:
+                slot = len(grads)
+                grads.append(None)
 
-    hooks = [m.register_forward_hook(keep) for m in work.modules() if not list(m.children())]
+                def store(g: torch.Tensor) -> None:
+                    grads[slot] = g.detach().clone()
+
+                out.register_hook(store)
+        return keep
+
+    hooks = [m.register_forward_hook(watch(name)) for name, m in _hooked_modules(work)]
     try:
         (loss_fn(work(x), y) / k).backward()
     finally:
         for h in hooks:
             h.remove()
-    return torch.cat([o.grad.detach().flatten() for o in outputs if o.grad is not None])
+    return torch.cat([g.flatten() for g in grads if g is not None])
 
 
 def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int],
@@ -129,6 +156,16 @@ def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int
 # ---------------------------------------------------------------------------------- the amp recipe
 
 
+def check_float32_model(model: nn.Module) -> None:
+    """Autocast (fp16/bf16) casts only float32 tensors: a float64 model would silently run in float64, so a
+    "mixed-precision" experiment on it measures nothing. Refuse any floating-point parameter that is not float32."""
+    bad = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
+    if bad:
+        raise ValueError(f"the model's parameters must be float32 for autocast fp16/bf16 (autocast leaves "
+                         f"{', '.join(bad)} alone, so nothing would run in 16 bits); pass model.float() or "
+                         "build it with dtype=torch.float32.")
+
+
 def check_amp(device_type: str, dtype: torch.dtype) -> None:
     """Autocast must exist on the device and accept the dtype; otherwise say what to use instead."""
     if dtype not in LOW_PRECISION:
@@ -144,8 +181,10 @@ def check_amp(device_type: str, dtype: torch.dtype) -> None:
         raise ValueError("this GPU does not support bfloat16; use torch.float16 with a GradScaler.")
 
 
-Pattern = Literal["correct", "unscale_per_micro", "scale_changes_in_window", "step_per_micro", "no_scaler"]
-PATTERNS: tuple[str, ...] = ("correct", "unscale_per_micro", "scale_changes_in_window", "step_per_micro", "no_scaler")
+Pattern = Literal["correct", "unscale_per_micro", "unscale_update_per_micro", "scale_changes_in_window",
+                  "step_per_micro", "no_scaler"]
+PATTERNS: tuple[str, ...] = ("correct", "unscale_per_micro", "unscale_update_per_micro", "scale_changes_in_window",
+                             "step_per_micro", "no_scaler")
 
 
 @dataclass
@@ -174,6 +213,9 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     * ``correct``: per micro-batch ``scaler.scale(loss / K).backward()`` under autocast; at the boundary
       ``unscale_`` → ``step`` → ``update``.
     * ``unscale_per_micro``: ``unscale_`` after every backward (raises on the second call).
+    * ``unscale_update_per_micro``: ``unscale_`` then ``update()`` after every backward, ``step`` + ``update`` at
+      the boundary. Nothing raises: each ``unscale_`` divides the whole running ``.grad`` by S again (and
+      ``step`` unscales once more), and an inf stays in ``.grad``, so every later ``update()`` backs off again.
     * ``scale_changes_in_window``: the scale is set by hand to twice its value after every micro-batch
       (``update(new_scale=2·S)``), so micro-gradients are summed at different scales and ``unscale_`` divides
       them all by the scale in force at the boundary, :math:`2^K S`, which none of them used. (A dynamic scaler
@@ -198,6 +240,7 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
                          f"accumulated gradients by K after unscale_), got {divide!r}.")
     if divide == "grads" and pattern not in ("correct", "no_scaler"):
         raise ValueError(f"divide='grads' is defined for the patterns 'correct' and 'no_scaler', not {pattern!r}.")
+    check_float32_model(model)
     work = copy.deepcopy(model).train()
     device_type = next(work.parameters()).device.type
     check_amp(device_type, dtype)
@@ -219,6 +262,9 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
             scaler.scale(loss).backward()
             if pattern == "unscale_per_micro":
                 scaler.unscale_(opt)
+            elif pattern == "unscale_update_per_micro":
+                scaler.unscale_(opt)
+                scaler.update()
             elif pattern == "scale_changes_in_window":
                 scaler.update(new_scale=2.0 * float(scaler.get_scale()))
             elif pattern == "step_per_micro":
@@ -301,10 +347,22 @@ def scale_history(updates: int, growth_interval: int, overflow_at: Sequence[int]
     return history
 
 
-def _window_is_finite(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, scale: float,
-                      divide: str, dtype: torch.dtype) -> bool:
+def scaled_window_grads(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, scale: float,
+                        divide: Literal["loss", "grads"] = "loss", dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    r"""The flat fp32 ``.grad`` after one window under autocast with the loss multiplied by ``scale`` (what
+    ``scaler.scale(loss)`` does), before any unscaling; on a copy of ``model`` (float32 parameters).
+
+    ``divide="loss"``: each micro-batch's backward pass starts from :math:`\tfrac{S}{K}L`; ``"grads"``: from
+    :math:`S\,L`. Since multiplying by a power of two is exact until something overflows or underflows,
+    ``divide="loss"`` at :math:`S` gives bitwise the same ``.grad`` as ``divide="grads"`` at :math:`S/K` when
+    K is a power of two: only :math:`S/K` reaches the backward pass.
+    """
+    check_k(k)
+    check_scale(scale)
+    check_float32_model(model)
     work = copy.deepcopy(model).train()
     device_type = next(work.parameters()).device.type
+    check_amp(device_type, dtype)
     work.zero_grad(set_to_none=True)
     for xb, yb in split_batch(x, y, k):
         with torch.autocast(device_type, dtype=dtype):
@@ -312,7 +370,12 @@ def _window_is_finite(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: tor
             if divide == "loss":
                 loss = loss / k
         (loss * scale).backward()  # what scaler.scale(loss) does: multiply by S in fp32
-    return all(bool(torch.isfinite(p.grad).all()) for p in work.parameters() if p.grad is not None)
+    return flat_grad(work).detach()
+
+
+def _window_is_finite(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, scale: float,
+                      divide: Literal["loss", "grads"], dtype: torch.dtype) -> bool:
+    return bool(torch.isfinite(scaled_window_grads(model, loss_fn, x, y, k, scale, divide, dtype)).all())
 
 
 def largest_safe_log2_scale(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
@@ -334,6 +397,7 @@ abla L` (the 1/K is applied to the gradients afterwards). Multiplying by a power
     if not lo < hi:
         raise ValueError(f"need lo < hi, got lo={lo}, hi={hi}.")
     check_amp(next(model.parameters()).device.type, dtype)
+    check_float32_model(model)
     finite = lambda s: _window_is_finite(model, loss_fn, x, y, k, 2.0**s, divide, dtype)  # noqa: E731
     if not finite(lo):
         raise ValueError(f"the window already overflows at S = 2^{lo}; lower lo.")
