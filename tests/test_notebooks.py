@@ -89,3 +89,21 @@ def test_widgets_leave_a_picture_for_static_readers(stem):
     state = nb["metadata"]["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     outputs = [o for w in state.values() if w["model_name"] == "OutputModel" for o in w["state"].get("outputs", [])]
     assert any("image/png" in o.get("data", {}) for o in outputs), "run make outputs to store the widget's picture"
+
+
+def test_code_cells_fit_the_page_and_are_formatted():
+    """Code cells fit the 80-character column the page shows, and ruff's formatter would change nothing."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    for stem in STEMS:
+        for c in code_cells(load(stem)):
+            long = [line for line in source(c).split("\n") if len(line) > 80]
+            assert not long, f"{stem}: lines wider than the page: {long[:2]}"
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert ruff, "ruff is in requirements.txt: make install brings it"
+    proc = subprocess.run([ruff, "format", "--check", "--line-length", "80", *(str(ROOT / "chapters" / f"{s}.ipynb")
+                           for s in STEMS)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
