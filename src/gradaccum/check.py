@@ -542,14 +542,6 @@ def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
 
 
-class _FlatLoss(nn.CrossEntropyLoss):
-    """CrossEntropyLoss that accepts (N, T, V) logits and (N, T) targets. Kept for notebooks written before
-    :func:`demo_cases` returned :func:`token_cross_entropy`; no longer needed."""
-
-    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return super().forward(input.reshape(-1, input.shape[-1]), target.reshape(-1))
-
-
 #: What :func:`demo_cases` plants: case → codes of the bugs the checker must name (empty: a correct loop).
 DEMO_EXPECTED: dict[str, tuple[str, ...]] = {
     "correct loop, GroupNorm": (),

@@ -36,15 +36,16 @@ NO_ANSWER = "no answer yet: assign your answer to `answer` and run this cell aga
 def check_number(
     answer: object,
     expected: float,
-    mistakes: Iterable[tuple[float, str]] = (),
+    mistakes: Iterable[tuple[float, str] | tuple[float, str, float]] = (),
     rtol: float = 1e-3,
     hint: str = "",
     atol: float = 1e-12,
 ) -> Feedback:
     """Compare a numeric ``answer`` with ``expected`` (relative tolerance ``rtol``, absolute ``atol``).
 
-    ``mistakes`` pairs the value a known slip produces with the explanation of that slip; the first one the
-    answer matches is reported. Otherwise the message gives ``hint``.
+    ``mistakes`` pairs the value a known slip produces with the explanation of that slip (and, optionally, its
+    own relative tolerance); the first one the answer matches, within that tolerance or ``atol``, is reported.
+    Otherwise the message gives ``hint``.
     """
     if answer is None:
         return Feedback(False, NO_ANSWER)
@@ -58,8 +59,9 @@ def check_number(
         return Feedback(False, f"{value} is not a finite number.")
     if math.isclose(value, expected, rel_tol=rtol, abs_tol=atol):
         return Feedback(True, f"correct: {expected:.6g}.")
-    for wrong, why in mistakes:
-        if not math.isclose(wrong, expected, rel_tol=rtol) and math.isclose(value, wrong, rel_tol=rtol, abs_tol=1e-12):
+    for wrong, why, *own_rtol in mistakes:
+        tol = own_rtol[0] if own_rtol else rtol
+        if not math.isclose(wrong, expected, rel_tol=rtol) and math.isclose(value, wrong, rel_tol=tol, abs_tol=atol):
             return Feedback(False, why)
     return Feedback(False, f"{value:.6g} is not right. {hint}".rstrip())
 
@@ -280,38 +282,25 @@ def check_fp16_subnormal(answer: object) -> Feedback:
     """Exercise: the smallest positive float16 number, smallest normal × epsilon = 2^-24 ≈ 5.96e-8 (from
     ``torch.finfo``), asked to two significant digits: accepted within 1% (6.0e-8 is 0.66% off).
 
-    Mistakes far below 1e-12 (float32's smallest normal and subnormal) are matched with a relative tolerance
-    only (within a factor 2, since numpy prints 2^-149 as 1e-45); ``check_number`` matches mistakes with an absolute tolerance of 1e-12, which would pair 0 or 1e-45
-    with any of them.
+    The float32 mistakes lie far below the answer, so they are matched relatively, within a factor of 2 (numpy
+    prints 2^-149 as 1e-45), and with no absolute tolerance (``atol=0``), which would pair them with 0.
     """
     import torch
 
     f16, f32 = torch.finfo(torch.float16), torch.finfo(torch.float32)
     smallest = f16.smallest_normal * f16.eps
-    rtol = 1e-2
-    tiny = [
-        (f32.smallest_normal, "that is float32's (and bfloat16's) smallest normal number, not float16's."),
-        (f32.smallest_normal * f32.eps, "that is float32's smallest subnormal (2^-149), not float16's."),
-    ]
-    if answer is not None and not isinstance(answer, bool):
-        try:
-            value = float(answer)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            value = math.nan
-        if value == 0:
-            return Feedback(False, "0 is not positive: the question asks for the smallest number above 0.")
-        for wrong, why in tiny:
-            if math.isclose(value, wrong, rel_tol=0.5, abs_tol=0.0):  # relative only; 1e-45 as numpy prints it
-                return Feedback(False, why)
     return check_number(
         answer,
         smallest,
         mistakes=[
+            (0.0, "0 is not positive: the question asks for the smallest number above 0."),
+            (f32.smallest_normal, "that is float32's (and bfloat16's) smallest normal number, not float16's.", 0.5),
+            (f32.smallest_normal * f32.eps, "that is float32's smallest subnormal (2^-149), not float16's.", 0.5),
             (f16.smallest_normal, "2^-14 is the smallest *normal* float16; subnormals go 10 bits further down."),
             (f16.eps, "2^-10 is float16's machine epsilon (the spacing just above 1), not its smallest number."),
             (smallest / 2, "2^-25 is half the smallest subnormal: a tie between 0 and 2^-24, which rounds to 0."),
         ],
-        rtol=rtol,
+        rtol=1e-2,
         atol=0.0,
         hint="Smallest normal times machine epsilon; give two significant digits (or the exact power of two).",
     )
