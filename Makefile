@@ -54,13 +54,13 @@ budgets: $(STAMP)
 
 # The student edition: solutions removed, exercise outputs cleared; notebooks and a site without solutions.
 student: $(STAMP)
-	$(PY) -m gradaccum.course student --out _build/student/book
+	$(PY) -m gradaccum.book.course student --out _build/student/book
 	$(VENV)/bin/jupyter-book build _build/student/book --path-output _build/student --all -n -W --keep-going
 	@echo "Student notebooks: $(CURDIR)/_build/student/book/chapters; student site: $(CURDIR)/_build/student/_build/html"
 
 # nbgrader source notebooks (one assignment per chapter) under _build/nbgrader/source.
 nbgrader: $(STAMP)
-	$(PY) -m gradaccum.course nbgrader --out _build/nbgrader
+	$(PY) -m gradaccum.book.course nbgrader --out _build/nbgrader
 
 # Run every chapter on a CUDA GPU; where there is none, on the CPU, and it says so. Uses the project's .venv when
 # there is one (a GPU machine without Jupyter can use any Python with torch: make gpu-check PYTHON=python3).

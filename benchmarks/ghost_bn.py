@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from gradaccum.accumulate import accumulate_backward
-from gradaccum.data import load_digits_split
+from gradaccum.book.data import load_digits_split
 from gradaccum.ghost import GhostBatchNorm, LoopGhostBatchNorm, full_batch_stats_backward
-from gradaccum.models import make_cnn
+from gradaccum.book.models import make_cnn
 from gradaccum.timing import median_time
 
 

@@ -62,7 +62,7 @@ def training_digits() -> tuple[torch.Tensor, torch.Tensor]:
     import scikit-learn (about as much CPU time as importing torch)."""
     box: list[object] = [None]
     if dist.get_rank() == 0:
-        from gradaccum.data import load_digits_split
+        from gradaccum.book.data import load_digits_split
 
         digits = load_digits_split()
         box = [(digits.x_train, digits.y_train)]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gradaccum.data import load_digits_split
+from gradaccum.book.data import load_digits_split
 from gradaccum.runtime import setup
 
 

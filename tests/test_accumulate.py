@@ -3,17 +3,17 @@ import copy
 import pytest
 import torch
 
+from gradaccum._validate import require_k
 from gradaccum.accumulate import (
     accumulated_gradient,
     accuracy,
     agreement,
-    check_k,
     flat_grad,
     full_batch_gradient,
     split_batch,
     train,
 )
-from gradaccum.models import make_cnn
+from gradaccum.book.models import make_cnn
 
 
 def test_split_batch_equal_consecutive_parts():
@@ -25,7 +25,7 @@ def test_split_batch_equal_consecutive_parts():
 @pytest.mark.parametrize("k", [0, -1, 2.0, True, "4"])
 def test_bad_k(k):
     with pytest.raises(ValueError, match="K"):
-        check_k(k)
+        require_k(k)
 
 
 def test_indivisible_batch_says_what_to_do():

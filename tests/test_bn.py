@@ -1,13 +1,13 @@
-import math
 import itertools
+import math
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from gradaccum import bn
-from gradaccum.models import make_cnn
+from gradaccum import _validate, bn
+from gradaccum.book.models import make_cnn
 
 
 def test_batch_moments_match_batchnorm():
@@ -87,10 +87,10 @@ def test_set_bn_momentum():
 
 def test_check_micro_batch():
     with pytest.raises(ValueError, match="GroupNorm"):
-        bn.check_micro_batch(1)
-    assert bn.check_micro_batch(1, batch_norm=False) == 1
+        _validate.require_micro_batch(1)
+    assert _validate.require_micro_batch(1, batch_norm=False) == 1
     with pytest.raises(ValueError):
-        bn.check_micro_batch(0, batch_norm=False)
+        _validate.require_micro_batch(0, batch_norm=False)
 
 
 def test_layer_inputs_and_moment_spread(digits):

@@ -13,12 +13,19 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from test_check_zoo import (
+    LAMBDA_TOKEN_LOSS,
+    block,
+    char_lm,
+    correct_whole_iteration,
+    lm_batch,
+    mlp,
+)
 from torch import nn
 
 from gradaccum import check as C
+from gradaccum.book.models import make_cnn
 from gradaccum.check_fingerprints import CODES
-from gradaccum.models import make_cnn
-from test_check_zoo import LAMBDA_TOKEN_LOSS, block, char_lm, correct_whole_iteration, lm_batch, mlp
 
 RESULTS = C.run_demo()
 BY_NAME = {r.name: r for r in RESULTS}

@@ -11,15 +11,15 @@ import sys
 import textwrap
 
 import pytest
-
 from book import ROOT
+
 from gradaccum import check as C
 
 MODULE = textwrap.dedent("""
     import torch
     from torch import nn
-    from gradaccum.data import load_digits_split
-    from gradaccum.models import make_cnn
+    from gradaccum.book.data import load_digits_split
+    from gradaccum.book.models import make_cnn
 
 
     def data():

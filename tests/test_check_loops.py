@@ -8,9 +8,9 @@ reports equals the planted set exactly: a missed cause and an extra one both fai
 from __future__ import annotations
 
 import pytest
+from test_check_zoo import K, all_cases, family
 
 from gradaccum import check as C
-from test_check_zoo import K, all_cases, family
 
 CASES = all_cases()
 IDS = [f"{fam}: {name}" for fam, name, _, _ in CASES]

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from book import ROOT
+
 from gradaccum.check_fingerprints import CODES
 
 PAGE = ROOT / "check_your_loop.md"

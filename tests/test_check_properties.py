@@ -10,13 +10,25 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_check_zoo import (
+    CORRECT,
+    LAMBDA_TOKEN_LOSS,
+    Block,
+    CharLM,
+    bug_double_k,
+    bug_missing_k,
+    bug_optimizer_each,
+    bug_reseed_each,
+    bug_scheduler_each,
+    bug_zero_grad_inside,
+    correct_plain,
+    lm_batch,
+    token_window_correct,
+)
 from torch import nn
 
 from gradaccum import check as C
-from gradaccum.models import make_cnn
-from test_check_zoo import (CORRECT, LAMBDA_TOKEN_LOSS, Block, CharLM, bug_double_k, bug_missing_k,
-                            bug_optimizer_each, bug_reseed_each, bug_scheduler_each, bug_zero_grad_inside,
-                            correct_plain, lm_batch, token_window_correct)
+from gradaccum.book.models import make_cnn
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -70,7 +82,7 @@ _CACHE: dict[str, object] = {}
 
 def _digits():
     if "d" not in _CACHE:
-        from gradaccum.data import load_digits_split
+        from gradaccum.book.data import load_digits_split
 
         _CACHE["d"] = load_digits_split()
     return _CACHE["d"]

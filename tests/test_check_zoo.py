@@ -17,9 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import clip_grad_norm_  # imported by name, before the checker exists
+from torch.nn.utils import (
+    clip_grad_norm_,  # imported by name, before the checker exists
+)
 
-from gradaccum.models import make_cnn
+from gradaccum.book.models import make_cnn
 
 K = 4
 IGNORE = -100

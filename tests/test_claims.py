@@ -5,7 +5,6 @@ import ast
 import re
 
 import pytest
-
 from book import CHAPTERS, ROOT, load, source
 
 #: Exercise solutions that state numbers → the unit test that recomputes every one of them.

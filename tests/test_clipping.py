@@ -6,7 +6,7 @@ import torch
 
 from gradaccum import clipping
 from gradaccum.accumulate import agreement, flat_grad, full_batch_gradient
-from gradaccum.models import make_cnn
+from gradaccum.book.models import make_cnn
 
 
 @pytest.fixture(scope="module")

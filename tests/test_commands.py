@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from book import ROOT
 
 BIN = Path(sys.executable).parent
@@ -160,13 +159,13 @@ RUNS = {
         "on a one-cell notebook; without CUDA, GRADACCUM_DEVICE=cpu (the script keeps a value that is set)",
         env={"GRADACCUM_DEVICE": "{device}"}),
     "student-edition": Run(
-        ("python -m gradaccum.course student",),
-        ("{py}", "-m", "gradaccum.course", "student", "--out", "{tmp}/student"),
+        ("python -m gradaccum.book.course student",),
+        ("{py}", "-m", "gradaccum.book.course", "student", "--out", "{tmp}/student"),
         r"wrote \d+ notebooks",
         "--out a temporary folder instead of _build/student/book"),
     "nbgrader": Run(
-        ("python -m gradaccum.course nbgrader",),
-        ("{py}", "-m", "gradaccum.course", "nbgrader", "--out", "{tmp}/nbgrader"),
+        ("python -m gradaccum.book.course nbgrader",),
+        ("{py}", "-m", "gradaccum.book.course", "nbgrader", "--out", "{tmp}/nbgrader"),
         r"wrote \d+ notebooks",
         "--out a temporary folder instead of _build/nbgrader"),
 }
@@ -250,7 +249,7 @@ def _free_port() -> int:
 def test_shown_command_runs(name, tmp_path):
     run = RUNS[name]
     (tmp_path / "my_module.py").write_text(
-        "import torch\nfrom gradaccum.data import load_digits_split\nfrom gradaccum.models import make_cnn\n\n\n"
+        "import torch\nfrom gradaccum.book.data import load_digits_split\nfrom gradaccum.book.models import make_cnn\n\n\n"
         "def make():\n    d = load_digits_split()\n"
         "    return make_cnn('group'), torch.nn.CrossEntropyLoss(), d.x_train[:32], d.y_train[:32]\n")
     _tiny_notebook(tmp_path / "tiny.ipynb")

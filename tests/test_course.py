@@ -8,10 +8,10 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from book import CHAPTERS, ROOT, load
 from nbclient import NotebookClient
 
-from book import CHAPTERS, ROOT, load
-from gradaccum import course
+from gradaccum.book import course
 
 STEMS = sorted(CHAPTERS)
 
@@ -103,7 +103,7 @@ def test_nbgrader_conversion_grades_with_the_checkers():
         meta = test_cell["metadata"]["nbgrader"]
         assert meta["locked"] and meta["points"] == 1 and meta["grade_id"].endswith("-test")
         assert answer_cell["metadata"]["nbgrader"]["grade_id"].startswith("ex-ch1-")
-    from gradaccum import exercises
+    from gradaccum.book import exercises
 
     first_test = tests[0]["source"]
     namespace = {"exercises": exercises, "answer": 1 - 0.9**8}

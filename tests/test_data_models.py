@@ -1,8 +1,14 @@
 import pytest
 import torch
 
-from gradaccum.data import load_digits_split
-from gradaccum.models import NORM_KINDS, SmallCNN, batch_coupled_layers, make_cnn, norm_layer
+from gradaccum.book.data import load_digits_split
+from gradaccum.book.models import (
+    NORM_KINDS,
+    SmallCNN,
+    batch_coupled_layers,
+    make_cnn,
+    norm_layer,
+)
 
 
 def test_digits_split_shapes_ranges_and_balance(digits):

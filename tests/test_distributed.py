@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from gradaccum import distributed as D
-from gradaccum import exercises
 from gradaccum.accumulate import agreement, full_batch_gradient
-from gradaccum.models import make_cnn
+from gradaccum.book import exercises
+from gradaccum.book.models import make_cnn
 
 
 def test_no_sync_same_gradients_and_one_allreduce(digits):
@@ -30,7 +30,7 @@ def test_calls_per_step_equal_the_buckets_from_the_second_step(digits):
     for res in ranks:
         assert res["sync every micro-batch"]["calls per step"] == [22, 24, 24]
         assert res["no_sync"]["calls per step"] == [1, 3, 3]
-    assert exercises.check_allreduce_calls(24, k=8, buckets=3).correct
+    assert exercises.grade_allreduce_calls(24, k=8, buckets=3).correct
 
 
 def test_placement_of_the_last_forward(digits):
@@ -74,11 +74,11 @@ def test_ring_and_saving_exercises():
     """Exercises ex-ch5-bytes (175 MB) and ex-ch5-saving (17.5 ms per all-reduce, 122.5 ms per step)."""
     link = D.Interconnect("10 GB/s", bandwidth=10e9, latency=0.0, source="exercise")
     sent = D.ring_allreduce_time(100e6, 8, link) * link.bandwidth
-    assert sent == pytest.approx(175e6) and exercises.check_ring_bytes(175, p=8, megabytes=100).correct
+    assert sent == pytest.approx(175e6) and exercises.grade_ring_bytes(175, p=8, megabytes=100).correct
     assert D.ring_allreduce_time(100e6, 8, link) == pytest.approx(17.5e-3)
     saving = D.predict_step(25_000_000, 8, 8, link, 0.0).saving  # 25 M fp32 gradients = 100 MB
     assert saving == pytest.approx(122.5e-3)
-    assert exercises.check_nosync_saving(122.5, k=8, p=8, megabytes=100, gb_per_s=10).correct
+    assert exercises.grade_nosync_saving(122.5, k=8, p=8, megabytes=100, gb_per_s=10).correct
 
 
 def test_single_process_group_works():

@@ -6,8 +6,13 @@ import torch
 from torch import nn
 
 from gradaccum import ghost
-from gradaccum.accumulate import accumulated_gradient, agreement, full_batch_gradient, train
-from gradaccum.models import make_cnn
+from gradaccum.accumulate import (
+    accumulated_gradient,
+    agreement,
+    full_batch_gradient,
+    train,
+)
+from gradaccum.book.models import make_cnn
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 import re
 
 import pytest
-
 from book import CHAPTERS, ROOT, load, repository_url, source, tags, toc_files
 
 STEMS = sorted(CHAPTERS)
@@ -57,7 +56,7 @@ def test_claims_exercises_and_checkers(stem):
     assert len(re.findall(r"```\{exercise\}", text)) >= 3
     solutions = re.findall(r"```\{solution\}[^\n]*\n:class: dropdown", text)
     assert len(solutions) == len(re.findall(r"```\{solution\}", text)) >= 3, "solutions are folded away"
-    assert len(re.findall(r"exercises\.check_\w+\(", text)) >= 1, "at least one auto-checked exercise"
+    assert len(re.findall(r"exercises\.grade_\w+\(", text)) >= 1, "at least one auto-checked exercise"
     assert "## In your framework" in text and "## Checklist" in text
     assert "{cite}" in text
 

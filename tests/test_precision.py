@@ -4,7 +4,7 @@ from torch import nn
 
 from gradaccum import precision
 from gradaccum.accumulate import agreement
-from gradaccum.models import make_cnn
+from gradaccum.book.models import make_cnn
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +41,9 @@ def test_bad_dtypes_and_devices():
     with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
         precision.cast_report(torch.ones(2), torch.float32)
     with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
-        precision.check_amp("cpu", torch.float64)
+        precision._require_amp("cpu", torch.float64)
     with pytest.raises(ValueError, match="not available"):
-        precision.check_amp("quantum", torch.float16)
+        precision._require_amp("quantum", torch.float16)
     with pytest.raises(ValueError, match="nonzero"):
         precision.cast_report(torch.zeros(3), torch.float16)
 

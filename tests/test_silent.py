@@ -70,7 +70,7 @@ def test_step_counting():
 
 def test_partial_window(digits, loss_fn):
     from gradaccum.accumulate import full_batch_gradient
-    from gradaccum.models import make_cnn
+    from gradaccum.book.models import make_cnn
 
     model = make_cnn("group")
     x, y = digits.x_train[:24], digits.y_train[:24]  # 3 micro-batches of 8, K = 4
@@ -125,7 +125,7 @@ def test_warmup_exercise_solution():
 def test_partial_step_ratio(digits, loss_fn):
     """ex-ch6-partial: 3 micro-batches of K = 8 divided by K: gradient and SGD step 3/8; Adam's step about 1 early,
     noticeably smaller after 200 windows."""
-    from gradaccum.models import make_cnn
+    from gradaccum.book.models import make_cnn
 
     model, x, y = make_cnn("group"), digits.x_train, digits.y_train
     by_k = S.partial_window_gradient(model, loss_fn, x[:24], y[:24], 8, 8, "divide_by_K")

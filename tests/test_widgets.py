@@ -1,7 +1,7 @@
 import matplotlib
 import pytest
 
-from gradaccum.widgets import interactive_figure, show_errors
+from gradaccum.book.widgets import interactive_figure, show_errors
 
 matplotlib.use("Agg")
 

@@ -4,9 +4,9 @@ Each chapter of the book has a module here that computes what the chapter shows:
 
 * :mod:`gradaccum.accumulate` — splitting batches, accumulated vs full-batch gradients, the training loop;
 * :mod:`gradaccum.bn` — chapter 1, BatchNorm's micro-batch statistics;
-* :mod:`gradaccum.exercises` — checkers that explain wrong answers;
-* :mod:`gradaccum.runtime`, :mod:`gradaccum.data`, :mod:`gradaccum.models`, :mod:`gradaccum.plotting`,
-  :mod:`gradaccum.widgets` — shared set-up, data, models, figures and widgets.
+* :mod:`gradaccum.book.exercises` — checkers that explain wrong answers;
+* :mod:`gradaccum.runtime`, :mod:`gradaccum.book.data`, :mod:`gradaccum.book.models`, :mod:`gradaccum.book.plotting`,
+  :mod:`gradaccum.book.widgets` — shared set-up, data, models, figures and widgets.
 """
 
 from .runtime import pick_device, seed_everything, setup

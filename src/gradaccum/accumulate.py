@@ -24,16 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ._validate import require_k
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: Produces one optimizer step's gradient in ``model``'s ``.grad`` from a batch cut into K parts; returns the loss.
 BackwardFn = Callable[[nn.Module, LossFn, torch.Tensor, torch.Tensor, int], float]
 
-
-def check_k(k: int) -> int:
-    """Validate the number of accumulation steps K (a positive int)."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"K (accumulation steps) must be an int >= 1, got {k!r}; K = 1 means no accumulation.")
-    return k
 
 
 def split_batch(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -42,7 +38,7 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Te
     Policy: the batch size must be divisible by K. Unequal micro-batches change the weights of the samples
     in the averaged loss (chapter 6); pad, drop, or choose another K instead.
     """
-    check_k(k)
+    require_k(k)
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"x has {x.shape[0]} samples but y has {y.shape[0]}; pass matching inputs and labels.")
     n = x.shape[0]
@@ -196,7 +192,7 @@ def train(
     Validation accuracy is reported twice: in eval mode (running statistics, what a deployed model does) and
     in train mode on micro-batches of size b (what the network computed while it was trained).
     """
-    check_k(k)
+    require_k(k)
     if batch_size < 1 or batch_size % k:
         raise ValueError(f"batch_size ({batch_size}) must be a positive multiple of K ({k}).")
     b = batch_size // k

@@ -25,30 +25,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .accumulate import accumulated_gradient, agreement, check_k, full_batch_gradient
-from .data import DigitsSplit
-from .models import NormKind, batch_coupled_layers, make_cnn
-
-
-def check_momentum(m: float) -> float:
-    """Validate a BatchNorm momentum m ∈ (0, 1]."""
-    if not isinstance(m, (int, float)) or isinstance(m, bool) or not 0.0 < m <= 1.0 or math.isnan(m):
-        raise ValueError(f"momentum must be a number in (0, 1], got {m!r}; PyTorch's default is 0.1.")
-    return float(m)
-
-
-def check_micro_batch(b: int, batch_norm: bool = True) -> int:
-    """Validate a micro-batch size; with BatchNorm in training it must be at least 2."""
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-        raise ValueError(f"micro-batch size must be an int >= 1, got {b!r}.")
-    if batch_norm and b < 2:
-        raise ValueError(
-            "micro-batch size 1 with BatchNorm in training: the batch variance of one sample is 0, so every "
-            "output equals the shift β and no gradient reaches the layer's input. Use b >= 2, or replace "
-            "BatchNorm with GroupNorm/LayerNorm."
-        )
-    return b
-
+from ._validate import require_k, require_micro_batch, require_momentum
+from .accumulate import accumulated_gradient, agreement, full_batch_gradient
+from .book.data import DigitsSplit
+from .book.models import NormKind, batch_coupled_layers, make_cnn
 
 # --------------------------------------------------------------------------- estimates from b samples
 
@@ -89,7 +69,7 @@ def biased_variance_factor(b: int) -> float:
     BatchNorm normalizes training batches with this biased estimate but stores the unbiased one in
     ``running_var``; at b = 2 the training-time variance is on average half the population's.
     """
-    check_micro_batch(b, batch_norm=False)
+    require_micro_batch(b, batch_norm=False)
     return (b - 1) / b
 
 
@@ -104,7 +84,7 @@ def eval_train_mean_abs_ratio(b: int) -> float:
     :math:`\E|z_\text{eval}| = \sqrt{2/\pi}`. The ratio is
     :math:`\sqrt2\,\Gamma(\tfrac b2) / (\sqrt{b-1}\,\Gamma(\tfrac{b-1}{2}))`: 0.80 at b = 2, 0.92 at b = 4, → 1.
     """
-    check_micro_batch(b)
+    require_micro_batch(b)
     return math.exp(0.5 * math.log(2) + math.lgamma(b / 2) - 0.5 * math.log(b - 1) - math.lgamma((b - 1) / 2))
 
 
@@ -115,7 +95,7 @@ def normalized_feature_sizes(b: int, draws: int = 20000, seed: int = 0) -> tuple
 
     Returns (RMS of training-mode outputs, RMS of eval-mode outputs, mean |eval| / mean |train|).
     """
-    check_micro_batch(b)
+    require_micro_batch(b)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(b, draws, generator=gen, dtype=torch.float64)  # column j: micro-batch j of b samples
     with torch.no_grad():  # fresh running statistics are the population's, (0, 1)
@@ -145,7 +125,7 @@ def moment_spread(features: torch.Tensor, b: int, draws: int = 2000, seed: int =
 
     Channels with zero variance are left out.
     """
-    check_micro_batch(b)
+    require_micro_batch(b)
     if features.dim() != 2:
         raise ValueError(f"features must have shape (N, C), got {tuple(features.shape)}.")
     n = features.shape[0]
@@ -199,16 +179,16 @@ def effective_momentum(m: float, k: int) -> float:
     After K updates the old value keeps weight :math:`(1-m)^K`, so per optimizer step the running
     statistics move with momentum :math:`1-(1-m)^K` (0.57 for m = 0.1, K = 8), not m.
     """
-    check_momentum(m)
-    check_k(k)
+    require_momentum(m)
+    require_k(k)
     return 1.0 - (1.0 - m) ** k
 
 
 def corrected_momentum(m: float, k: int) -> float:
     r"""Per-micro-batch momentum :math:`m' = 1-(1-m)^{1/K}` whose K updates decay the old value as one update
     with momentum m does (about m/K for small m)."""
-    check_momentum(m)
-    check_k(k)
+    require_momentum(m)
+    require_k(k)
     return 1.0 - (1.0 - m) ** (1.0 / k)
 
 
@@ -218,14 +198,14 @@ def micro_batch_weights(m: float, k: int) -> np.ndarray:
     Starting from :math:`\bar\mu_0`, K updates with momentum m give
     :math:`\bar\mu_K = (1-m)^K\bar\mu_0 + \sum_j m(1-m)^{K-1-j}\hat\mu_j`: later micro-batches weigh more.
     """
-    check_momentum(m)
-    check_k(k)
+    require_momentum(m)
+    require_k(k)
     return np.array([m * (1.0 - m) ** (k - 1 - j) for j in range(k)])
 
 
 def set_bn_momentum(model: nn.Module, m: float) -> int:
     """Set the momentum of every BatchNorm layer of ``model`` to m; returns how many layers were changed."""
-    check_momentum(m)
+    require_momentum(m)
     count = 0
     for mod in model.modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
@@ -265,8 +245,8 @@ def microbatch_effect(
 
     The networks are freshly initialized with ``seed`` (the same weights for every K and b), in float64.
     """
-    check_k(k)
-    check_micro_batch(b, batch_norm="batch" in norms)
+    require_k(k)
+    require_micro_batch(b, batch_norm="batch" in norms)
     n = k * b
     if n > x.shape[0]:
         raise ValueError(f"K·b = {k}·{b} = {n} exceeds the {x.shape[0]} images available; lower K or b.")
@@ -323,7 +303,7 @@ def run_fingerprint(
     for seed in seeds:
         for norm, sizes in plan.items():
             for b in sizes:
-                check_micro_batch(b, batch_norm=norm == "batch")
+                require_micro_batch(b, batch_norm=norm == "batch")
                 if batch_size % b:
                     raise ValueError(f"micro-batch size {b} does not divide the batch size {batch_size}.")
                 model = make_cnn(norm, seed=seed, device=split.x_train.device)  # type: ignore[arg-type]
@@ -358,7 +338,7 @@ def format_fingerprint(table: dict[tuple[str, int], dict[str, float]], batch_siz
 
 def plot_moment_spread(spreads: list[MomentSpread], n: int):
     """Measured vs predicted spread of the micro-batch mean, and E[biased variance]/σ² vs (b − 1)/b."""
-    from .plotting import NORM_COLORS, PALETTE, decorate, figure
+    from .book.plotting import NORM_COLORS, PALETTE, decorate, figure
 
     fig, (ax1, ax2) = figure(2, 9.6, 3.6)
     bs = np.array([s.b for s in spreads])
@@ -380,7 +360,7 @@ def plot_gradient_agreement(rows: dict[str, dict[int, float]]):
 
     Exact zeros (K = 1) cannot be drawn on a log axis and are left out.
     """
-    from .plotting import NORM_COLORS, NORM_MARKERS, decorate, figure
+    from .book.plotting import NORM_COLORS, NORM_MARKERS, decorate, figure
 
     fig, (ax,) = figure()
     for norm, by_b in rows.items():
@@ -393,7 +373,7 @@ def plot_gradient_agreement(rows: dict[str, dict[int, float]]):
 
 def plot_momentum_weights(m: float, k: int):
     """Weight of each micro-batch's statistic in the running value after one step, three ways."""
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     fig, (ax,) = figure()
     j = np.arange(k)
@@ -409,7 +389,7 @@ def plot_momentum_weights(m: float, k: int):
 
 def plot_fingerprint(table: dict[tuple[str, int], dict[str, float]], batch_size: int = 64):
     """Validation accuracy vs micro-batch size (mean and min–max over seeds), per normalization."""
-    from .plotting import NORM_COLORS, NORM_MARKERS, decorate, figure
+    from .book.plotting import NORM_COLORS, NORM_MARKERS, decorate, figure
 
     fig, (ax,) = figure()
     for norm in dict.fromkeys(n for n, _ in table):
@@ -428,7 +408,7 @@ def plot_fingerprint(table: dict[tuple[str, int], dict[str, float]], batch_size:
 
 def plot_microbatch_effect(k: int, b: int, x: torch.Tensor, y: torch.Tensor):
     """The widget's picture: gradient error per normalization, and the spread of BatchNorm's batch mean."""
-    from .plotting import NORM_COLORS, PALETTE, decorate, figure
+    from .book.plotting import NORM_COLORS, PALETTE, decorate, figure
 
     effect = microbatch_effect(k, b, x, y)
     fig, (ax1, ax2) = figure(2, 9.6, 3.4)
@@ -455,7 +435,7 @@ def effect_grid(ks: tuple[int, ...], bs: tuple[int, ...], x: torch.Tensor, y: to
 
 def plot_effect_grid(grid: np.ndarray, ks: tuple[int, ...], bs: tuple[int, ...]):
     """Heat map of :func:`effect_grid`, each cell labelled with its value."""
-    from .plotting import figure, heatmap
+    from .book.plotting import figure, heatmap
 
     fig, (ax,) = figure(1, 6.4, 4.0)
     image = heatmap(ax, grid, ks, bs, vmin=0.0, aspect="equal", xlabel="micro-batch size b",

@@ -42,13 +42,35 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import clip_grad_norm_  # bound before any patching: the checker sees it anyway
+from torch.nn.utils import (
+    clip_grad_norm_,  # bound before any patching: the checker sees it anyway
+)
 
-from .accumulate import accumulate_backward, check_k, split_batch
-from .check_fingerprints import (PARTIAL_OK, Finding, Measurements, clip_vec, cosine, diagnose, fit_weights, num,
-                                 nums, rel)
-from .check_instrument import (CallRecorder, Event, GradTrace, OutsideDraws, SampleRNG, coupled_modules,
-                               first_tensor, flat, identical_draws)
+from ._validate import require_k
+from .accumulate import accumulate_backward, split_batch
+from .check_fingerprints import (
+    PARTIAL_OK,
+    Finding,
+    Measurements,
+    clip_vec,
+    cosine,
+    diagnose,
+    fit_weights,
+    num,
+    nums,
+    rel,
+)
+from .check_instrument import (
+    CallRecorder,
+    Event,
+    GradTrace,
+    OutsideDraws,
+    SampleRNG,
+    coupled_modules,
+    first_tensor,
+    flat,
+    identical_draws,
+)
 
 Step = Callable[[nn.Module, Callable, torch.Tensor, torch.Tensor, int], Any]
 
@@ -324,7 +346,7 @@ def _validate(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: Any, clip:
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise ValueError("x and y must be tensors whose first dimension is the batch; wrap other inputs in a model "
                          "that takes one tensor.")
-    check_k(k)
+    require_k(k)
     split_batch(x, y, k)
     if step is not None and not callable(step):
         raise ValueError("step must be a function step(model, loss_fn, x, y, k), or None for plain accumulation.")
@@ -569,8 +591,8 @@ def demo_cases() -> dict[str, tuple[nn.Module, Callable, torch.Tensor, torch.Ten
     """Correct loops and one model or loop per planted bug: name → (model, loss_fn, x, y, step, clip), usable as
     returned: ``check(model, loss_fn, x, y, 4, step=step, clip=clip)``. :data:`DEMO_EXPECTED` says what each
     plants. Needs the book's data (scikit-learn's digits)."""
-    from .data import load_digits_split
-    from .models import make_cnn
+    from .book.data import load_digits_split
+    from .book.models import make_cnn
     from .silent import encode_batch, load_corpus, make_lm, make_vocab, spread_lines
 
     d = load_digits_split()

@@ -39,8 +39,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .accumulate import LossFn, check_k, flat_grad, split_batch
-from .data import DigitsSplit
+from ._validate import require_k
+from .accumulate import LossFn, flat_grad, split_batch
+from .book.data import DigitsSplit
 
 Placement = Literal["once", "scaled_micro", "raw_micro", "running"]
 PLACEMENTS: tuple[str, ...] = ("once", "scaled_micro", "raw_micro", "running")
@@ -53,14 +54,14 @@ LABELS: dict[str, str] = {
 EPS = 1e-6  # clip_grad_norm_'s constant
 
 
-def check_threshold(c: float) -> float:
+def _require_threshold(c: float) -> float:
     """A clipping threshold must be a positive finite number."""
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
         raise ValueError(f"the clipping threshold must be a positive finite number, got {c!r}.")
     return float(c)
 
 
-def check_placement(placement: str) -> str:
+def _require_placement(placement: str) -> str:
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}.")
     return placement
@@ -80,10 +81,10 @@ def combine(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement,
             mode: Literal["norm", "value"] = "norm") -> torch.Tensor:
     """The step's gradient from the raw micro-batch gradients ``g_k`` under each clip placement (the math of
     :func:`clipped_accumulation` on plain vectors, used by the widget and the exercises)."""
-    check_threshold(c)
-    check_placement(placement)
+    _require_threshold(c)
+    _require_placement(placement)
     k = len(micro_grads)
-    check_k(k)
+    require_k(k)
     if placement == "once":
         return clip_vector(sum(micro_grads) / k, c, mode)  # type: ignore[arg-type]
     if placement == "scaled_micro":
@@ -100,8 +101,8 @@ def clip_running_buffer(contributions: Sequence[torch.Tensor], c: float,
 
     Placement (b) is this with :math:`d_k = g_k/K`; a loop without the :math:`1/K` factor (the Hugging Face
     issue's example) passes the raw :math:`g_k`."""
-    check_threshold(c)
-    check_k(len(contributions))
+    _require_threshold(c)
+    require_k(len(contributions))
     running = torch.zeros_like(contributions[0])
     for d in contributions:
         running = clip_vector(running + d, c, mode)
@@ -122,9 +123,9 @@ def norm_bounds(micro_grads: Sequence[torch.Tensor], c: float) -> dict[str, floa
 
     Lower bounds do not exist beyond 0: opposing micro-gradients cancel after clipping (:func:`errata_cases`).
     """
-    check_threshold(c)
+    _require_threshold(c)
     k = len(micro_grads)
-    check_k(k)
+    require_k(k)
     norms = [float(torch.linalg.vector_norm(g)) for g in micro_grads]
     mean = float(torch.linalg.vector_norm(sum(micro_grads) / k))  # type: ignore[arg-type]
     return {
@@ -194,7 +195,7 @@ def format_errata_cases(cases: dict[str, Comparison]) -> str:
     return "\n".join(lines)
 
 
-def check_finite_grads(model: nn.Module) -> None:
+def _require_finite_grads(model: nn.Module) -> None:
     """Raise a ``ValueError`` naming the first parameter whose gradient holds inf or NaN."""
     for name, p in model.named_parameters():
         if p.grad is not None and not torch.isfinite(p.grad).all():
@@ -223,8 +224,8 @@ def clipped_accumulation(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     isolated (the running sum is set aside during its backward pass) so that only it is clipped. The caller
     zeroes gradients before and steps after. Returns the batch loss.
     """
-    check_threshold(c)
-    check_placement(placement)
+    _require_threshold(c)
+    _require_placement(placement)
     params = [p for p in model.parameters() if p.requires_grad]
     total = 0.0
     for xb, yb in split_batch(x, y, k):
@@ -233,14 +234,14 @@ def clipped_accumulation(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
         if placement in ("once", "running"):
             (loss / k).backward()
             if placement == "running":
-                check_finite_grads(model)
+                _require_finite_grads(model)
                 _clip_grads(params, c, mode)
             continue
         stash = [p.grad for p in params]
         for p in params:
             p.grad = None
         (loss / k if placement == "scaled_micro" else loss).backward()
-        check_finite_grads(model)
+        _require_finite_grads(model)
         _clip_grads(params, c, mode)
         for p, old in zip(params, stash):
             if p.grad is not None and placement == "raw_micro":
@@ -248,7 +249,7 @@ def clipped_accumulation(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
             if old is not None:
                 p.grad = old + p.grad if p.grad is not None else old
     if placement == "once":
-        check_finite_grads(model)
+        _require_finite_grads(model)
         _clip_grads(params, c, mode)
     return total
 
@@ -281,7 +282,7 @@ def synthetic_micro_gradients(k: int, alignment: float, norm: float = 1.0, dim: 
     r"""K micro-gradients :math:`g_k = \text{norm}\cdot(\sqrt{a}\,u + \sqrt{1-a}\,n_k)/\|\cdot\|` sharing the unit
     direction u with weight a = ``alignment`` (independent random unit vectors n_k); their pairwise cosines are
     about a."""
-    check_k(k)
+    require_k(k)
     if not 0.0 <= alignment <= 1.0:
         raise ValueError(f"alignment must lie in [0, 1] (0: unrelated micro-gradients, 1: identical), got {alignment}.")
     if norm <= 0:
@@ -309,7 +310,7 @@ class PlacementEffect:
 
 def placement_effects(k: int, c: float, alignment: float, norm: float = 1.0, seed: int = 0) -> list[PlacementEffect]:
     """The widget's pure function: every placement on synthetic micro-gradients of norm ``norm``."""
-    check_threshold(c)
+    _require_threshold(c)
     grads = synthetic_micro_gradients(k, alignment, norm, seed=seed)
     correct = combine(grads, c, "once")
     rows = []
@@ -339,9 +340,9 @@ def running_clip_weights(micro_grads: Sequence[torch.Tensor], c: float) -> list[
 def _running_pass(micro_grads: Sequence[torch.Tensor], c: float) -> list[tuple[float, float]]:
     """Placement (b) step by step: (norm of the running buffer before the clip, the clip's coefficient) after
     each micro-batch, with ``clip_grad_norm_``'s coefficient min(1, c / (norm + 1e-6))."""
-    check_threshold(c)
+    _require_threshold(c)
     k = len(micro_grads)
-    check_k(k)
+    require_k(k)
     running = torch.zeros_like(micro_grads[0])
     steps = []
     for g in micro_grads:
@@ -360,7 +361,7 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     ``unscale_`` (wrong; ``scaler.step`` would unscale after the clip). Runs on a copy of ``model``."""
     import copy
 
-    check_threshold(c)
+    _require_threshold(c)
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     device_type = next(work.parameters()).device.type
@@ -432,16 +433,16 @@ def train_placements(split: DigitsSplit, k: int, c: float, epochs: int = 8, seed
     import functools
 
     from .accumulate import train
-    from .models import make_cnn
+    from .book.models import make_cnn
 
-    check_threshold(c)
+    _require_threshold(c)
     if norm not in ("group", "layer"):
         raise ValueError(f"norm must be 'group' or 'layer' (per-sample statistics), got {norm!r}; with BatchNorm "
                          "the micro-batch statistics would change the runs as well (chapter 1).")
     runs = []
     for placement in (("full batch",) if full_batch else ()) + tuple(placements):
         kk, p = (1, "once") if placement == "full batch" else (k, placement)
-        backward_fn = functools.partial(clipped_accumulation, c=c, placement=check_placement(p))
+        backward_fn = functools.partial(clipped_accumulation, c=c, placement=_require_placement(p))
         model = make_cnn(norm, seed=seed, device=split.x_train.device)  # type: ignore[arg-type]
         r = train(model, split.x_train, split.y_train, split.x_val, split.y_val, batch_size=64, k=kk,
                   epochs=epochs, seed=seed, backward_fn=backward_fn)
@@ -466,7 +467,7 @@ def table_sweep(split: DigitsSplit, setups: Sequence[tuple[str, float]] = SETUPS
     and the training batch of ``batch_size`` images number s."""
     from torch import nn as _nn
 
-    from .models import make_cnn
+    from .book.models import make_cnn
 
     loss_fn = _nn.CrossEntropyLoss()
     out = {}
@@ -530,7 +531,7 @@ def raw_micro_all_clipped(agreement: float, k: int, smallest_over_c: float) -> f
 
     At fixed agreement :math:`\bar a` the step still shrinks as K grows, towards :math:`\sqrt{\bar a}`
     (:math:`1/\sqrt K` for unrelated micro-gradients)."""
-    check_k(k)
+    require_k(k)
     if not -1.0 <= agreement <= 1.0:
         raise ValueError(f"agreement is a mean cosine and must lie in [-1, 1], got {agreement}.")
     if not smallest_over_c > 1.0:
@@ -544,7 +545,7 @@ def scaler_clip_norm(grad_norm: float, c: float, scale: float = 2.0**16, unscale
     for an accumulated gradient of true norm ``grad_norm``: ``unscale_`` then clip (right) or clip then
     ``unscale_`` (wrong: the clip sees the scaled norm S·‖g‖ and brings it to c, unscaling leaves c/S).
     Uses a real scaler on one float64 parameter on the CPU."""
-    check_threshold(c)
+    _require_threshold(c)
     if not grad_norm > 0 or not math.isfinite(grad_norm):
         raise ValueError(f"grad_norm must be a positive finite number, got {grad_norm}.")
     p = nn.Parameter(torch.zeros(2, dtype=torch.float64))
@@ -565,7 +566,7 @@ def scaler_clip_norm(grad_norm: float, c: float, scale: float = 2.0**16, unscale
 
 def plot_placement_table(table: dict[int, dict[str, tuple[float, float]]]):
     """Final norm over c and cosine to the correct step, against K, one line per placement."""
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     colors = {"once": PALETTE["black"], "scaled_micro": PALETTE["vermillion"], "raw_micro": PALETTE["blue"],
               "running": PALETTE["green"]}
@@ -585,7 +586,7 @@ def plot_training(runs: list[ClipRun], window: int = 19):
     """Training loss (moving average over one epoch of steps) for every placement."""
     import numpy as np
 
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     colors = {"full batch": PALETTE["sky"], "once": PALETTE["black"], "scaled_micro": PALETTE["vermillion"],
               "raw_micro": PALETTE["blue"], "running": PALETTE["green"]}
@@ -602,7 +603,7 @@ def plot_training(runs: list[ClipRun], window: int = 19):
 
 
 def plot_running_weights(weights: list[float], c: float):
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     fig, (ax,) = figure()
     k = len(weights)
@@ -614,7 +615,7 @@ def plot_running_weights(weights: list[float], c: float):
 
 def plot_placement_effects(k: int, c: float, alignment: float):
     """The widget's picture: final norm / c and cosine to the correct step, per placement."""
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     rows = placement_effects(k, c, alignment)
     names = [LABELS[r.placement] for r in rows]
@@ -642,7 +643,7 @@ def placement_grid(ks: Sequence[int], alignments: Sequence[float], c: float) -> 
 
 
 def plot_placement_grid(grid: dict[str, "np.ndarray"], ks: Sequence[int], alignments: Sequence[float]):
-    from .plotting import figure, heatmap
+    from .book.plotting import figure, heatmap
 
     fig, axes = figure(4, 14.0, 3.6)
     vmax = max(float(g.max()) for g in grid.values())

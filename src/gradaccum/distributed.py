@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .accumulate import check_k, flat_grad, split_batch
+from ._validate import require_k
+from .accumulate import flat_grad, split_batch
 
 
 class WorkerFailed(RuntimeError):
@@ -82,7 +83,7 @@ def launch(task: str, world_size: int = 2, timeout: float = 60.0, **kwargs: Any)
     if not timeout > 0:
         raise ValueError(f"timeout must be positive, got {timeout}.")
     if task in DATA_TASKS and "data" not in kwargs:
-        from .data import load_digits_split
+        from .book.data import load_digits_split
 
         d = load_digits_split()
         kwargs["data"] = (d.x_train, d.y_train)
@@ -235,7 +236,7 @@ def _shard(rank: int, world_size: int, per_rank: int, dtype: torch.dtype,
     """This rank's consecutive share of the digits' training images (``data`` as passed by :func:`launch`, so
     that workers need not load scikit-learn; loaded here when absent, e.g. under torchrun)."""
     if data is None:
-        from .data import load_digits_split
+        from .book.data import load_digits_split
 
         d = load_digits_split()
         data = (d.x_train, d.y_train)
@@ -254,7 +255,7 @@ def micro_batch_that_fits(n_images: int, world_size: int, k: int, steps: int, ca
 
     Raises ValueError when not even b = 1 fits (then fewer steps or a smaller K is needed).
     """
-    check_k(k)
+    require_k(k)
     for name, value in (("n_images", n_images), ("world_size", world_size), ("steps", steps), ("cap", cap)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
@@ -281,7 +282,7 @@ def _calls_per_step(x: torch.Tensor, y: torch.Tensor, k: int, steps: int, no_syn
     """All-reduce calls in each of ``steps`` accumulated optimizer steps of a fresh DDP model built with
     ``ddp_kwargs``; step 1 without ``no_sync()`` if ``first_sync``. A RuntimeError inside DDP is returned as its
     first line (every rank raises it alike, so the process group stays usable)."""
-    from .models import make_cnn
+    from .book.models import make_cnn
 
     counter = CommCounter()
     model = DDP(make_cnn("group", seed=0), **ddp_kwargs)
@@ -304,7 +305,7 @@ def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None,
     ``steps`` > 1, also the all-reduce calls of each of ``steps`` optimizer steps (buckets of at most
     ``bucket_cap_mb`` MiB), which show the first iteration's single bucket and the rebuilt buckets after it, and
     the same counts under each of :data:`DDP_VARIANTS` (``out[mode]["variants"]``)."""
-    from .models import make_cnn
+    from .book.models import make_cnn
 
     x, y = _shard(rank, world_size, k * b, torch.float64, data)
     out: dict[str, Any] = {}
@@ -329,7 +330,7 @@ def _task_placement(rank: int, world_size: int, k: int, b: int, data: Any = None
     """For every entry of :data:`PLACEMENTS`: the all-reduce calls of one accumulated step and the gradient this
     rank holds after it; plus ``"local"``, the gradient of this rank's own shard alone (no averaging)."""
     from .accumulate import accumulated_gradient
-    from .models import make_cnn
+    from .book.models import make_cnn
 
     x, y = _shard(rank, world_size, k * b, torch.float64, data)
     out: dict[str, Any] = {"local": accumulated_gradient(make_cnn("group", seed=0), nn.CrossEntropyLoss(), x, y, k)}
@@ -414,7 +415,7 @@ def train_ddp(k: int, b: int, steps: int, no_sync: bool, device: torch.device | 
               data: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A few optimizer steps of the digits CNN under DDP, on an initialized process group (launched by
     :func:`launch` or by ``torchrun``). Each rank trains on its own shard; returns the final parameters."""
-    from .models import make_cnn
+    from .book.models import make_cnn
 
     device = device or torch.device("cpu")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -519,7 +520,7 @@ def predict_step(params: int, k: int, p: int, link: Interconnect, micro_compute:
     own). Communication is assumed not to overlap with compute, so this is an upper bound on the saving when it
     does.
     """
-    check_k(k)
+    require_k(k)
     if params < 1 or micro_compute < 0 or buckets < 1 or copy_passes < 0:
         raise ValueError("params and buckets must be positive, micro_compute and copy_passes non-negative.")
     n_bytes = params * bytes_per_param
@@ -616,7 +617,7 @@ def plot_timing(fit: TimingFit):
     """Measured against predicted saving per optimizer step, for every model size and K > 1."""
     import numpy as np
 
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     fig, (ax,) = figure(1, 6.0, 4.2)
     rows = [r for r in fit.rows if r[2] > 1]
@@ -638,7 +639,7 @@ def plot_timing(fit: TimingFit):
 
 def plot_prediction(params_millions: float, k: int, p: int, preset: str, micro_compute_ms: float):
     """The widget's picture: predicted step time with and without no_sync, split into compute and communication."""
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     if preset not in PRESETS:
         raise ValueError(f"unknown interconnect {preset!r}; choose one of {list(PRESETS)}.")
@@ -660,7 +661,7 @@ def plot_savings_grid(params: int, ks: list[int], ps: list[int] | dict[str, list
                       presets: list[str]):
     """Predicted fraction of step time saved by no_sync over K × p, one panel per interconnect; ``ps`` is one list
     of GPU counts for every panel, or a dict giving each interconnect its own (NVLink: one 8-GPU node)."""
-    from .plotting import figure, heatmap
+    from .book.plotting import figure, heatmap
 
     fig, axes = figure(len(presets), 4.8 * len(presets), 3.6)
     for ax, name in zip(axes, presets):

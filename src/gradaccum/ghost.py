@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .accumulate import LossFn, check_k, flat_grad, split_batch
-from .data import DigitsSplit
-
+from ._validate import require_k
+from .accumulate import LossFn, flat_grad, split_batch
+from .book.data import DigitsSplit
 
 # ------------------------------------------------------------------------------------- Ghost BN
 
@@ -607,7 +607,7 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
     its own forward (or SyncBatchNorm under torch.distributed), a BatchNorm input modified in place after the
     layer read it (``exact=True``), a model in eval mode.
     """
-    check_k(k)
+    require_k(k)
     if not model.training:
         raise ValueError("full-batch statistics are a training-mode scheme; call model.train() first.")
     micro = split_batch(x, y, k)
@@ -649,7 +649,7 @@ def full_batch_forward_error(model: nn.Module, x: torch.Tensor, k: int) -> float
     Refused for a model with active dropout modules: one forward over the whole batch and K over its parts draw
     different masks, so the two forwards would differ by the masks, not by the normalization.
     """
-    check_k(k)
+    require_k(k)
     if x.shape[0] % k:
         raise ValueError(f"a batch of {x.shape[0]} cannot be cut into K = {k} equal micro-batches.")
     if not model.training:
@@ -768,12 +768,13 @@ def method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor, see
     ``v`` is Ghost BatchNorm's virtual batch size for a single pass over the K·b images (v = b reproduces
     plain accumulation exactly).
     """
+    from ._validate import require_micro_batch
     from .accumulate import accumulated_gradient, agreement, full_batch_gradient
-    from .bn import check_micro_batch, layer_inputs
-    from .models import make_cnn
+    from .bn import layer_inputs
+    from .book.models import make_cnn
 
-    check_k(k)
-    check_micro_batch(b)
+    require_k(k)
+    require_micro_batch(b)
     n = k * b
     if n > x.shape[0]:
         raise ValueError(f"K·b = {k}·{b} = {n} exceeds the {x.shape[0]} images available; lower K or b.")
@@ -898,9 +899,9 @@ def train_method(split: DigitsSplit, method: str, k: int, batch_size: int = 64, 
     """
     from .accumulate import accuracy, train
     from .bn import corrected_momentum, set_bn_momentum
-    from .models import make_cnn
+    from .book.models import make_cnn
 
-    check_k(k)
+    require_k(k)
     if batch_size % k or batch_size // k < 2:
         raise ValueError(f"K = {k} must divide the batch size {batch_size} into micro-batches of at least 2.")
     if method not in METHODS:
@@ -1025,7 +1026,7 @@ def plot_methods(runs: list[MethodRun]):
     """Validation accuracy of every method, with its running statistics and after PreciseBN."""
     import numpy as np
 
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     fig, (ax,) = figure(1, 9.6, 3.8)
     pos = np.arange(len(runs))
@@ -1044,7 +1045,7 @@ def plot_methods(runs: list[MethodRun]):
 def plot_study(runs: Sequence[MethodRun]):
     """Each claim's runs, seed by seed: PreciseBN and momentum correction against plain accumulation at K,
     and plain accumulation at the small K against the full batch, for each schedule."""
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     table = study_table(runs)
     schedules = list(dict.fromkeys(s for _, _, s, _ in table))
@@ -1094,10 +1095,10 @@ def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: in
     measurement affects every method alike.
     """
     from .accumulate import accumulate_backward
-    from .models import make_cnn
+    from .book.models import make_cnn
     from .timing import interleaved_medians
 
-    check_k(k)
+    require_k(k)
     x, y = split.x_train[:batch_size], split.y_train[:batch_size]
     loss_fn = nn.CrossEntropyLoss()
     counts: dict[str, list[int]] = {}
@@ -1136,7 +1137,7 @@ def precise_bn_cost(split: DigitsSplit, b: int = 4, k: int = 16, repeat: int = 5
     """Seconds of one PreciseBN pass (over the training set in batches of b) divided by the seconds of one
     plain-accumulation step (K micro-batches of b), interleaved medians."""
     from .accumulate import accumulate_backward
-    from .models import make_cnn
+    from .book.models import make_cnn
     from .timing import interleaved_medians
 
     model = make_cnn("batch", seed=0, device=split.x_train.device).train()
@@ -1171,7 +1172,7 @@ def effect_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y: torch.
 def plot_effect_grid(grids: dict[str, "np.ndarray"], ks: Sequence[int], bs: Sequence[int],
                      methods: Sequence[str] = ("plain accumulation", "full-batch stats", "exact full-batch stats")):
     """Heat maps of the gradient cosine to the full-batch gradient, one panel per method."""
-    from .plotting import figure, heatmap
+    from .book.plotting import figure, heatmap
 
     fig, axes = figure(len(methods), 3.6 * len(methods), 3.6)
     for ax, method in zip(axes, methods):
@@ -1185,7 +1186,7 @@ def plot_method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor
     """The widget's picture: statistics error and gradient cosine of each method for one (K, b, v)."""
     import numpy as np
 
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     rows = method_effects(k, b, v, x, y)
     names = [r.method.replace(", 1 update/step", f" (v={v})") for r in rows]

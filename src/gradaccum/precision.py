@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .accumulate import LossFn, check_k, flat_grad, split_batch
+from ._validate import require_k
+from .accumulate import LossFn, flat_grad, split_batch
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -70,7 +71,7 @@ class CastReport:
     overflow: float
 
 
-def check_scale(scale: float) -> float:
+def _require_scale(scale: float) -> float:
     """A loss scale must be a positive finite number."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"the loss scale must be a positive finite number (e.g. 2**16), got {scale!r}.")
@@ -79,7 +80,7 @@ def check_scale(scale: float) -> float:
 
 def cast_report(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> CastReport:
     """What casting ``values · scale`` (computed in fp32/fp64) to ``dtype`` would do to the nonzero values."""
-    check_scale(scale)
+    _require_scale(scale)
     if dtype not in LOW_PRECISION:
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
     v = values[values != 0].double() * scale
@@ -111,7 +112,7 @@ def activation_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     Raises ``ValueError`` for a module whose output is not one tensor (``nn.GRU``, ``nn.LSTM`` and
     ``nn.MultiheadAttention`` return tuples): which of its outputs' gradients to report is not defined here.
     """
-    check_k(k)
+    require_k(k)
     work = copy.deepcopy(model)
     grads: list[torch.Tensor | None] = []
 
@@ -148,7 +149,7 @@ def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int
     over = np.zeros_like(lost)
     for i, s in enumerate(log2_scales):
         for j, k in enumerate(ks):
-            r = cast_report(values / check_k(k), dtype, 2.0**s)
+            r = cast_report(values / require_k(k), dtype, 2.0**s)
             lost[i, j], over[i, j] = r.underflow + r.subnormal, r.overflow
     return {"lost": lost, "overflow": over}
 
@@ -156,7 +157,7 @@ def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int
 # ---------------------------------------------------------------------------------- the amp recipe
 
 
-def check_float32_model(model: nn.Module) -> None:
+def _require_float32_model(model: nn.Module) -> None:
     """Autocast (fp16/bf16) casts only float32 tensors: a float64 model would silently run in float64, so a
     "mixed-precision" experiment on it measures nothing. Refuse any floating-point parameter that is not float32."""
     bad = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
@@ -166,7 +167,7 @@ def check_float32_model(model: nn.Module) -> None:
                          "build it with dtype=torch.float32.")
 
 
-def check_amp(device_type: str, dtype: torch.dtype) -> None:
+def _require_amp(device_type: str, dtype: torch.dtype) -> None:
     """Autocast must exist on the device and accept the dtype; otherwise say what to use instead."""
     if dtype not in LOW_PRECISION:
         raise ValueError(f"autocast dtype must be torch.float16 or torch.bfloat16, got {dtype}; for full precision "
@@ -231,8 +232,8 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     scaled by S, and the accumulated gradients are divided by K after ``unscale_``; the backward pass then holds
     :math:`S\,\nabla L`, K times larger, and overflows at a K times smaller S.
     """
-    check_k(k)
-    check_scale(init_scale)
+    require_k(k)
+    _require_scale(init_scale)
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}; choose one of {PATTERNS}.")
     if divide not in ("loss", "grads"):
@@ -240,10 +241,10 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
                          f"accumulated gradients by K after unscale_), got {divide!r}.")
     if divide == "grads" and pattern not in ("correct", "no_scaler"):
         raise ValueError(f"divide='grads' is defined for the patterns 'correct' and 'no_scaler', not {pattern!r}.")
-    check_float32_model(model)
+    _require_float32_model(model)
     work = copy.deepcopy(model).train()
     device_type = next(work.parameters()).device.type
-    check_amp(device_type, dtype)
+    _require_amp(device_type, dtype)
     start = [p.detach().clone() for p in work.parameters()]
     opt = torch.optim.SGD(work.parameters(), lr=lr)
     scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=pattern != "no_scaler")
@@ -310,12 +311,12 @@ def mixed_scale_sum(micro_grads: Sequence[torch.Tensor], scales: Sequence[float]
     with :math:`g_k` the gradient of micro-batch k's mean loss. With every :math:`S_k = S_{\text{unscale}}` this is
     the accumulated gradient; otherwise micro-batch k is weighted by :math:`S_k/S_{\text{unscale}}`.
     """
-    k = check_k(len(micro_grads))
+    k = require_k(len(micro_grads))
     if len(scales) != k:
         raise ValueError(f"need one scale per micro-gradient: {k} micro-gradients, {len(scales)} scales.")
-    check_scale(unscale_by)
+    _require_scale(unscale_by)
     for s in scales:
-        check_scale(s)
+        _require_scale(s)
     return sum(s / unscale_by * g / k for s, g in zip(scales, micro_grads))  # type: ignore[return-value]
 
 
@@ -328,7 +329,7 @@ def scale_history(updates: int, growth_interval: int, overflow_at: Sequence[int]
     GradScaler multiplies the scale by ``backoff_factor`` (0.5) after a skipped step and by ``growth_factor`` (2)
     after ``growth_interval`` consecutive unskipped ones; nothing else changes it.
     """
-    check_scale(init_scale)
+    _require_scale(init_scale)
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
         raise ValueError(f"growth_interval must be an int >= 1 (GradScaler's default is 2000), got {growth_interval!r}.")
     if any(not 0 <= i < updates for i in overflow_at):
@@ -357,12 +358,12 @@ def scaled_window_grads(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
     ``divide="loss"`` at :math:`S` gives bitwise the same ``.grad`` as ``divide="grads"`` at :math:`S/K` when
     K is a power of two: only :math:`S/K` reaches the backward pass.
     """
-    check_k(k)
-    check_scale(scale)
-    check_float32_model(model)
+    require_k(k)
+    _require_scale(scale)
+    _require_float32_model(model)
     work = copy.deepcopy(model).train()
     device_type = next(work.parameters()).device.type
-    check_amp(device_type, dtype)
+    _require_amp(device_type, dtype)
     work.zero_grad(set_to_none=True)
     for xb, yb in split_batch(x, y, k):
         with torch.autocast(device_type, dtype=dtype):
@@ -391,13 +392,13 @@ abla L` (the 1/K is applied to the gradients afterwards). Multiplying by a power
     in floating point until a value overflows, so the two edges differ by :math:`\log_2 K` when K is a power of
     two. Bisection: assumes that a window that overflows at :math:`2^s` also overflows at every larger scale.
     """
-    check_k(k)
+    require_k(k)
     if divide not in ("loss", "grads"):
         raise ValueError(f"divide must be 'loss' or 'grads', got {divide!r}.")
     if not lo < hi:
         raise ValueError(f"need lo < hi, got lo={lo}, hi={hi}.")
-    check_amp(next(model.parameters()).device.type, dtype)
-    check_float32_model(model)
+    _require_amp(next(model.parameters()).device.type, dtype)
+    _require_float32_model(model)
     finite = lambda s: _window_is_finite(model, loss_fn, x, y, k, 2.0**s, divide, dtype)  # noqa: E731
     if not finite(lo):
         raise ValueError(f"the window already overflows at S = 2^{lo}; lower lo.")
@@ -416,7 +417,7 @@ def accumulate_in(micro_grads: Sequence[torch.Tensor], accumulator: torch.dtype,
                   produced_in: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Sum K micro-gradients (each divided by K and rounded to ``produced_in``, as a low-precision backward
     pass would hand them over) in an accumulator of type ``accumulator``, one addition at a time."""
-    k = check_k(len(micro_grads))
+    k = require_k(len(micro_grads))
     acc = torch.zeros_like(micro_grads[0], dtype=accumulator)
     for g in micro_grads:
         acc = acc + (g / k).to(produced_in).to(accumulator)
@@ -427,7 +428,7 @@ def accumulation_error(micro_grads: Sequence[torch.Tensor], accumulator: torch.d
                        produced_in: torch.dtype = torch.bfloat16) -> float:
     """Relative error of :func:`accumulate_in` against the exact (fp64) sum of the same rounded inputs: the
     error added by the accumulator alone."""
-    k = check_k(len(micro_grads))
+    k = require_k(len(micro_grads))
     exact = sum((g / k).to(produced_in).double() for g in micro_grads)
     got = accumulate_in(micro_grads, accumulator, produced_in).double()
     return float(torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact))  # type: ignore[arg-type]
@@ -439,7 +440,7 @@ def accumulation_error(micro_grads: Sequence[torch.Tensor], accumulator: torch.d
 def plot_formats(values_by_k: dict[int, torch.Tensor]):
     """Left: the normal and subnormal ranges of fp16, bf16 and fp32 on a log2 axis. Right: histograms of
     log2|activation gradient| for several K (micro-batch size fixed) against fp16's range."""
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     fig, (ax1, ax2) = figure(2, 11.0, 3.6)
     for i, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32)):
@@ -465,7 +466,7 @@ def plot_formats(values_by_k: dict[int, torch.Tensor]):
 
 def plot_loss_grid(grid: dict[str, np.ndarray], log2_scales: Sequence[int], ks: Sequence[int]):
     """Heat maps of the fraction lost (underflow + subnormal) and overflowed over S and K."""
-    from .plotting import figure, heatmap
+    from .book.plotting import figure, heatmap
 
     fig, axes = figure(2, 9.6, 3.8)
     for ax, (key, title) in zip(axes, (("lost", "lost to underflow or subnormals"), ("overflow", "overflowed"))):
@@ -477,9 +478,9 @@ def plot_loss_grid(grid: dict[str, np.ndarray], log2_scales: Sequence[int], ks: 
 
 def plot_cast(values: torch.Tensor, log2_scale: float, k: int, shift: float = 0.0):
     """The widget's picture: log2 of the gradients the backward pass holds, S/K · 2^shift · g, against fp16."""
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
-    check_k(k)
+    require_k(k)
     if not -40 <= log2_scale <= 40:
         raise ValueError(f"log2 of the loss scale must lie in [-40, 40], got {log2_scale}.")
     scale = 2.0**log2_scale / k
@@ -501,7 +502,7 @@ def plot_cast(values: torch.Tensor, log2_scale: float, k: int, shift: float = 0.
 
 
 def plot_accumulation_error(ks: Sequence[int], errors: dict[str, Sequence[float]]):
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     fig, (ax,) = figure()
     for (name, errs), color, marker in zip(errors.items(), (PALETTE["vermillion"], PALETTE["blue"]), ("o", "s")):

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .accumulate import check_k, flat_grad, split_batch
+from ._validate import require_k
+from .accumulate import flat_grad, split_batch
 
 IGNORE = -100  # target of padding positions: cross_entropy(ignore_index=IGNORE) skips them
 
@@ -44,7 +45,7 @@ IGNORE = -100  # target of padding positions: cross_entropy(ignore_index=IGNORE)
 def load_corpus() -> list[str]:
     """The lines of the text shipped with the package (the Zen of Python and sentences of the book's
     introduction), 52 lines of 19 to 157 characters."""
-    text = resources.files("gradaccum").joinpath("corpus.txt").read_text(encoding="utf-8")
+    text = resources.files("gradaccum.book").joinpath("corpus.txt").read_text(encoding="utf-8")
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
 
@@ -180,7 +181,7 @@ def ranks_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int, k
     Each rank divides by its own token count (``global_count=False``) or by the all-reduced count of all ranks,
     times p because DDP *averages* gradients over ranks (``global_count=True``). Simulated in one process.
     """
-    check_k(p)
+    require_k(p)
     shares = split_batch(x, y, p)
     total = sum(count_tokens(ys) for _, ys in shares)  # what an all-reduce of the counts gives every rank
     grads = []
@@ -203,7 +204,7 @@ def dropout_masks(steps: int, k: int, shape: tuple[int, ...], p: float = 0.5, re
                   seed: int = 0) -> torch.Tensor:
     """The dropout masks a loop draws: (steps, K, *shape). With ``reset_seed`` the loop calls
     ``torch.manual_seed(seed + micro_index)`` before each micro-batch, the bug this chapter shows."""
-    check_k(k)
+    require_k(k)
     if not 0 < p < 1:
         raise ValueError(f"dropout probability must lie in (0, 1), got {p}.")
     layer = nn.Dropout(p).train()
@@ -278,7 +279,7 @@ def compare_dropout(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
                     seed: int = 0) -> DropoutComparison:
     """Compare full-batch and K-micro-batch gradients under dropout: one seed, independent seeds, and the means
     over ``draws`` independent seeds each (full batch: seeds ``seed + 1 …``; accumulated: ``seed + 1 + draws …``)."""
-    check_k(k)
+    require_k(k)
     if draws < 2:
         raise ValueError(f"need at least 2 draws to estimate a spread, got {draws}.")
     rel = lambda a, b: float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(a))  # noqa: E731
@@ -300,7 +301,7 @@ def lr_trajectory(optimizer_steps: int, k: int, warmup: int, per_micro: bool,
     warnings PyTorch raised along the way."""
     import warnings
 
-    check_k(k)
+    require_k(k)
     if warmup < 1:
         raise ValueError(f"warmup must be >= 1 step, got {warmup}.")
     param = nn.Parameter(torch.zeros(1))
@@ -327,7 +328,7 @@ def scheduler_order_warnings(k: int, windows: int, optimizer_first: bool) -> lis
     the order only at the scheduler's first ``step()``."""
     import warnings
 
-    check_k(k)
+    require_k(k)
     param = nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
@@ -368,7 +369,7 @@ def partial_window_gradient(model: nn.Module, loss_fn, x: torch.Tensor, y: torch
     gradient is k'/K of the mean; ``divide_by_actual`` divides by the k' micro-batches present (the mean over
     the samples seen); ``drop`` skips the window (returns None).
     """
-    check_k(k)
+    require_k(k)
     if x.shape[0] % b:
         raise ValueError(f"the partial window's {x.shape[0]} samples are not whole micro-batches of {b}.")
     present = x.shape[0] // b
@@ -409,7 +410,7 @@ def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
     gives exactly k'/K; SGD with momentum and Adam mix the partial gradient into running averages (Adam's first
     step is invariant to the gradient's scale).
     """
-    check_k(k)
+    require_k(k)
     if not 1 <= present < k:
         raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches, got {present}.")
     if b * k > x.shape[0]:
@@ -452,7 +453,7 @@ def partial_step_study(x_digits: torch.Tensor, y_digits: torch.Tensor, lines: Se
     SGD with momentum 0.9 and Adam (learning rates :data:`STUDY_LR`), after each number of ``warm`` windows, one
     value per seed (the seed sets the model's initial weights and the batches); ``optimizers`` picks a subset.
     Returns ``{(set-up, optimizer, warm windows): [ratio per seed]}``."""
-    from .models import make_cnn
+    from .book.models import make_cnn
 
     lm_x, lm_y = encode_batch(lines, vocab)
     setups = {"CNN, digits": (lambda sd: make_cnn("group", seed=sd), nn.CrossEntropyLoss(), x_digits, y_digits, 8),
@@ -521,7 +522,7 @@ def token_error_grid(model: nn.Module, lines: Sequence[str], vocab: Vocab, ks: S
 
 
 def plot_token_error(spreads: Sequence[int], random: Sequence[float], grouped: Sequence[float]):
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     fig, (ax,) = figure()
     ax.plot(spreads, grouped, "o-", color=PALETTE["vermillion"], label="length-grouped micro-batches")
@@ -533,7 +534,7 @@ def plot_token_error(spreads: Sequence[int], random: Sequence[float], grouped: S
 
 
 def plot_lr(right: Sequence[float], wrong: Sequence[float], k: int, warmup: int):
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     fig, (ax,) = figure()
     steps = range(1, len(right) + 1)
@@ -545,7 +546,7 @@ def plot_lr(right: Sequence[float], wrong: Sequence[float], k: int, warmup: int)
 
 def plot_token_grid(grid: np.ndarray, ks: Sequence[int], spreads: Sequence[int]):
     """Heat map of :func:`token_error_grid`."""
-    from .plotting import figure, heatmap
+    from .book.plotting import figure, heatmap
 
     fig, (ax,) = figure(1, 6.4, 4.0)
     image = heatmap(ax, grid, ks, spreads, vmin=0.0, aspect="equal", xlabel="spread of lengths (±)", ylabel="K",
@@ -556,7 +557,7 @@ def plot_token_grid(grid: np.ndarray, ks: Sequence[int], spreads: Sequence[int])
 
 def plot_token_widget(model: nn.Module, lines: Sequence[str], vocab: Vocab, k: int, spread: int):
     """The widget's picture: gradient error of mean-of-means for random and length-grouped micro-batches."""
-    from .plotting import PALETTE, decorate, figure
+    from .book.plotting import PALETTE, decorate, figure
 
     errors = [token_error(model, lines, vocab, k, spread, sort) for sort in (False, True)]
     fig, (ax,) = figure(1, 6.4, 3.2)

@@ -1,12 +1,12 @@
 """The course kit: a student edition of the book, and a conversion of its exercises for nbgrader.
 
-Student edition (``make student``, or ``python -m gradaccum.course student``): every chapter with its
+Student edition (``make student``, or ``python -m gradaccum.book.course student``): every chapter with its
 ``solution`` directives removed and the outputs of its exercise cells (the cells that call a checker from
-:mod:`gradaccum.exercises`) cleared; everything else — text, code, stored figures — is kept, so the notebooks run
+:mod:`gradaccum.book.exercises`) cleared; everything else — text, code, stored figures — is kept, so the notebooks run
 top to bottom. Jupyter Book's ``hide_solutions`` cannot do this: it crashes on gated solutions, and it would only
 hide them in HTML, not remove them from the notebooks students download.
 
-nbgrader (``python -m gradaccum.course nbgrader``): each exercise cell becomes an nbgrader *solution* cell (the
+nbgrader (``python -m gradaccum.book.course nbgrader``): each exercise cell becomes an nbgrader *solution* cell (the
 student edits ``answer = ...``) followed by a locked, graded *test* cell that asserts the checker accepts the
 answer; the checker's message says what is wrong when it does not.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 SOLUTION = re.compile(r"```\{solution\}.*?\n```[ \t]*\n?", re.S)
 EXERCISE = re.compile(r"```\{exercise\}[^\n]*\n:label:\s*(\S+)")
-CHECK_CALL = re.compile(r"^exercises\.(check_\w+)\((.*)\)\s*$", re.M)
+CHECK_CALL = re.compile(r"^exercises\.(grade_\w+)\((.*)\)\s*$", re.M)
 
 BOOK_FILES = ("_config.yml", "_toc.yml", "intro.md", "references.md", "references.bib")
 
@@ -42,7 +42,7 @@ def _source(cell: dict[str, Any]) -> str:
 
 
 def is_exercise_cell(cell: dict[str, Any]) -> bool:
-    """A code cell that calls a checker from gradaccum.exercises."""
+    """A code cell that calls a checker from gradaccum.book.exercises."""
     return cell.get("cell_type") == "code" and bool(CHECK_CALL.search(_source(cell)))
 
 
@@ -180,7 +180,7 @@ def write_nbgrader(root: Path, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gradaccum.course", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m gradaccum.book.course", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["student", "nbgrader"])
     parser.add_argument("--root", type=Path, default=Path("."), help="the book's repository (default: .)")

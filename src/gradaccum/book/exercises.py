@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from . import bn
+from .. import bn
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Feedback:
 NO_ANSWER = "no answer yet: assign your answer to `answer` and run this cell again."
 
 
-def check_number(
+def grade_number(
     answer: object,
     expected: float,
     mistakes: Iterable[tuple[float, str] | tuple[float, str, float]] = (),
@@ -69,10 +69,10 @@ def check_number(
 # --------------------------------------------------------------------------------------- chapter 1
 
 
-def check_effective_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feedback:
+def grade_effective_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feedback:
     """Exercise: the momentum per optimizer step of running statistics updated once per micro-batch."""
     expected = bn.effective_momentum(m, k)
-    return check_number(
+    return grade_number(
         answer,
         expected,
         mistakes=[
@@ -90,10 +90,10 @@ def check_effective_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feed
     )
 
 
-def check_corrected_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feedback:
+def grade_corrected_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feedback:
     """Exercise: the per-micro-batch momentum whose K updates decay the old value like one update with m."""
     expected = bn.corrected_momentum(m, k)
-    return check_number(
+    return grade_number(
         answer,
         expected,
         mistakes=[
@@ -106,10 +106,10 @@ def check_corrected_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feed
     )
 
 
-def check_biased_variance_ratio(answer: object, b: int = 4) -> Feedback:
+def grade_biased_variance_ratio(answer: object, b: int = 4) -> Feedback:
     """Exercise: E[biased batch variance] / population variance for a micro-batch of b i.i.d. samples."""
     expected = bn.biased_variance_factor(b)
-    return check_number(
+    return grade_number(
         answer,
         expected,
         mistakes=[
@@ -138,7 +138,7 @@ LAYER_FACTS: dict[str, tuple[bool, str]] = {
 }
 
 
-def check_batch_coupled(answer: object) -> Feedback:
+def grade_batch_coupled(answer: object) -> Feedback:
     """Exercise: which of :data:`LAYER_FACTS`' layers make an accumulated gradient differ from the full batch."""
     if answer is None:
         return Feedback(False, NO_ANSWER)
@@ -159,9 +159,9 @@ def check_batch_coupled(answer: object) -> Feedback:
 # --------------------------------------------------------------------------------------- chapter 2
 
 
-def check_ghost_virtual_size(answer: object, k: int = 16, b: int = 4) -> Feedback:
+def grade_ghost_virtual_size(answer: object, k: int = 16, b: int = 4) -> Feedback:
     """Exercise: which Ghost BatchNorm virtual batch size reproduces plain accumulation of K micro-batches of b."""
-    return check_number(
+    return grade_number(
         answer,
         float(b),
         mistakes=[
@@ -174,9 +174,9 @@ def check_ghost_virtual_size(answer: object, k: int = 16, b: int = 4) -> Feedbac
     )
 
 
-def check_exact_sweeps(answer: object, layers: int = 3) -> Feedback:
+def grade_exact_sweeps(answer: object, layers: int = 3) -> Feedback:
     """Exercise: forward/backward sweeps over the K micro-batches of the exact full-batch-statistics scheme."""
-    return check_number(
+    return grade_number(
         answer,
         float(layers + 1),
         mistakes=[
@@ -193,10 +193,10 @@ def check_exact_sweeps(answer: object, layers: int = 3) -> Feedback:
     )
 
 
-def check_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
+def grade_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
     """Exercise (Ioffe & Szegedy's example): how much the normalized output moves when a bias b before the
     normalization changes by ``delta`` and the mean is recomputed, x̂ = u + b − E[u + b]."""
-    return check_number(
+    return grade_number(
         answer,
         0.0,
         mistakes=[
@@ -210,9 +210,9 @@ def check_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
 # --------------------------------------------------------------------------------------- chapter 3
 
 
-def check_clip_scaled_micro(answer: object) -> Feedback:
+def grade_clip_scaled_micro(answer: object) -> Feedback:
     """Exercise: threshold c = 1, K = 4 identical micro-gradients of norm 2; norm of the step under (a1)."""
-    return check_number(
+    return grade_number(
         answer,
         2.0,
         mistakes=[
@@ -226,9 +226,9 @@ def check_clip_scaled_micro(answer: object) -> Feedback:
     )
 
 
-def check_clip_raw_micro(answer: object) -> Feedback:
+def grade_clip_raw_micro(answer: object) -> Feedback:
     """Exercise: c = 1, K = 2, g_1 = (3, 0), g_2 = (−1, 0); norm of the step under (a2)."""
-    return check_number(
+    return grade_number(
         answer,
         0.0,
         mistakes=[
@@ -243,10 +243,10 @@ def check_clip_raw_micro(answer: object) -> Feedback:
     )
 
 
-def check_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1.0, norm: float = 4.0) -> Feedback:
+def grade_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1.0, norm: float = 4.0) -> Feedback:
     """Exercise: gradient norm the optimizer receives when clip_grad_norm_(c) runs *before* scaler.unscale_."""
     expected = c / scale
-    return check_number(
+    return grade_number(
         answer,
         expected,
         mistakes=[
@@ -264,9 +264,9 @@ def check_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1
 # --------------------------------------------------------------------------------------- chapter 4
 
 
-def check_effective_scale(answer: object, scale: float = 65536.0, k: int = 8) -> Feedback:
+def grade_effective_scale(answer: object, scale: float = 65536.0, k: int = 8) -> Feedback:
     """Exercise: the factor every gradient inside micro-batch k's backward pass carries (S/K)."""
-    return check_number(
+    return grade_number(
         answer,
         scale / k,
         mistakes=[
@@ -278,7 +278,7 @@ def check_effective_scale(answer: object, scale: float = 65536.0, k: int = 8) ->
     )
 
 
-def check_fp16_subnormal(answer: object) -> Feedback:
+def grade_fp16_subnormal(answer: object) -> Feedback:
     """Exercise: the smallest positive float16 number, smallest normal × epsilon = 2^-24 ≈ 5.96e-8 (from
     ``torch.finfo``), asked to two significant digits: accepted within 1% (6.0e-8 is 0.66% off).
 
@@ -289,7 +289,7 @@ def check_fp16_subnormal(answer: object) -> Feedback:
 
     f16, f32 = torch.finfo(torch.float16), torch.finfo(torch.float32)
     smallest = f16.smallest_normal * f16.eps
-    return check_number(
+    return grade_number(
         answer,
         smallest,
         mistakes=[
@@ -306,9 +306,9 @@ def check_fp16_subnormal(answer: object) -> Feedback:
     )
 
 
-def check_backoff_scale(answer: object, scale: float = 65536.0, backoff: float = 0.5) -> Feedback:
+def grade_backoff_scale(answer: object, scale: float = 65536.0, backoff: float = 0.5) -> Feedback:
     """Exercise: the loss scale after a window in which one micro-batch overflowed (correct recipe)."""
-    return check_number(
+    return grade_number(
         answer,
         scale * backoff,
         mistakes=[
@@ -320,10 +320,10 @@ def check_backoff_scale(answer: object, scale: float = 65536.0, backoff: float =
     )
 
 
-def check_backoff_steps(answer: object, k: int = 8) -> Feedback:
+def grade_backoff_steps(answer: object, k: int = 8) -> Feedback:
     """Exercise: the optimizer steps taken in a window of K micro-batches in which one overflowed (correct
     recipe): 0, the whole step is skipped."""
-    return check_number(
+    return grade_number(
         answer,
         0.0,
         mistakes=[
@@ -339,9 +339,9 @@ def check_backoff_steps(answer: object, k: int = 8) -> Feedback:
 # --------------------------------------------------------------------------------------- chapter 5
 
 
-def check_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedback:
+def grade_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedback:
     """Exercise: all-reduce calls per optimizer step under naive accumulation (DDP, ``buckets`` buckets)."""
-    return check_number(
+    return grade_number(
         answer,
         float(k * buckets),
         mistakes=[
@@ -356,9 +356,9 @@ def check_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedb
     )
 
 
-def check_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Feedback:
+def grade_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Feedback:
     """Exercise: megabytes each rank sends in a ring all-reduce of ``megabytes`` of gradients over p ranks."""
-    return check_number(
+    return grade_number(
         answer,
         2 * (p - 1) / p * megabytes,
         mistakes=[
@@ -375,11 +375,11 @@ def check_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Fe
 # --------------------------------------------------------------------------------------- chapter 6
 
 
-def check_window_token_loss(answer: object, sums: tuple[float, ...] = (30.0, 10.0),
+def grade_window_token_loss(answer: object, sums: tuple[float, ...] = (30.0, 10.0),
                             tokens: tuple[int, ...] = (100, 10)) -> Feedback:
     """Exercise: the loss of a window whose micro-batches have summed token losses ``sums`` over ``tokens``."""
     mean_of_means = sum(s / n for s, n in zip(sums, tokens)) / len(sums)
-    return check_number(
+    return grade_number(
         answer,
         sum(sums) / sum(tokens),
         mistakes=[
@@ -392,9 +392,9 @@ def check_window_token_loss(answer: object, sums: tuple[float, ...] = (30.0, 10.
     )
 
 
-def check_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback:
+def grade_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback:
     """Exercise: the optimizer step at which a ``warmup``-step warmup ends when the scheduler steps per micro-batch."""
-    return check_number(
+    return grade_number(
         answer,
         warmup / k,
         mistakes=[
@@ -405,9 +405,9 @@ def check_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback
     )
 
 
-def check_partial_scale(answer: object, present: int = 3, k: int = 8) -> Feedback:
+def grade_partial_scale(answer: object, present: int = 3, k: int = 8) -> Feedback:
     """Exercise: the factor by which a last window of ``present`` micro-batches is too small when divided by K."""
-    return check_number(
+    return grade_number(
         answer,
         present / k,
         mistakes=[
@@ -419,11 +419,11 @@ def check_partial_scale(answer: object, present: int = 3, k: int = 8) -> Feedbac
     )
 
 
-def check_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float = 100.0,
+def grade_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float = 100.0,
                         gb_per_s: float = 10.0) -> Feedback:
     """Exercise: milliseconds per optimizer step that no_sync saves (α–β model, latency and copies ignored)."""
     one = 2 * (p - 1) / p * megabytes / 1000 / gb_per_s * 1000  # ms per ring all-reduce
-    return check_number(
+    return grade_number(
         answer,
         (k - 1) * one,
         mistakes=[

@@ -1,0 +1,33 @@
+"""Argument validators shared by the core modules (private): each returns its argument or raises a
+``ValueError`` that says what is wrong and what to pass instead."""
+
+from __future__ import annotations
+
+import math
+
+
+def require_k(k: int) -> int:
+    """Validate the number of accumulation steps K (a positive int)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"K (accumulation steps) must be an int >= 1, got {k!r}; K = 1 means no accumulation.")
+    return k
+
+
+def require_momentum(m: float) -> float:
+    """Validate a BatchNorm momentum m ∈ (0, 1]."""
+    if not isinstance(m, (int, float)) or isinstance(m, bool) or not 0.0 < m <= 1.0 or math.isnan(m):
+        raise ValueError(f"momentum must be a number in (0, 1], got {m!r}; PyTorch's default is 0.1.")
+    return float(m)
+
+
+def require_micro_batch(b: int, batch_norm: bool = True) -> int:
+    """Validate a micro-batch size; with BatchNorm in training it must be at least 2."""
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ValueError(f"micro-batch size must be an int >= 1, got {b!r}.")
+    if batch_norm and b < 2:
+        raise ValueError(
+            "micro-batch size 1 with BatchNorm in training: the batch variance of one sample is 0, so every "
+            "output equals the shift β and no gradient reaches the layer's input. Use b >= 2, or replace "
+            "BatchNorm with GroupNorm/LayerNorm."
+        )
+    return b
