@@ -2,7 +2,7 @@
 
 1. Forward + backward of one normalization layer over a batch of feature maps, relative to one
    ``nn.BatchNorm2d`` call on the whole batch: a Python loop of ``nn.BatchNorm2d`` over the ghost batches;
-   :class:`gradaccum.ghost.GhostBatchNorm` (ghost batches folded into the channel dimension); hand-written
+   :class:`gradaccum.ghost_bn.GhostBatchNorm` (ghost batches folded into the channel dimension); hand-written
    mean/var ops; and ``torch.compile`` of the fold (when the platform can compile).
 2. One optimizer step of SmallCNN on a 64-image batch, relative to plain accumulation: full-batch statistics
    (constants) and the exact scheme.
@@ -24,10 +24,10 @@ from torch import nn
 
 from gradaccum.accumulate import accumulate_backward
 from gradaccum.book.data import load_digits_split
-from gradaccum.ghost import GhostBatchNorm, LoopGhostBatchNorm, full_batch_stats_backward
 from gradaccum.book.models import make_cnn
+from gradaccum.fullbatch_bn import full_batch_stats_backward
+from gradaccum.ghost_bn import GhostBatchNorm, LoopGhostBatchNorm
 from gradaccum.timing import median_time
-
 
 #: Set by --quick: two timed calls after one warm-up, whatever the caller asks for.
 QUICK = False

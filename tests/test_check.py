@@ -24,14 +24,15 @@ from test_check_zoo import (
 from torch import nn
 
 from gradaccum import check as C
+from gradaccum.book import check_demo
 from gradaccum.book.models import make_cnn
 from gradaccum.check_fingerprints import CODES
 
-RESULTS = C.run_demo()
+RESULTS = check_demo.run_demo()
 BY_NAME = {r.name: r for r in RESULTS}
 
 
-@pytest.mark.parametrize("name", list(C.DEMO_EXPECTED))
+@pytest.mark.parametrize("name", list(check_demo.DEMO_EXPECTED))
 def test_each_demo_case_gets_exactly_its_verdict(name):
     result = BY_NAME[name]
     assert result.as_expected, str(result.report)
@@ -41,8 +42,8 @@ def test_each_demo_case_gets_exactly_its_verdict(name):
 
 
 def test_demo_cases_are_usable_as_returned_and_match_the_expectations():
-    cases = C.demo_cases()
-    assert list(cases) == list(C.DEMO_EXPECTED)
+    cases = check_demo.demo_cases()
+    assert list(cases) == list(check_demo.DEMO_EXPECTED)
     model, loss_fn, x, y, step, clip = cases["mean of per-micro-batch token means"]
     assert loss_fn is C.token_cross_entropy  # usable as returned: no private swap
     report = C.check(model, loss_fn, x, y, 4, step=step, clip=clip)
@@ -70,7 +71,7 @@ def test_every_code_the_checker_can_raise_is_documented():
     import re
 
     raised = set(re.findall(r'(?:out\.add\(|Finding\()\s*"([a-z0-9_]+)"', source))
-    raised |= {code for codes in C.DEMO_EXPECTED.values() for code in codes}
+    raised |= {code for codes in check_demo.DEMO_EXPECTED.values() for code in codes}
     assert raised == set(CODES), (raised ^ set(CODES))
 
 
@@ -217,7 +218,7 @@ def test_check_leaves_model_and_rng_alone(digits, loss_fn):
     expected_next, expected_py = torch.rand(3), random.random()
     torch.manual_seed(42)
     random.seed(7)
-    C.check(model, loss_fn, digits.x_train[:16], digits.y_train[:16], 4, step=C.demo_cases()
+    C.check(model, loss_fn, digits.x_train[:16], digits.y_train[:16], 4, step=check_demo.demo_cases()
             ["RNG re-seeded per micro-batch"][4])
     assert torch.equal(torch.rand(3), expected_next) and random.random() == expected_py
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -271,8 +272,8 @@ def test_command_line_demo():
     out = subprocess.run([sys.executable, "-m", "gradaccum.check", "--demo"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("== ") == len(C.DEMO_EXPECTED) and "Traceback" not in out.stderr
-    assert f"demo: {len(C.DEMO_EXPECTED)} of {len(C.DEMO_EXPECTED)} verdicts as expected" in out.stdout
+    assert out.stdout.count("== ") == len(check_demo.DEMO_EXPECTED) and "Traceback" not in out.stderr
+    assert f"demo: {len(check_demo.DEMO_EXPECTED)} of {len(check_demo.DEMO_EXPECTED)} verdicts as expected" in out.stdout
 
 
 def test_a_loss_that_does_not_reach_the_parameters_is_a_value_error(digits):

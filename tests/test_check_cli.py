@@ -11,9 +11,10 @@ import sys
 import textwrap
 
 import pytest
-from book import ROOT
+from layout import ROOT
 
 from gradaccum import check as C
+from gradaccum.book import check_demo
 
 MODULE = textwrap.dedent("""
     import torch
@@ -185,22 +186,22 @@ def test_seed_makes_the_run_reproducible(cli):
 
 
 def test_demo_fails_when_a_planted_bug_is_missed_or_a_correct_loop_flagged(monkeypatch, capsys):
-    cases = C.demo_cases()
+    cases = check_demo.demo_cases()
     keep = ["correct loop, GroupNorm", "missing 1/K"]
-    monkeypatch.setattr(C, "demo_cases", lambda: {name: cases[name] for name in keep})
+    monkeypatch.setattr(check_demo, "demo_cases", lambda: {name: cases[name] for name in keep})
     assert C.main(["--demo"]) == 0
-    monkeypatch.setitem(C.DEMO_EXPECTED, "missing 1/K", ("zero_grad_inside_window",))  # a miss
+    monkeypatch.setitem(check_demo.DEMO_EXPECTED, "missing 1/K", ("zero_grad_inside_window",))  # a miss
     assert C.main(["--demo"]) == 1
-    monkeypatch.setitem(C.DEMO_EXPECTED, "missing 1/K", ("missing_1_over_k",))
-    monkeypatch.setitem(C.DEMO_EXPECTED, "correct loop, GroupNorm", ("batch_coupled_layer",))  # a false alarm
+    monkeypatch.setitem(check_demo.DEMO_EXPECTED, "missing 1/K", ("missing_1_over_k",))
+    monkeypatch.setitem(check_demo.DEMO_EXPECTED, "correct loop, GroupNorm", ("batch_coupled_layer",))  # a false alarm
     assert C.main(["--demo"]) == 1
     out = capsys.readouterr().out
     assert "NOT AS EXPECTED" in out and "demo: 1 of 2 verdicts as expected" in out
 
 
 def test_demo_json(monkeypatch, capsys):
-    cases = C.demo_cases()
-    monkeypatch.setattr(C, "demo_cases", lambda: {"BatchNorm": cases["BatchNorm"]})
+    cases = check_demo.demo_cases()
+    monkeypatch.setattr(check_demo, "demo_cases", lambda: {"BatchNorm": cases["BatchNorm"]})
     assert C.main(["--demo", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["all_as_expected"] and data["cases"][0]["report"]["findings"][0]["code"] == "batch_coupled_layer"

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from book import ROOT
+from layout import ROOT
 
 from gradaccum.check_fingerprints import CODES
 

@@ -5,23 +5,23 @@ import ast
 import re
 
 import pytest
-from book import CHAPTERS, ROOT, load, source
+from layout import CHAPTERS, ROOT, load, source
 
 #: Exercise solutions that state numbers → the unit test that recomputes every one of them.
 SOLUTION_TESTS: dict[str, str] = {
-    "ex-ch1-effective-momentum": "tests/test_bn.py::test_exercise_solutions_numbers",
-    "ex-ch1-corrected-momentum": "tests/test_bn.py::test_exercise_solutions_numbers",
-    "ex-ch1-biased-variance": "tests/test_bn.py::test_exercise_solutions_numbers",
-    "ex-ch2-precise": "tests/test_ghost.py::test_precise_bn_exercise_solution",
-    "ex-ch3-inflate": "tests/test_clipping.py::test_worked_examples",
-    "ex-ch3-scaler": "tests/test_clipping.py::test_exercise_scaler_clip_before_unscale",
-    "ex-ch3-running": "tests/test_clipping.py::test_exercise_running_buffer_from_the_issue",
+    "ex-ch1-effective-momentum": "tests/test_ch01_microbatch_statistics.py::test_exercise_solutions_numbers",
+    "ex-ch1-corrected-momentum": "tests/test_ch01_microbatch_statistics.py::test_exercise_solutions_numbers",
+    "ex-ch1-biased-variance": "tests/test_ch01_microbatch_statistics.py::test_exercise_solutions_numbers",
+    "ex-ch2-precise": "tests/test_ch02_ghost_batchnorm.py::test_precise_bn_exercise_solution",
+    "ex-ch3-inflate": "tests/test_ch03_clip_ordering.py::test_worked_examples",
+    "ex-ch3-scaler": "tests/test_ch03_clip_ordering.py::test_exercise_scaler_clip_before_unscale",
+    "ex-ch3-running": "tests/test_ch03_clip_ordering.py::test_exercise_running_buffer_from_the_issue",
     "ex-ch4-subnormal": "tests/test_exercises.py::test_fp16_subnormal_solution_is_computed",
-    "ex-ch4-backoff": "tests/test_precision.py::test_backoff_exercise_solution",
-    "ex-ch4-bf16-where": "tests/test_precision.py::test_bf16_accumulator_exercise_solution",
-    "ex-ch5-saving": "tests/test_distributed.py::test_ring_and_saving_exercises",
+    "ex-ch4-backoff": "tests/test_ch04_mixed_precision_scaling.py::test_backoff_exercise_solution",
+    "ex-ch4-bf16-where": "tests/test_ch04_mixed_precision_scaling.py::test_bf16_accumulator_exercise_solution",
+    "ex-ch5-saving": "tests/test_ch05_no_sync.py::test_ring_and_saving_exercises",
     "ex-ch6-tokens": "tests/test_exercises.py::test_window_token_exercise_solution",
-    "ex-ch6-partial": "tests/test_silent.py::test_partial_step_ratio",
+    "ex-ch6-partial": "tests/test_ch06_loss_normalization_and_friends.py::test_partial_step_ratio",
     # a solution that states a number and is not listed here fails test_solution_numbers_are_tested
 }
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from book import ROOT
+from layout import ROOT
 
 BIN = Path(sys.executable).parent
 
@@ -240,7 +240,7 @@ def _tiny_notebook(path: Path) -> None:
 
 
 def _free_port() -> int:
-    from gradaccum.distributed import free_port
+    from gradaccum.book.ch05_no_sync import free_port
 
     return free_port()
 
@@ -292,7 +292,7 @@ def test_explicit_defaults_are_the_defaults():
 
 
 def test_two_node_world_fits_the_data(digits):
-    from gradaccum.distributed import _shard
+    from gradaccum.book.ch05_no_sync import _shard
 
     script = _ddp_train()
     args = script.parser().parse_args([])

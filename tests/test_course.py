@@ -8,7 +8,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from book import CHAPTERS, ROOT, load
+from layout import CHAPTERS, ROOT, load
 from nbclient import NotebookClient
 
 from gradaccum.book import course

@@ -148,7 +148,7 @@ def test_window_token_exercise_solution():
     the mean of the micro-batch means is (0.3 + 1.0)/2 = 0.65."""
     import torch
 
-    from gradaccum import silent
+    from gradaccum import windows
 
     logits = torch.zeros(1, 110, 2, dtype=torch.float64)  # per-token cross-entropy: log(1 + e^{-m}) with margin m
     margins = torch.cat([torch.full((100,), 0.3, dtype=torch.float64), torch.full((10,), 1.0, dtype=torch.float64)])
@@ -157,8 +157,8 @@ def test_window_token_exercise_solution():
     per_token = torch.nn.functional.cross_entropy(logits[0], y[0], reduction="none")
     assert torch.allclose(per_token, margins)
     long, short = (slice(0, 100), slice(100, 110))
-    token_mean = float(silent.token_loss(logits, y))
-    mean_of_means = (float(silent.token_loss(logits[:, long], y[:, long])) + float(silent.token_loss(logits[:, short], y[:, short]))) / 2
+    token_mean = float(windows.token_loss(logits, y))
+    mean_of_means = (float(windows.token_loss(logits[:, long], y[:, long])) + float(windows.token_loss(logits[:, short], y[:, short]))) / 2
     assert round(token_mean, 3) == 0.364 and abs(mean_of_means - 0.65) < 1e-12
     assert ex.grade_window_token_loss(token_mean) and "mean of the micro-batch means" in ex.grade_window_token_loss(mean_of_means).message
 

@@ -1,4 +1,4 @@
-"""Property-based tests of the exact full-batch-statistics scheme (``ghost.full_batch_stats_backward(exact=True)``).
+"""Property-based tests of the exact full-batch-statistics scheme (``fullbatch_bn.full_batch_stats_backward(exact=True)``).
 
 Hypothesis draws small float64 networks from torch's layers — BatchNorm1d on (N, C) and (N, C, L), BatchNorm2d,
 affine on/off, momentum None/0.1, track_running_stats on/off, layers frozen in eval mode, frozen parameters,
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from gradaccum import ghost
+from gradaccum import fullbatch_bn, ghost_bn
 
 N, C, W, CLASSES = 8, 3, 4, 3  # batch, input channels, width, classes
 SPATIAL = {"1d": (), "seq": (3,), "2d": (3, 3)}
@@ -144,7 +144,7 @@ def _scheme_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int):
     for name, m in _dropouts(work).items():
         m.register_forward_hook(lambda mod, inp, out, r=seen[name]: r.append(
             torch.where(inp[0] != 0, out / inp[0], torch.zeros_like(out)).detach()))
-    loss = ghost.full_batch_stats_backward(work, nn.CrossEntropyLoss(), x, y, k, exact=True)
+    loss = fullbatch_bn.full_batch_stats_backward(work, nn.CrossEntropyLoss(), x, y, k, exact=True)
     return work, loss, {name: torch.cat(r[-k:]) for name, r in seen.items()}
 
 
@@ -252,7 +252,7 @@ def test_syncbatchnorm_outside_distributed_is_batchnorm():
 
 def _step(model: nn.Module, x: torch.Tensor, k: int = 2) -> float:
     y = torch.zeros(x.shape[0], dtype=torch.long)
-    return ghost.full_batch_stats_backward(model, nn.CrossEntropyLoss(), x, y, k, exact=True)
+    return fullbatch_bn.full_batch_stats_backward(model, nn.CrossEntropyLoss(), x, y, k, exact=True)
 
 
 class _Twice(nn.Module):
@@ -302,7 +302,7 @@ def test_refusals_name_the_layer():
     x_swap[0, 0], x_swap[4, 0] = 1.0, -1.0
     with pytest.raises(ValueError, match="different order"):
         _step(swap, x_swap)
-    ghosted = nn.Sequential(nn.Linear(3, 4), ghost.GhostBatchNorm(4, 2, dims=1), nn.Linear(4, 2)).double()
+    ghosted = nn.Sequential(nn.Linear(3, 4), ghost_bn.GhostBatchNorm(4, 2, dims=1), nn.Linear(4, 2)).double()
     with pytest.raises(ValueError, match="'1' is a GhostBatchNorm with its own forward"):
         _step(ghosted, x)
     with pytest.raises(ValueError, match="'1' sees 1 value per channel"):
@@ -315,14 +315,14 @@ def test_refusals_name_the_layer():
         _step(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double().requires_grad_(False), x)
     dropped = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
     with pytest.raises(ValueError, match="dropout layer '1'"):
-        ghost.full_batch_forward_error(dropped, x, 2)
+        fullbatch_bn.full_batch_forward_error(dropped, x, 2)
 
 
 def test_frozen_ghost_batchnorm_is_accepted():
     """A BatchNorm subclass with its own forward is fine once frozen in eval mode (a constant affine map)."""
     spec = Arch()
     model = _build(spec)
-    ghosted = ghost.GhostBatchNorm(W, 2, dims=1).double()
+    ghosted = ghost_bn.GhostBatchNorm(W, 2, dims=1).double()
     ghosted.load_state_dict(model.blocks[0].bn.state_dict())
     model.blocks[0].bn = ghosted.eval()
     _assert_same_step(model, spec)
@@ -332,20 +332,20 @@ def test_batchnorm_layers_keeps_every_mode():
     model = _build(FROZEN_BN)
     modes = [m.training for m in model.modules()]
     state = torch.get_rng_state()
-    names = [n for n, _ in ghost.batchnorm_layers(model, _data(FROZEN_BN)[0])]
+    names = [n for n, _ in fullbatch_bn.batchnorm_layers(model, _data(FROZEN_BN)[0])]
     assert names == ["blocks.0.bn", "blocks.1.bn"]
     assert [m.training for m in model.modules()] == modes and not model.blocks[1].bn.training
     assert torch.equal(state, torch.get_rng_state())
     twice = _Twice().double()
     with pytest.raises(ValueError, match="'norm' is called more than once"):
-        ghost.batchnorm_layers(twice, torch.randn(4, 3, dtype=torch.float64))
+        fullbatch_bn.batchnorm_layers(twice, torch.randn(4, 3, dtype=torch.float64))
 
 
 def test_forward_error_keeps_frozen_layers_frozen():
     model = _build(FROZEN_BN)
     x = _data(FROZEN_BN)[0]
-    assert list(ghost.full_batch_statistics(model, list(x.split(2)))) == [model.blocks[0].bn]
-    assert ghost.full_batch_forward_error(model, x, 4) < 1e-12
+    assert list(fullbatch_bn.full_batch_statistics(model, list(x.split(2)))) == [model.blocks[0].bn]
+    assert fullbatch_bn.full_batch_forward_error(model, x, 4) < 1e-12
     unfrozen = copy.deepcopy(model)
     unfrozen.blocks[1].bn.train()  # what the old check did: it could not tell the two apart
     reference = copy.deepcopy(model)(x).detach()

@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from book import CHAPTERS, ROOT, load, repository_url, source, tags, toc_files
+from layout import CHAPTERS, book_module, chapter_tests, ROOT, load, repository_url, source, tags, toc_files
 
 STEMS = sorted(CHAPTERS)
 
@@ -14,11 +14,16 @@ def code_cells(nb):
 
 def test_every_chapter_is_in_the_toc_and_mapped():
     on_disk = sorted(p.stem for p in (ROOT / "chapters").glob("*.ipynb"))
-    assert on_disk == STEMS, "every chapter needs an entry in tests/book.py CHAPTERS"
+    assert on_disk == STEMS, "every chapter needs an entry in tests/layout.py CHAPTERS"
     assert [f"chapters/{s}" for s in STEMS] == [f for f in toc_files() if f.startswith("chapters/")]
-    for stem, (module, test) in CHAPTERS.items():
-        assert (ROOT / "src" / "gradaccum" / f"{module}.py").exists(), stem
-        assert (ROOT / "tests" / f"{test}.py").exists(), stem
+    for stem, core in CHAPTERS.items():
+        assert book_module(stem).exists(), f"{stem}: the chapter needs its book module {book_module(stem).name}"
+        assert chapter_tests(stem).exists(), f"{stem}: the chapter needs its tests {chapter_tests(stem).name}"
+        tests = chapter_tests(stem).read_text()
+        for module in core:
+            assert (ROOT / "src" / "gradaccum" / f"{module}.py").exists(), (stem, module)
+        assert f"ch{stem}" in tests, f"{chapter_tests(stem).name} must test {book_module(stem).name}"
+        assert any(re.search(rf"\b{m}\b", tests) for m in core), f"{chapter_tests(stem).name} must test the core"
 
 
 @pytest.mark.parametrize("stem", STEMS)

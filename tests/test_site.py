@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from book import CHAPTERS, ROOT, load, source
+from layout import CHAPTERS, ROOT, load, source
 
 pytestmark = pytest.mark.site
 

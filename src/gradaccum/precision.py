@@ -18,17 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
 from torch import nn
 
-from ._validate import require_k
-from .accumulate import LossFn, flat_grad, split_batch
+from gradaccum._validate import require_k
+from gradaccum.accumulate import LossFn, flat_grad, full_batch_gradient, split_batch
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-# ------------------------------------------------------------------------------------------- formats
 
 
 @dataclass(frozen=True)
@@ -141,22 +137,6 @@ def activation_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     return torch.cat([g.flatten() for g in grads if g is not None])
 
 
-def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int],
-              dtype: torch.dtype = torch.float16) -> dict[str, np.ndarray]:
-    """Fractions lost (underflow + subnormal) and overflowed over S = 2^s (rows) × K (columns), for gradients
-    computed with K = 1 (with K micro-batches of the same size, every gradient is divided by K)."""
-    lost = np.zeros((len(log2_scales), len(ks)))
-    over = np.zeros_like(lost)
-    for i, s in enumerate(log2_scales):
-        for j, k in enumerate(ks):
-            r = cast_report(values / require_k(k), dtype, 2.0**s)
-            lost[i, j], over[i, j] = r.underflow + r.subnormal, r.overflow
-    return {"lost": lost, "overflow": over}
-
-
-# ---------------------------------------------------------------------------------- the amp recipe
-
-
 def _require_float32_model(model: nn.Module) -> None:
     """Autocast (fp16/bf16) casts only float32 tensors: a float64 model would silently run in float64, so a
     "mixed-precision" experiment on it measures nothing. Refuse any floating-point parameter that is not float32."""
@@ -184,6 +164,8 @@ def _require_amp(device_type: str, dtype: torch.dtype) -> None:
 
 Pattern = Literal["correct", "unscale_per_micro", "unscale_update_per_micro", "scale_changes_in_window",
                   "step_per_micro", "no_scaler"]
+
+
 PATTERNS: tuple[str, ...] = ("correct", "unscale_per_micro", "unscale_update_per_micro", "scale_changes_in_window",
                              "step_per_micro", "no_scaler")
 
@@ -298,7 +280,6 @@ def _step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, model: nn.Mo
 
 def reference_update(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The full-precision full-batch gradient (what one correct window should apply), as a flat vector."""
-    from .accumulate import full_batch_gradient
 
     return full_batch_gradient(model, loss_fn, x, y)
 
@@ -410,9 +391,6 @@ abla L` (the 1/K is applied to the gradients afterwards). Multiplying by a power
     return lo
 
 
-# ------------------------------------------------------------------------- bf16 gradient accumulators
-
-
 def accumulate_in(micro_grads: Sequence[torch.Tensor], accumulator: torch.dtype,
                   produced_in: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Sum K micro-gradients (each divided by K and rounded to ``produced_in``, as a low-precision backward
@@ -432,81 +410,3 @@ def accumulation_error(micro_grads: Sequence[torch.Tensor], accumulator: torch.d
     exact = sum((g / k).to(produced_in).double() for g in micro_grads)
     got = accumulate_in(micro_grads, accumulator, produced_in).double()
     return float(torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact))  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------------------------------------- figures
-
-
-def plot_formats(values_by_k: dict[int, torch.Tensor]):
-    """Left: the normal and subnormal ranges of fp16, bf16 and fp32 on a log2 axis. Right: histograms of
-    log2|activation gradient| for several K (micro-batch size fixed) against fp16's range."""
-    from .book.plotting import PALETTE, decorate, figure
-
-    fig, (ax1, ax2) = figure(2, 11.0, 3.6)
-    for i, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32)):
-        f = format_info(dtype)
-        lo, mid, hi = math.log2(f.smallest_subnormal), math.log2(f.smallest_normal), math.log2(f.max)
-        ax1.barh(i, mid - lo, left=lo, color=PALETTE["orange"], label="subnormal" if i == 0 else None)
-        ax1.barh(i, hi - mid, left=mid, color=PALETTE["blue"], label="normal" if i == 0 else None)
-    ax1.set_yticks(range(3), ["float16", "bfloat16", "float32"])
-    decorate(ax1, "log2 |x|", "", "Representable magnitudes")
-    colors = [PALETTE["sky"], PALETTE["vermillion"], PALETTE["purple"], PALETTE["green"]]
-    f16 = format_info(torch.float16)
-    bins = np.arange(-34, 8, 0.5)
-    for color, (k, v) in zip(colors, values_by_k.items()):
-        logs = v[v != 0].abs().double().log2().cpu().numpy()
-        ax2.hist(logs, bins=bins, histtype="step", color=color, linewidth=1.5, density=True, label=f"K = {k}")
-    ax2.axvspan(bins[0], math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="fp16: zero")
-    ax2.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
-                alpha=0.2, label="fp16: subnormal")
-    decorate(ax2, "log2 |activation gradient| (loss / K, no scale)", "density", "Real gradients vs fp16")
-    ax2.legend(frameon=False, fontsize=7)
-    return fig
-
-
-def plot_loss_grid(grid: dict[str, np.ndarray], log2_scales: Sequence[int], ks: Sequence[int]):
-    """Heat maps of the fraction lost (underflow + subnormal) and overflowed over S and K."""
-    from .book.plotting import figure, heatmap
-
-    fig, axes = figure(2, 9.6, 3.8)
-    for ax, (key, title) in zip(axes, (("lost", "lost to underflow or subnormals"), ("overflow", "overflowed"))):
-        image = heatmap(ax, grid[key], [f"2^{s}" for s in log2_scales], ks, fmt="{:.3f}", vmin=0.0, vmax=1.0,
-                        xlabel="K (micro-batch size fixed)", ylabel="loss scale S", title=f"fp16: fraction {title}")
-    fig.colorbar(image, ax=axes, shrink=0.9)
-    return fig
-
-
-def plot_cast(values: torch.Tensor, log2_scale: float, k: int, shift: float = 0.0):
-    """The widget's picture: log2 of the gradients the backward pass holds, S/K · 2^shift · g, against fp16."""
-    from .book.plotting import PALETTE, decorate, figure
-
-    require_k(k)
-    if not -40 <= log2_scale <= 40:
-        raise ValueError(f"log2 of the loss scale must lie in [-40, 40], got {log2_scale}.")
-    scale = 2.0**log2_scale / k
-    shifted = values * 2.0**shift
-    report = cast_report(shifted, torch.float16, scale)
-    f16 = format_info(torch.float16)
-    logs = (shifted[shifted != 0].abs().double() * scale).log2().cpu().numpy()
-    fig, (ax,) = figure(1, 7.2, 3.4)
-    ax.hist(logs, bins=np.arange(-45, 40, 0.5), color=PALETTE["blue"], density=True)
-    ax.axvspan(-45, math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="→ 0")
-    ax.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
-               alpha=0.3, label="subnormal")
-    ax.axvspan(math.log2(f16.max), 40, color=PALETTE["vermillion"], alpha=0.3, label="→ inf")
-    decorate(ax, "log2 |S/K · g| in the backward pass", "density",
-             f"S/K = 2^{log2_scale:g}/{k}: underflow {report.underflow:.1%}, subnormal {report.subnormal:.1%}, "
-             f"overflow {report.overflow:.1%}")
-    ax.legend(frameon=False, fontsize=8)
-    return fig
-
-
-def plot_accumulation_error(ks: Sequence[int], errors: dict[str, Sequence[float]]):
-    from .book.plotting import PALETTE, decorate, figure
-
-    fig, (ax,) = figure()
-    for (name, errs), color, marker in zip(errors.items(), (PALETTE["vermillion"], PALETTE["blue"]), ("o", "s")):
-        ax.plot(ks, [max(e, 1e-16) for e in errs], marker=marker, color=color, label=f"{name} accumulator")
-    decorate(ax, "micro-batches K", "relative error of the sum", "Summing bf16 micro-gradients",
-             xscale="log", yscale="log", xticks=ks)
-    return fig

@@ -6,11 +6,16 @@ UCI "Optical Recognition of Handwritten Digits" test set that ships inside sciki
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 
+import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+
+from gradaccum.windows import IGNORE
 
 
 @dataclass(frozen=True)
@@ -59,3 +64,63 @@ def load_digits_split(
         return torch.as_tensor(a, dtype=torch.int64, device=device)
 
     return DigitsSplit(images(x_tr), labels(y_tr), images(x_va), labels(y_va))
+
+
+
+
+
+def load_corpus() -> list[str]:
+    """The lines of the text shipped with the package (the Zen of Python and sentences of the book's
+    introduction), 52 lines of 19 to 157 characters."""
+    text = resources.files("gradaccum.book").joinpath("corpus.txt").read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Characters ↔ ids; id 0 is padding."""
+
+    chars: str
+
+    def encode(self, line: str) -> list[int]:
+        return [self.chars.index(c) + 1 for c in line]
+
+    @property
+    def size(self) -> int:
+        return len(self.chars) + 1
+
+
+def make_vocab(lines: Sequence[str]) -> Vocab:
+    return Vocab("".join(sorted(set("".join(lines)))))
+
+
+def encode_batch(lines: Sequence[str], vocab: Vocab) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-character targets, right-padded to the longest line; padding targets are ``IGNORE``."""
+    if not lines:
+        raise ValueError("need at least one line.")
+    width = max(len(line) for line in lines) - 1
+    if width < 1:
+        raise ValueError("every line needs at least two characters.")
+    x = torch.zeros(len(lines), width, dtype=torch.long)
+    y = torch.full((len(lines), width), IGNORE, dtype=torch.long)
+    for i, line in enumerate(lines):
+        ids = torch.tensor(vocab.encode(line))
+        x[i, : len(ids) - 1] = ids[:-1]
+        y[i, : len(ids) - 1] = ids[1:]
+    return x, y
+
+
+def spread_lines(lines: Sequence[str], n: int, center: int, spread: int, seed: int = 0,
+                 sort: bool = False) -> list[str]:
+    """n lines cut to lengths drawn uniformly from [center − spread, center + spread] (sorted by length if
+    ``sort``, which makes micro-batches of similar length, as length-grouped batching does)."""
+    if not 0 <= spread < center:
+        raise ValueError(f"need 0 <= spread < center, got spread={spread}, center={center}.")
+    long = [line for line in lines if len(line) >= center + spread]
+    if not long:
+        raise ValueError(f"no line is {center + spread} characters long; lower center or spread.")
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(center - spread, center + spread + 1, size=n)
+    picks = rng.integers(0, len(long), size=n)
+    cut = [long[p][:length] for p, length in zip(picks, lengths)]
+    return sorted(cut, key=len) if sort else cut

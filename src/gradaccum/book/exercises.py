@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .. import bn
+from gradaccum import bn_statistics
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def grade_number(
 
 def grade_effective_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feedback:
     """Exercise: the momentum per optimizer step of running statistics updated once per micro-batch."""
-    expected = bn.effective_momentum(m, k)
+    expected = bn_statistics.effective_momentum(m, k)
     return grade_number(
         answer,
         expected,
@@ -92,7 +92,7 @@ def grade_effective_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feed
 
 def grade_corrected_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feedback:
     """Exercise: the per-micro-batch momentum whose K updates decay the old value like one update with m."""
-    expected = bn.corrected_momentum(m, k)
+    expected = bn_statistics.corrected_momentum(m, k)
     return grade_number(
         answer,
         expected,
@@ -108,7 +108,7 @@ def grade_corrected_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feed
 
 def grade_biased_variance_ratio(answer: object, b: int = 4) -> Feedback:
     """Exercise: E[biased batch variance] / population variance for a micro-batch of b i.i.d. samples."""
-    expected = bn.biased_variance_factor(b)
+    expected = bn_statistics.biased_variance_factor(b)
     return grade_number(
         answer,
         expected,

@@ -9,9 +9,13 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from gradaccum.book.data import Vocab
+
 NormKind = Literal["batch", "group", "layer", "none"]
+
 NORM_KINDS: tuple[str, ...] = ("batch", "group", "layer", "none")
 
 #: Modules whose output for one sample depends on the other samples of the batch (in training mode).
@@ -96,3 +100,53 @@ def make_cnn(
 def batch_coupled_layers(model: nn.Module) -> list[str]:
     """Names of the submodules that couple the samples of a batch (BatchNorm of any dimension)."""
     return [name for name, m in model.named_modules() if isinstance(m, BATCH_COUPLED)]
+
+
+
+
+
+class TinyLM(nn.Module):
+    """A character model that predicts the next character from the last three (a causal convolution)."""
+
+    def __init__(self, vocab_size: int, dim: int = 16, hidden: int = 64, context: int = 3):
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.conv = nn.Conv1d(dim, hidden, context)
+        self.out = nn.Linear(hidden, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x).transpose(1, 2)  # (N, dim, T)
+        h = F.pad(h, (self.context - 1, 0))  # causal: position t sees t-2..t
+        return self.out(torch.relu(self.conv(h)).transpose(1, 2))  # (N, T, vocab)
+
+
+def make_lm(vocab: Vocab, seed: int = 0, dtype: torch.dtype = torch.float64) -> TinyLM:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TinyLM(vocab.size).to(dtype)
+
+
+def dropout_mlp(layers: int, p: float = 0.3, hidden: int = 32, seed: int = 0) -> nn.Sequential:
+    """An MLP for the 8×8 digits (float64) with ``layers`` = 1 or 2 dropout layers:
+    Flatten → Linear(64, h) → ReLU → Dropout [→ Linear(h, h) → ReLU → Dropout] → Linear(h, 10).
+    The weights depend only on ``seed``."""
+    if layers not in (1, 2):
+        raise ValueError(f"layers must be 1 or 2 (dropout layers in the MLP), got {layers!r}.")
+    if not 0 < p < 1:
+        raise ValueError(f"dropout probability must lie in (0, 1), got {p}.")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mods: list[nn.Module] = [nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(p)]
+        if layers == 2:
+            mods += [nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(p)]
+        mods.append(nn.Linear(hidden, 10))
+        return nn.Sequential(*mods).double().train()
+
+
+def mlp(width: int, seed: int = 0) -> nn.Module:
+    """A 3-layer MLP on the 64 pixels of a digit with hidden ``width`` (about width² + 74·width parameters)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                             nn.Linear(width, 10))

@@ -6,14 +6,15 @@ import time
 import pytest
 import torch
 
-from gradaccum import distributed as D
+from gradaccum import distributed
 from gradaccum.accumulate import agreement, full_batch_gradient
+from gradaccum.book import ch05_no_sync as ch5
 from gradaccum.book import exercises
 from gradaccum.book.models import make_cnn
 
 
 def test_no_sync_same_gradients_and_one_allreduce(digits):
-    ranks = D.launch("equality", world_size=2, k=4, b=8)
+    ranks = ch5.launch("equality", world_size=2, k=4, b=8)
     for res in ranks:
         sync, nosync = res["sync every micro-batch"], res["no_sync"]
         assert (sync["calls"], nosync["calls"]) == (4, 1)
@@ -26,7 +27,7 @@ def test_no_sync_same_gradients_and_one_allreduce(digits):
 def test_calls_per_step_equal_the_buckets_from_the_second_step(digits):
     """Exercise ex-ch5-calls: 3 buckets, K = 8 → 24 calls per step without no_sync, 3 with it; the first step
     still has one bucket until its first synchronized backward (1 + 7·3 = 22, and 1)."""
-    ranks = D.launch("equality", world_size=2, k=8, b=2, steps=3, bucket_cap_mb=0.005)
+    ranks = ch5.launch("equality", world_size=2, k=8, b=2, steps=3, bucket_cap_mb=0.005)
     for res in ranks:
         assert res["sync every micro-batch"]["calls per step"] == [22, 24, 24]
         assert res["no_sync"]["calls per step"] == [1, 3, 3]
@@ -36,9 +37,9 @@ def test_calls_per_step_equal_the_buckets_from_the_second_step(digits):
 def test_placement_of_the_last_forward(digits):
     """Chapter 5's pitfall and exercise ex-ch5-forward: the last forward inside no_sync() → no all-reduce, ranks
     keep their own gradients; every forward outside (backward inside) → K all-reduces, the right gradient."""
-    ranks = D.launch("placement", world_size=2, k=4, b=8)
+    ranks = ch5.launch("placement", world_size=2, k=4, b=8)
     for res in ranks:
-        calls = {name: res[name]["calls"] for name in D.PLACEMENTS}
+        calls = {name: res[name]["calls"] for name in distributed.PLACEMENTS}
         assert calls == {"sync every micro-batch": 4, "no_sync": 1, "last forward inside": 0, "forward outside": 4}
         reference = res["sync every micro-batch"]["grad"]
         for name in ("no_sync", "forward outside"):
@@ -51,54 +52,54 @@ def test_placement_of_the_last_forward(digits):
 
 def test_placed_accumulate_rejects_an_unknown_placement():
     with pytest.raises(ValueError, match="unknown placement"):
-        D.placed_accumulate(None, None, torch.zeros(4, 1), torch.zeros(4), 2, "backward first")
+        distributed.placed_accumulate(None, None, torch.zeros(4, 1), torch.zeros(4), 2, "backward first")
 
 
 def test_micro_batch_that_fits():
-    assert D.micro_batch_that_fits(1221, 2, 4, 5) == 8     # README: 2 processes, K = 4
-    assert D.micro_batch_that_fits(1221, 8, 8, 5) == 3     # one node of 8
-    assert D.micro_batch_that_fits(1221, 16, 4, 5) == 3    # two nodes of 8
-    assert D.micro_batch_that_fits(1221, 2, 4, 5, cap=100) == 30
+    assert distributed.micro_batch_that_fits(1221, 2, 4, 5) == 8     # README: 2 processes, K = 4
+    assert distributed.micro_batch_that_fits(1221, 8, 8, 5) == 3     # one node of 8
+    assert distributed.micro_batch_that_fits(1221, 16, 4, 5) == 3    # two nodes of 8
+    assert distributed.micro_batch_that_fits(1221, 2, 4, 5, cap=100) == 30
     with pytest.raises(ValueError, match="use at most 9 steps"):
-        D.micro_batch_that_fits(1221, 16, 8, 10)
+        distributed.micro_batch_that_fits(1221, 16, 8, 10)
     with pytest.raises(ValueError, match="world_size"):
-        D.micro_batch_that_fits(1221, 0, 8, 10)
+        distributed.micro_batch_that_fits(1221, 0, 8, 10)
 
 
 def test_shard_that_does_not_fit_says_what_to_do(digits):
     with pytest.raises(ValueError, match="lower the micro-batch size b, K or the steps"):
-        D._shard(7, 8, 320, torch.float64, (digits.x_train, digits.y_train))
+        ch5._shard(7, 8, 320, torch.float64, (digits.x_train, digits.y_train))
 
 
 def test_ring_and_saving_exercises():
     """Exercises ex-ch5-bytes (175 MB) and ex-ch5-saving (17.5 ms per all-reduce, 122.5 ms per step)."""
-    link = D.Interconnect("10 GB/s", bandwidth=10e9, latency=0.0, source="exercise")
-    sent = D.ring_allreduce_time(100e6, 8, link) * link.bandwidth
+    link = distributed.Interconnect("10 GB/s", bandwidth=10e9, latency=0.0, source="exercise")
+    sent = distributed.ring_allreduce_time(100e6, 8, link) * link.bandwidth
     assert sent == pytest.approx(175e6) and exercises.grade_ring_bytes(175, p=8, megabytes=100).correct
-    assert D.ring_allreduce_time(100e6, 8, link) == pytest.approx(17.5e-3)
-    saving = D.predict_step(25_000_000, 8, 8, link, 0.0).saving  # 25 M fp32 gradients = 100 MB
+    assert distributed.ring_allreduce_time(100e6, 8, link) == pytest.approx(17.5e-3)
+    saving = distributed.predict_step(25_000_000, 8, 8, link, 0.0).saving  # 25 M fp32 gradients = 100 MB
     assert saving == pytest.approx(122.5e-3)
     assert exercises.grade_nosync_saving(122.5, k=8, p=8, megabytes=100, gb_per_s=10).correct
 
 
 def test_single_process_group_works():
-    res = D.launch("equality", world_size=1, k=2, b=4)[0]
+    res = ch5.launch("equality", world_size=1, k=2, b=4)[0]
     assert res["no_sync"]["calls"] == 1
 
 
 @pytest.mark.parametrize("how, message", [("raise", "failed on purpose"), ("exit", "exit code 3")])
 def test_failed_worker_surfaces_quickly_and_leaves_nothing(how, message):
     start = time.perf_counter()
-    with pytest.raises(D.WorkerFailed, match=message):
-        D.launch("crash", world_size=2, crash_rank=1, how=how)
+    with pytest.raises(ch5.WorkerFailed, match=message):
+        ch5.launch("crash", world_size=2, crash_rank=1, how=how)
     assert time.perf_counter() - start < 60
     assert not multiprocessing.active_children()
 
 
 def test_hung_worker_is_killed_at_the_deadline():
     start = time.perf_counter()
-    with pytest.raises(D.WorkerFailed, match="did not finish within 5 s"):
-        D.launch("crash", world_size=2, timeout=5, crash_rank=0, how="hang", pg_timeout=120)
+    with pytest.raises(ch5.WorkerFailed, match="did not finish within 5 s"):
+        ch5.launch("crash", world_size=2, timeout=5, crash_rank=0, how="hang", pg_timeout=120)
     assert time.perf_counter() - start < 20
     assert not multiprocessing.active_children()
     ps = subprocess.run(["ps", "-eo", "ppid,cmd"], capture_output=True, text=True).stdout
@@ -107,83 +108,83 @@ def test_hung_worker_is_killed_at_the_deadline():
 
 def test_launch_arguments():
     with pytest.raises(ValueError, match="unknown task"):
-        D.launch("dance")
+        ch5.launch("dance")
     with pytest.raises(ValueError, match="world_size"):
-        D.launch("equality", world_size=0)
+        ch5.launch("equality", world_size=0)
     with pytest.raises(ValueError, match="timeout"):
-        D.launch("equality", timeout=0)
+        ch5.launch("equality", timeout=0)
 
 
 def test_free_port_is_bindable():
     import socket
 
-    port = D.free_port()
+    port = ch5.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 
 
 def test_ring_model_and_fit():
-    link = D.Interconnect("x", bandwidth=1e9, latency=1e-5, source="test")
-    assert D.ring_allreduce_time(1e9, 1, link) == 0.0
-    assert D.ring_allreduce_time(1e9, 2, link) == pytest.approx(2e-5 + 1.0)
-    assert D.ring_allreduce_time(1e9, 8, link) == pytest.approx(14e-5 + 1.75)
+    link = distributed.Interconnect("x", bandwidth=1e9, latency=1e-5, source="test")
+    assert distributed.ring_allreduce_time(1e9, 1, link) == 0.0
+    assert distributed.ring_allreduce_time(1e9, 2, link) == pytest.approx(2e-5 + 1.0)
+    assert distributed.ring_allreduce_time(1e9, 8, link) == pytest.approx(14e-5 + 1.75)
     sizes = [1e3, 1e5, 1e7]
-    fitted = D.fit_alpha_beta(sizes, [D.ring_allreduce_time(n, 4, link) for n in sizes], 4)
+    fitted = ch5.fit_alpha_beta(sizes, [distributed.ring_allreduce_time(n, 4, link) for n in sizes], 4)
     assert fitted.bandwidth == pytest.approx(1e9, rel=1e-6) and fitted.latency == pytest.approx(1e-5, rel=1e-6)
     with pytest.raises(ValueError):
-        D.fit_alpha_beta([1e3], [1.0], 2)
+        ch5.fit_alpha_beta([1e3], [1.0], 2)
 
 
 def test_predict_step():
-    link = D.PRESETS["Ethernet 10 Gb/s"]
-    pred = D.predict_step(10**6, 8, 4, link, 0.01)
-    assert pred.saving == pytest.approx(7 * D.ring_allreduce_time(4e6, 4, link))
-    assert D.predict_step(10**6, 1, 4, link, 0.01).saving == 0
-    with_copy = D.predict_step(10**6, 2, 4, link, 0.0, copy_bandwidth=1e10)  # DDP: division fused into the copy
-    assert with_copy.saving == pytest.approx(D.ring_allreduce_time(4e6, 4, link) + 2 * 4e6 / 1e10)
-    hooked = D.predict_step(10**6, 2, 4, link, 0.0, copy_bandwidth=1e10, copy_passes=3)  # a hook divides apart
+    link = distributed.PRESETS["Ethernet 10 Gb/s"]
+    pred = distributed.predict_step(10**6, 8, 4, link, 0.01)
+    assert pred.saving == pytest.approx(7 * distributed.ring_allreduce_time(4e6, 4, link))
+    assert distributed.predict_step(10**6, 1, 4, link, 0.01).saving == 0
+    with_copy = distributed.predict_step(10**6, 2, 4, link, 0.0, copy_bandwidth=1e10)  # DDP: division fused into the copy
+    assert with_copy.saving == pytest.approx(distributed.ring_allreduce_time(4e6, 4, link) + 2 * 4e6 / 1e10)
+    hooked = distributed.predict_step(10**6, 2, 4, link, 0.0, copy_bandwidth=1e10, copy_passes=3)  # a hook divides apart
     assert hooked.saving - with_copy.saving == pytest.approx(4e6 / 1e10)
     with pytest.raises(ValueError):
-        D.predict_step(0, 2, 2, link, 0.1)
-    grid = D.savings_grid(10**9, [1, 8], [2, 64], link, 0.1)
+        distributed.predict_step(0, 2, 2, link, 0.1)
+    grid = ch5.savings_grid(10**9, [1, 8], [2, 64], link, 0.1)
     assert grid.shape == (2, 2) and (grid[0] == 0).all() and (grid[1] > 0.5).all()
 
 
 def test_analyse_timing_on_synthetic_measurements():
-    link = D.Interconnect("x", 1e9, 1e-4, "t")
+    link = distributed.Interconnect("x", 1e9, 1e-4, "t")
     sizes = [4 * 2**10, 4 * 2**16, 4 * 2**20]
     params = {64: 10**5}
-    saving = 3 * (D.ring_allreduce_time(4e5, 2, link) + 2 * 4e5 / 1e10)
-    result = {"allreduce": {s: D.ring_allreduce_time(s, 2, link) for s in sizes}, "copy": {s: s / 1e10 for s in sizes},
+    saving = 3 * (distributed.ring_allreduce_time(4e5, 2, link) + 2 * 4e5 / 1e10)
+    result = {"allreduce": {s: distributed.ring_allreduce_time(s, 2, link) for s in sizes}, "copy": {s: s / 1e10 for s in sizes},
               "params": params, "steps": {(64, 1, False): 1.0, (64, 1, True): 1.0, (64, 4, False): 1.0 + saving,
                                           (64, 4, True): 1.0}}
-    fit = D.analyse_timing(result, p=2)
+    fit = ch5.analyse_timing(result, p=2)
     assert fit.link.bandwidth == pytest.approx(1e9, rel=1e-6)
     (row,) = [r for r in fit.rows if r[2] == 4]
     assert row[6] == pytest.approx(row[5], rel=1e-6)  # a perfect model predicts the saving exactly
-    assert "bandwidth" in D.format_timing(fit)
+    assert "bandwidth" in ch5.format_timing(fit)
     # with pairs, the saving is the median of the paired differences, not the difference of the medians
     result["pairs"] = {(64, 1): [(1.0, 1.0)] * 3, (64, 4): [(2.0, 1.0), (1.5, 1.4), (9.0, 1.0)]}
-    (row,) = [r for r in D.analyse_timing(result, p=2).rows if r[2] == 4]
+    (row,) = [r for r in ch5.analyse_timing(result, p=2).rows if r[2] == 4]
     assert row[5] == pytest.approx(1.0)
-    assert D.format_seconds(-8.67e-3) == "-8.67 ms"
+    assert ch5.format_seconds(-8.67e-3) == "-8.67 ms"
 
 
 def test_figures():
     import matplotlib
 
     matplotlib.use("Agg")
-    assert len(D.plot_prediction(100, 8, 16, "PCIe 4.0 x16", 50).axes) == 1
+    assert len(ch5.plot_prediction(100, 8, 16, "PCIe 4.0 x16", 50).axes) == 1
     with pytest.raises(ValueError, match="interconnect"):
-        D.plot_prediction(100, 8, 16, "carrier pigeon", 50)
-    assert len(D.plot_savings_grid(10**8, [1, 4], [2, 8], 0.1, ["PCIe 4.0 x16"]).axes) == 2
+        ch5.plot_prediction(100, 8, 16, "carrier pigeon", 50)
+    assert len(ch5.plot_savings_grid(10**8, [1, 4], [2, 8], 0.1, ["PCIe 4.0 x16"]).axes) == 2
 
 
 def test_worker_errors_name_an_exit_without_a_traceback():
     """A worker that dies by os._exit leaves no traceback: its exit code is the root cause, before a peer's
     lost connection."""
-    assert D._worker_errors(["", ""], [None, 3]) == ["rank 1: process exited with exit code 3"]
-    assert D._worker_errors(["", ""], [0, None]) == []
+    assert ch5._worker_errors(["", ""], [None, 3]) == ["rank 1: process exited with exit code 3"]
+    assert ch5._worker_errors(["", ""], [0, None]) == []
 
 
 def test_worker_errors_list_ranks_killed_by_a_signal_last(tmp_path):
@@ -191,7 +192,7 @@ def test_worker_errors_list_ranks_killed_by_a_signal_last(tmp_path):
     listed after the root cause even when their rank number is lower."""
     import pickle
 
-    assert D._worker_errors(["", "", ""], [-15, 3, -15]) == [
+    assert ch5._worker_errors(["", "", ""], [-15, 3, -15]) == [
         "rank 1: process exited with exit code 3",
         "rank 0: killed by SIGTERM (exit code -15), a consequence of the failure above",
         "rank 2: killed by SIGTERM (exit code -15), a consequence of the failure above"]
@@ -199,7 +200,7 @@ def test_worker_errors_list_ranks_killed_by_a_signal_last(tmp_path):
     error_file.write_bytes(pickle.dumps("Traceback ...\nValueError: 2 ranks × 800 images exceed the 1221"))
     lost = tmp_path / "rank2.err"
     lost.write_bytes(pickle.dumps("Traceback ...\nRuntimeError: [gloo] Connection closed by peer"))
-    lines = D._worker_errors(["", str(error_file), str(lost)], [-15, 1, 1])
+    lines = ch5._worker_errors(["", str(error_file), str(lost)], [-15, 1, 1])
     assert lines[0].startswith("rank 1: ValueError") and lines[1].startswith("rank 2: RuntimeError: [gloo]")
     assert lines[2].startswith("rank 0: killed by SIGTERM")
 
@@ -207,45 +208,45 @@ def test_worker_errors_list_ranks_killed_by_a_signal_last(tmp_path):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_launcher_reports_the_root_cause_first(world_size):
     """The crashed rank 1 comes first, before rank 0 that torch terminated."""
-    with pytest.raises(D.WorkerFailed) as info:
-        D.launch("crash", world_size=world_size, crash_rank=1, how="exit")
+    with pytest.raises(ch5.WorkerFailed) as info:
+        ch5.launch("crash", world_size=world_size, crash_rank=1, how="exit")
     assert str(info.value).splitlines()[1] == "rank 1: process exited with exit code 3"
 
 
 def test_launcher_reports_a_bad_shard_first(digits):
-    with pytest.raises(D.WorkerFailed) as info:
-        D.launch("equality", k=4, b=200, data=(digits.x_train, digits.y_train))
+    with pytest.raises(ch5.WorkerFailed) as info:
+        ch5.launch("equality", k=4, b=200, data=(digits.x_train, digits.y_train))
     assert str(info.value).splitlines()[1].startswith("rank 1: ValueError: 2 ranks × 800 images exceed")
 
 
 def test_cost_model_rejects_bad_input():
-    link = D.PRESETS["Ethernet 10 Gb/s"]
+    link = distributed.PRESETS["Ethernet 10 Gb/s"]
     with pytest.raises(ValueError, match="whole number of ranks"):
-        D.ring_allreduce_time(1e6, 2.5, link)
+        distributed.ring_allreduce_time(1e6, 2.5, link)
     with pytest.raises(ValueError, match="whole number of ranks"):
-        D.ring_allreduce_time(1e6, True, link)
+        distributed.ring_allreduce_time(1e6, True, link)
     with pytest.raises(ValueError, match="n_bytes"):
-        D.ring_allreduce_time(-1.0, 2, link)
+        distributed.ring_allreduce_time(-1.0, 2, link)
     with pytest.raises(ValueError, match="micro_compute > 0"):
-        D.savings_grid(10**6, [1, 8], [1, 8], link, 0.0)
-    assert D.savings_grid(10**6, [8], [8], link, 0.0)[0, 0] == pytest.approx(7 / 8)  # no compute: (K − 1)/K
+        ch5.savings_grid(10**6, [1, 8], [1, 8], link, 0.0)
+    assert ch5.savings_grid(10**6, [8], [8], link, 0.0)[0, 0] == pytest.approx(7 / 8)  # no compute: (K − 1)/K
 
 
 def test_savings_grid_is_the_closed_form():
     """The share saved is (K − 1)A / (K(c + A)) for one synchronization A and compute c per micro-batch: it grows
     with K and with A by construction (a property of the model, not a measurement)."""
-    link = D.PRESETS["InfiniBand NDR 400 Gb/s"]
-    grid = D.savings_grid(10**9, [1, 2, 8], [8, 512], link, 0.1)
+    link = distributed.PRESETS["InfiniBand NDR 400 Gb/s"]
+    grid = ch5.savings_grid(10**9, [1, 2, 8], [8, 512], link, 0.1)
     for i, k in enumerate([1, 2, 8]):
         for j, p in enumerate([8, 512]):
-            a = D.ring_allreduce_time(4e9, p, link)
+            a = distributed.ring_allreduce_time(4e9, p, link)
             assert grid[i, j] == pytest.approx((k - 1) * a / (k * (0.1 + a)), rel=1e-12)
 
 
 def test_cluster_numbers_of_the_chapter():
     """One all-reduce of 10^9 fp32 gradients: ~15.6 ms in an 8-GPU NVLink 4 domain, ~165 ms across 512 GPUs on
     InfiniBand NDR, ~6.4 s across 512 GPUs on 10 Gb/s Ethernet (nominal rates, assumed latencies)."""
-    t = {name: D.ring_allreduce_time(4e9, p, D.PRESETS[name]) for name, p in
+    t = {name: distributed.ring_allreduce_time(4e9, p, distributed.PRESETS[name]) for name, p in
          (("NVLink 4 (H100)", 8), ("InfiniBand NDR 400 Gb/s", 512), ("Ethernet 10 Gb/s", 512))}
     assert t["NVLink 4 (H100)"] == pytest.approx(15.6e-3, rel=5e-3)
     assert t["InfiniBand NDR 400 Gb/s"] == pytest.approx(0.165, rel=5e-3)

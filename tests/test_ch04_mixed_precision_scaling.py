@@ -4,6 +4,7 @@ from torch import nn
 
 from gradaccum import precision
 from gradaccum.accumulate import agreement
+from gradaccum.book import ch04_mixed_precision_scaling as ch4
 from gradaccum.book.models import make_cnn
 
 
@@ -58,7 +59,7 @@ def test_activation_gradients_scale_with_k(f32, loss_fn):
 
 def test_loss_grid_monotone(f32, loss_fn):
     model, x, y = f32
-    grid = precision.loss_grid(precision.activation_gradients(model, loss_fn, x, y), (0, 16, 24), (1, 64))
+    grid = ch4.loss_grid(precision.activation_gradients(model, loss_fn, x, y), (0, 16, 24), (1, 64))
     assert grid["lost"][0, 1] >= grid["lost"][0, 0] and grid["overflow"][2, 1] <= grid["overflow"][2, 0]
 
 
@@ -113,11 +114,11 @@ def test_widget_function_errors_and_figure(f32, loss_fn):
     matplotlib.use("Agg")
     model, x, y = f32
     acts = precision.activation_gradients(model, loss_fn, x, y)
-    assert tuple(precision.plot_cast(acts, 16, 8).get_size_inches()) == (7.2, 3.4)
+    assert tuple(ch4.plot_cast(acts, 16, 8).get_size_inches()) == (7.2, 3.4)
     with pytest.raises(ValueError, match="K"):
-        precision.plot_cast(acts, 16, 0)
+        ch4.plot_cast(acts, 16, 0)
     with pytest.raises(ValueError, match="log2"):
-        precision.plot_cast(acts, 99, 1)
+        ch4.plot_cast(acts, 99, 1)
 
 
 def test_fp16_and_bf16_rounding_claims():

@@ -5,13 +5,14 @@ import pytest
 import torch
 from torch import nn
 
-from gradaccum import ghost
+from gradaccum import fullbatch_bn, ghost_bn, precise_bn
 from gradaccum.accumulate import (
     accumulated_gradient,
     agreement,
     full_batch_gradient,
     train,
 )
+from gradaccum.book import ch02_ghost_batchnorm as ch2
 from gradaccum.book.models import make_cnn
 
 
@@ -23,7 +24,7 @@ def batch(digits):
 def test_ghost_equals_batchnorm_when_virtual_is_the_batch():
     torch.manual_seed(0)
     x = torch.randn(8, 4, 3, 3, dtype=torch.float64, requires_grad=True)
-    ref, gh = nn.BatchNorm2d(4).double(), ghost.GhostBatchNorm(4, 8).double()
+    ref, gh = nn.BatchNorm2d(4).double(), ghost_bn.GhostBatchNorm(4, 8).double()
     out_ref, out_gh = ref(x), gh(x)
     assert torch.equal(out_ref, out_gh)
     assert torch.equal(ref.running_mean, gh.running_mean) and torch.equal(ref.running_var, gh.running_var)
@@ -33,7 +34,7 @@ def test_ghost_equals_batchnorm_when_virtual_is_the_batch():
 def test_ghost_normalizes_each_ghost_batch_on_its_own(dims, shape):
     torch.manual_seed(1)
     x = torch.randn(*shape, dtype=torch.float64)
-    gh = ghost.GhostBatchNorm(shape[1], 4, dims=dims).double()
+    gh = ghost_bn.GhostBatchNorm(shape[1], 4, dims=dims).double()
     ref = (nn.BatchNorm2d if dims == 2 else nn.BatchNorm1d)(shape[1]).double()
     expected = torch.cat([ref(chunk) for chunk in x.split(4)])
     assert torch.allclose(gh(x), expected, atol=1e-12)
@@ -42,7 +43,7 @@ def test_ghost_normalizes_each_ghost_batch_on_its_own(dims, shape):
 def test_ghost_running_stats_one_averaged_update():
     torch.manual_seed(2)
     x = torch.randn(12, 3, 2, 2, dtype=torch.float64)
-    gh = ghost.GhostBatchNorm(3, 4, momentum=0.2).double()
+    gh = ghost_bn.GhostBatchNorm(3, 4, momentum=0.2).double()
     gh(x)
     chunks = x.split(4)
     mean = torch.stack([c.mean((0, 2, 3)) for c in chunks]).mean(0)
@@ -52,7 +53,7 @@ def test_ghost_running_stats_one_averaged_update():
 
 
 def test_ghost_eval_uses_running_stats():
-    gh = ghost.GhostBatchNorm(3, 2).double().eval()
+    gh = ghost_bn.GhostBatchNorm(3, 2).double().eval()
     x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
     assert torch.allclose(gh(x), x / torch.sqrt(torch.tensor(1 + gh.eps, dtype=torch.float64)))
 
@@ -62,41 +63,41 @@ def test_plain_accumulation_is_ghost_batchnorm(k, batch, loss_fn):
     x, y = batch
     model = make_cnn("batch").train()
     g_acc = accumulated_gradient(model, loss_fn, x, y, k)
-    g_ghost = full_batch_gradient(ghost.ghostify(model, 64 // k), loss_fn, x, y)
+    g_ghost = full_batch_gradient(ghost_bn.ghostify(model, 64 // k), loss_fn, x, y)
     assert agreement(g_acc, g_ghost).rel_error < 1e-12
 
 
 def test_ghost_bad_input():
     with pytest.raises(ValueError, match=">= 2"):
-        ghost.GhostBatchNorm(3, 1)
+        ghost_bn.GhostBatchNorm(3, 1)
     with pytest.raises(ValueError, match="multiple of 4"):
-        ghost.GhostBatchNorm(3, 4).double()(torch.randn(6, 3, 2, 2, dtype=torch.float64))
+        ghost_bn.GhostBatchNorm(3, 4).double()(torch.randn(6, 3, 2, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="4-D"):
-        ghost.GhostBatchNorm(3, 4)(torch.randn(8, 3))
+        ghost_bn.GhostBatchNorm(3, 4)(torch.randn(8, 3))
     with pytest.raises(ValueError, match="no BatchNorm"):
-        ghost.ghostify(make_cnn("group"), 4)
+        ghost_bn.ghostify(make_cnn("group"), 4)
 
 
 def test_moments_combine_exactly():
     torch.manual_seed(3)
     x = torch.randn(10, 2, 3, dtype=torch.float64) * 5 + 3
-    total = ghost.Moments.of(x[:3]).combine(ghost.Moments.of(x[3:4])).combine(ghost.Moments.of(x[4:]))
-    ref = ghost.Moments.of(x)
+    total = fullbatch_bn.Moments.of(x[:3]).combine(fullbatch_bn.Moments.of(x[3:4])).combine(fullbatch_bn.Moments.of(x[4:]))
+    ref = fullbatch_bn.Moments.of(x)
     assert total.count == ref.count == 30
     assert torch.allclose(total.mean, ref.mean, atol=1e-13) and torch.allclose(total.var, ref.var, atol=1e-12)
 
 
 def test_batchnorm_layers_in_call_order():
     model = make_cnn("batch")
-    names = [n for n, _ in ghost.batchnorm_layers(model, torch.zeros(2, 1, 8, 8, dtype=torch.float64))]
+    names = [n for n, _ in fullbatch_bn.batchnorm_layers(model, torch.zeros(2, 1, 8, 8, dtype=torch.float64))]
     assert names == ["features.1", "features.5", "head.1"]
     with pytest.raises(ValueError, match="no BatchNorm"):
-        ghost.batchnorm_layers(make_cnn("layer"), torch.zeros(2, 1, 8, 8, dtype=torch.float64))
+        fullbatch_bn.batchnorm_layers(make_cnn("layer"), torch.zeros(2, 1, 8, 8, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("k", [1, 2, 8, 32])
 def test_full_batch_statistics_reproduce_the_full_batch_forward(k, batch):
-    assert ghost.full_batch_forward_error(make_cnn("batch"), batch[0], k) < 1e-12
+    assert fullbatch_bn.full_batch_forward_error(make_cnn("batch"), batch[0], k) < 1e-12
 
 
 @pytest.mark.parametrize("k", [1, 4, 16])
@@ -104,8 +105,8 @@ def test_exact_scheme_gives_the_full_batch_gradient(k, batch, loss_fn):
     x, y = batch
     model = make_cnn("batch").train()
     g_full = full_batch_gradient(model, loss_fn, x, y)
-    assert agreement(g_full, ghost.full_batch_stats_gradient(model, loss_fn, x, y, k, exact=True)).rel_error < 1e-12
-    frozen = agreement(g_full, ghost.full_batch_stats_gradient(model, loss_fn, x, y, k))
+    assert agreement(g_full, fullbatch_bn.full_batch_stats_gradient(model, loss_fn, x, y, k, exact=True)).rel_error < 1e-12
+    frozen = agreement(g_full, fullbatch_bn.full_batch_stats_gradient(model, loss_fn, x, y, k))
     assert frozen.rel_error > 0.5  # constants: every term through the statistics is missing
 
 
@@ -114,7 +115,7 @@ def test_scheme_updates_running_stats_like_one_full_batch_forward(batch, loss_fn
     model = make_cnn("batch").train()
     reference = copy.deepcopy(model)
     reference(x)  # one nn.BatchNorm forward over the whole batch
-    ghost.full_batch_stats_backward(model, loss_fn, x, y, 8)
+    fullbatch_bn.full_batch_stats_backward(model, loss_fn, x, y, 8)
     for (name, a), b in zip(reference.named_buffers(), model.buffers()):
         assert torch.allclose(a, b, atol=1e-12), name
 
@@ -122,52 +123,52 @@ def test_scheme_updates_running_stats_like_one_full_batch_forward(batch, loss_fn
 def test_scheme_errors(batch, loss_fn):
     x, y = batch
     with pytest.raises(ValueError, match="train"):
-        ghost.full_batch_stats_backward(make_cnn("batch").eval(), loss_fn, x, y, 2)
+        fullbatch_bn.full_batch_stats_backward(make_cnn("batch").eval(), loss_fn, x, y, 2)
     with pytest.raises(ValueError, match="no BatchNorm"):
-        ghost.full_batch_stats_backward(make_cnn("group").train(), loss_fn, x, y, 2)
+        fullbatch_bn.full_batch_stats_backward(make_cnn("group").train(), loss_fn, x, y, 2)
     with pytest.raises(ValueError, match="K"):
-        ghost.full_batch_stats_backward(make_cnn("batch").train(), loss_fn, x, y, 0)
+        fullbatch_bn.full_batch_stats_backward(make_cnn("batch").train(), loss_fn, x, y, 0)
     with pytest.raises(ValueError, match="equal micro-batches"):
-        ghost.full_batch_forward_error(make_cnn("batch"), x, 5)
+        fullbatch_bn.full_batch_forward_error(make_cnn("batch"), x, 5)
 
 
 def test_exact_scheme_trains_like_the_full_batch(digits):
     args = (digits.x_train, digits.y_train, digits.x_val, digits.y_val)
     full = train(make_cnn("batch"), *args, batch_size=64, k=1, epochs=1)
     exact = train(make_cnn("batch"), *args, batch_size=64, k=8, epochs=1,
-                  backward_fn=functools.partial(ghost.full_batch_stats_backward, exact=True))
+                  backward_fn=functools.partial(fullbatch_bn.full_batch_stats_backward, exact=True))
     assert max(abs(a - b) for a, b in zip(full.train_loss, exact.train_loss)) < 1e-10
     assert full.val_acc == exact.val_acc
 
 
 def test_precise_bn(digits):
     model = make_cnn("batch").train()
-    ghost.precise_bn(model, digits.x_train, 8)
+    precise_bn.precise_bn(model, digits.x_train, 8)
     feats = torch.cat([model.features[:1](c) for c in digits.x_train[: 1221 - 1221 % 8].split(8)])
     per_batch_var = torch.stack([c.var((0, 2, 3)) for c in feats.split(8)]).mean(0)
     assert torch.allclose(model.features[1].running_var, per_batch_var, atol=1e-10)
     assert model.features[1].momentum == 0.1 and model.training
     with pytest.raises(ValueError, match="between 2"):
-        ghost.precise_bn(model, digits.x_train, 1)
+        precise_bn.precise_bn(model, digits.x_train, 1)
     with pytest.raises(ValueError, match="no BatchNorm"):
-        ghost.precise_bn(make_cnn("group"), digits.x_train, 8)
+        precise_bn.precise_bn(make_cnn("group"), digits.x_train, 8)
 
 
 def test_method_effects(digits):
-    rows = {e.method: e for e in ghost.method_effects(4, 8, 8, digits.x_train, digits.y_train)}
+    rows = {e.method: e for e in ch2.method_effects(4, 8, 8, digits.x_train, digits.y_train)}
     assert rows["plain accumulation"].rel_error == pytest.approx(rows["ghost BN, 1 update/step"].rel_error, abs=1e-12)
     assert rows["exact full-batch stats"].rel_error < 1e-12 and rows["exact full-batch stats"].stat_error == 0
     assert rows["plain accumulation"].stat_error > rows["ghost BN, 1 update/step"].stat_error * 0.99
-    wide = {e.method: e for e in ghost.method_effects(4, 8, 32, digits.x_train, digits.y_train)}
+    wide = {e.method: e for e in ch2.method_effects(4, 8, 32, digits.x_train, digits.y_train)}
     assert wide["ghost BN, 1 update/step"].stat_error < rows["ghost BN, 1 update/step"].stat_error  # larger v, closer
     assert all(e.rel_error < 1e-12 for e in (rows["GroupNorm"], rows["LayerNorm"]))
     for bad, match in [((4, 8, 3), "divide"), ((4, 8, 1), ">= 2"), ((64, 64, 64), "exceeds"), ((4, 1, 4), "b >= 2")]:
         with pytest.raises(ValueError, match=match):
-            ghost.method_effects(*bad, digits.x_train, digits.y_train)
+            ch2.method_effects(*bad, digits.x_train, digits.y_train)
 
 
 def test_train_methods_small(digits):
-    runs = ghost.train_methods(digits, 8, epochs=1, methods=("full batch", "plain accumulation",
+    runs = ch2.train_methods(digits, 8, epochs=1, methods=("full batch", "plain accumulation",
                                                               "exact full-batch stats", "GroupNorm"))
     by = {r.method: r for r in runs}
     assert list(by) == ["full batch", "plain accumulation", "exact full-batch stats", "GroupNorm"]
@@ -178,46 +179,46 @@ def test_train_methods_small(digits):
     assert len(by["full batch"].weight_growth) == 3 and by["GroupNorm"].weight_growth == ()
     assert by["GroupNorm"].val_acc_precise != by["GroupNorm"].val_acc_precise  # NaN: nothing to recompute
     assert all(r.steps == 19 for r in runs)
-    text = ghost.format_methods(runs)
+    text = ch2.format_methods(runs)
     assert "after PreciseBN" in text and "GroupNorm" in text
     with pytest.raises(ValueError, match="unknown method"):
-        ghost.train_methods(digits, 8, epochs=1, methods=("magic",))
+        ch2.train_methods(digits, 8, epochs=1, methods=("magic",))
     with pytest.raises(ValueError, match="micro-batches of at least 2"):
-        ghost.train_method(digits, "plain accumulation", 64, epochs=1)
+        ch2.train_method(digits, "plain accumulation", 64, epochs=1)
     with pytest.raises(ValueError, match="unknown schedule"):
-        ghost.train_method(digits, "plain accumulation", 8, epochs=1, schedule="linear")
+        ch2.train_method(digits, "plain accumulation", 8, epochs=1, schedule="linear")
 
 
 def test_pre_bn_layers_are_the_layers_feeding_batchnorm():
-    assert ghost.pre_bn_layers(make_cnn("batch")) == ["features.0", "features.4", "head.0"]
-    assert ghost.pre_bn_layers(make_cnn("group")) == []
+    assert ch2.pre_bn_layers(make_cnn("batch")) == ["features.0", "features.4", "head.0"]
+    assert ch2.pre_bn_layers(make_cnn("group")) == []
 
 
 def test_study_table_and_format(digits):
-    runs = ghost.seed_study(digits, seeds=(0,), schedules=("cosine",), k=8, k_small=2, epochs=1)
-    table = ghost.study_table(runs)
+    runs = ch2.seed_study(digits, seeds=(0,), schedules=("cosine",), k=8, k_small=2, epochs=1)
+    table = ch2.study_table(runs)
     assert set(table) == {("full batch", 1, "cosine", 0), ("plain accumulation", 8, "cosine", 0),
                           ("momentum-corrected", 8, "cosine", 0), ("plain accumulation", 2, "cosine", 0)}
-    assert "→" in ghost.format_study(runs) and "cosine" in ghost.format_study(runs)
+    assert "→" in ch2.format_study(runs) and "cosine" in ch2.format_study(runs)
     with pytest.raises(ValueError, match="two runs"):
-        ghost.study_table(runs + runs[:1])
+        ch2.study_table(runs + runs[:1])
 
 
 def test_step_costs_count_the_sweeps(digits):
-    costs = {c.method: c for c in ghost.step_costs(digits, k=4, repeat=1)}
+    costs = {c.method: c for c in ch2.step_costs(digits, k=4, repeat=1)}
     layers = 3  # SmallCNN's BatchNorm layers
     assert costs["plain accumulation"].forward_calls == 4 and costs["full batch"].forward_calls == 1
     assert costs["full-batch stats"].forward_calls == (layers + 1) * 4
     assert costs["exact full-batch stats"].forward_calls == (2 * layers + 1) * 4
     assert costs["plain accumulation"].time_ratio == 1.0 and all(c.time_ratio > 0 for c in costs.values())
-    assert ghost.precise_bn_cost(digits, b=4, k=4, repeat=1) > 0
+    assert ch2.precise_bn_cost(digits, b=4, k=4, repeat=1) > 0
 
 
 def test_precise_bn_exercise_solution(digits):
     """Every number the solution of exercise ex-ch2-precise states, on the chapter's three trained models."""
     for seed in (0, 1, 2):
-        _, model = ghost.train_method(digits, "plain accumulation", 16, seed=seed)
-        e = ghost.precise_bn_size_effect(model, digits.x_train, digits.x_val, digits.y_val, 4, 1221)
+        _, model = ch2.train_method(digits, "plain accumulation", 16, seed=seed)
+        e = ch2.precise_bn_size_effect(model, digits.x_train, digits.x_val, digits.y_val, 4, 1221)
         first, *later = list(e.var_ratio)
         assert first == "features.1" and max(abs(v - 1) for v in e.var_ratio[first]) < 0.005  # within 0.5%
         assert e.mean_shift[first] < 1e-3                                                     # same mean
@@ -231,22 +232,22 @@ def test_effect_grid_and_figures(digits):
     import matplotlib
 
     matplotlib.use("Agg")
-    grids = ghost.effect_grid((1, 2), (4, 8), digits.x_train, digits.y_train)
+    grids = ch2.effect_grid((1, 2), (4, 8), digits.x_train, digits.y_train)
     assert grids["plain accumulation"].shape == (2, 2) and grids["plain accumulation"][0, 0] == pytest.approx(1.0)
-    assert len(ghost.plot_effect_grid(grids, (1, 2), (4, 8)).axes) == 4  # three panels and a colour bar
-    assert tuple(ghost.plot_method_effects(2, 4, 8, digits.x_train, digits.y_train).get_size_inches()) == (9.6, 3.6)
+    assert len(ch2.plot_effect_grid(grids, (1, 2), (4, 8)).axes) == 4  # three panels and a colour bar
+    assert tuple(ch2.plot_method_effects(2, 4, 8, digits.x_train, digits.y_train).get_size_inches()) == (9.6, 3.6)
 
 
 def test_layer_timings_are_relative():
-    t = ghost.layer_timings(shape=(16, 4, 4, 4), v=4, repeat=3)
+    t = ch2.layer_timings(shape=(16, 4, 4, 4), v=4, repeat=3)
     assert t["nn.BatchNorm2d (whole batch)"] == 1.0 and all(v > 0 for v in t.values())
 
 
 def test_shadow_momentum_equals_a_separate_momentum_corrected_run(digits):
     """train_methods reads the momentum-corrected run off the plain run: same weights, other running stats."""
     shadow: list = []
-    plain, model = ghost.train_method(digits, "plain accumulation", 8, epochs=2, shadow=shadow)
-    real, real_model = ghost.train_method(digits, "momentum-corrected", 8, epochs=2)
+    plain, model = ch2.train_method(digits, "plain accumulation", 8, epochs=2, shadow=shadow)
+    real, real_model = ch2.train_method(digits, "momentum-corrected", 8, epochs=2)
     for p, q in zip(model.parameters(), real_model.parameters()):
         assert torch.equal(p, q)  # the momentum never reaches the weights
     assert shadow[0].val_acc == real.val_acc and shadow[0].val_acc_precise == real.val_acc_precise
@@ -255,7 +256,7 @@ def test_shadow_momentum_equals_a_separate_momentum_corrected_run(digits):
     assert len(tracker_stats) == 3
     assert plain.val_acc != real.val_acc  # the running statistics do differ
     with pytest.raises(ValueError, match="plain-accumulation run only"):
-        ghost.train_method(digits, "full batch", 8, epochs=1, shadow=[])
+        ch2.train_method(digits, "full batch", 8, epochs=1, shadow=[])
 
 
 def test_shadow_running_stats_match_batchnorm():
@@ -265,7 +266,7 @@ def test_shadow_running_stats_match_batchnorm():
     for m in twin.modules():
         if isinstance(m, torch.nn.BatchNorm1d):
             m.momentum = 0.03
-    tracker = ghost.ShadowRunningStats(model, 0.03)
+    tracker = ch2.ShadowRunningStats(model, 0.03)
     for _ in range(5):
         x = torch.randn(6, 3, dtype=torch.float64)
         model(x), twin(x)
@@ -277,7 +278,7 @@ def test_shadow_running_stats_match_batchnorm():
 
 def test_chapter2_claims_on_other_seeds(digits):
     """Chapter 2's comparative claims, rerun on seeds 3–5 (the chapter itself runs 0–2) for both schedules."""
-    t = ghost.study_table(ghost.seed_study(digits, seeds=(3, 4, 5)))
+    t = ch2.study_table(ch2.seed_study(digits, seeds=(3, 4, 5)))
     seeds = (3, 4, 5)
 
     def diff(a, b, sched, key="val_acc"):
@@ -296,7 +297,7 @@ def test_chapter2_claims_on_other_seeds(digits):
     assert min(gap) < 0 < max(gap)                                    # b = 16 vs full batch: the sign flips
     assert max(abs(g) for g in diff(plain4, full1, "cosine")) < 0.011  # cosine: within about one point
     for seed in (3, 4):                                               # constants fail on other seeds too
-        runs = {r.method: r for r in ghost.train_methods(digits, 16, seed=seed,
+        runs = {r.method: r for r in ch2.train_methods(digits, 16, seed=seed,
                                                          methods=("full batch", "full-batch stats"))}
         const, full = runs["full-batch stats"], runs["full batch"]
         assert const.val_acc < 0.55 and const.val_acc < full.val_acc - 0.3

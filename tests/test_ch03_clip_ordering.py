@@ -6,6 +6,7 @@ import torch
 
 from gradaccum import clipping
 from gradaccum.accumulate import agreement, flat_grad, full_batch_gradient
+from gradaccum.book import ch03_clip_ordering as ch3
 from gradaccum.book.models import make_cnn
 
 
@@ -60,22 +61,22 @@ def test_worked_examples():
 
 def test_bounds_from_the_triangle_inequality():
     for seed in range(5):
-        grads = clipping.synthetic_micro_gradients(8, 0.3, norm=3.0, seed=seed)
+        grads = ch3.synthetic_micro_gradients(8, 0.3, norm=3.0, seed=seed)
         assert clipping.combine(grads, 1.0, "raw_micro").norm() <= 1 + 1e-9
         assert clipping.combine(grads, 1.0, "scaled_micro").norm() <= 8 + 1e-9
         assert clipping.combine(grads, 1.0, "once").norm() <= 1 + 1e-9
 
 
 def test_running_weights_reconstruct_the_step():
-    grads = clipping.synthetic_micro_gradients(6, 0.5, norm=2.0, seed=1)
+    grads = ch3.synthetic_micro_gradients(6, 0.5, norm=2.0, seed=1)
     w = clipping.running_clip_weights(grads, 0.5)
     assert torch.allclose(sum(wi * g for wi, g in zip(w, grads)), clipping.combine(grads, 0.5, "running"), atol=1e-9)
     assert all(a <= b for a, b in zip(w, w[1:]))
 
 
 def test_synthetic_alignment():
-    assert clipping.mean_pairwise_cosine(clipping.synthetic_micro_gradients(6, 1.0)) == pytest.approx(1.0)
-    assert abs(clipping.mean_pairwise_cosine(clipping.synthetic_micro_gradients(6, 0.5, dim=4096))) - 0.5 < 0.05
+    assert clipping.mean_pairwise_cosine(ch3.synthetic_micro_gradients(6, 1.0)) == pytest.approx(1.0)
+    assert abs(clipping.mean_pairwise_cosine(ch3.synthetic_micro_gradients(6, 0.5, dim=4096))) - 0.5 < 0.05
     assert clipping.mean_pairwise_cosine([torch.ones(3)]) == 1.0
 
 
@@ -101,7 +102,7 @@ def test_bad_placement_mode_k_and_alignment():
     with pytest.raises(ValueError, match="K"):
         clipping.combine([], 1.0, "once")
     with pytest.raises(ValueError, match="alignment"):
-        clipping.synthetic_micro_gradients(2, 1.5)
+        ch3.synthetic_micro_gradients(2, 1.5)
 
 
 def test_non_finite_gradients_name_the_parameter(setup_batch, loss_fn):
@@ -113,7 +114,7 @@ def test_non_finite_gradients_name_the_parameter(setup_batch, loss_fn):
 
 
 def test_train_placements_small(digits):
-    runs = clipping.train_placements(digits, k=4, c=0.3, epochs=1, placements=("once", "scaled_micro"))
+    runs = ch3.train_placements(digits, k=4, c=0.3, epochs=1, placements=("once", "scaled_micro"))
     by = {r.placement: r for r in runs}
     assert max(abs(a - b) for a, b in zip(by["once"].losses, by["full batch"].losses)) < 1e-10
     assert by["full batch"].k == 1 and by["scaled_micro"].k == 4
@@ -123,18 +124,18 @@ def test_widget_function_and_figures():
     import matplotlib
 
     matplotlib.use("Agg")
-    rows = {r.placement: r for r in clipping.placement_effects(8, 0.125, 1.0)}
+    rows = {r.placement: r for r in ch3.placement_effects(8, 0.125, 1.0)}
     assert rows["scaled_micro"].norm_over_c == pytest.approx(8, rel=1e-3) and rows["once"].cosine == pytest.approx(1)
     with pytest.raises(ValueError, match="threshold"):
-        clipping.placement_effects(8, 0.0, 1.0)
-    assert len(clipping.plot_placement_effects(4, 0.5, 0.5).axes) == 2
+        ch3.placement_effects(8, 0.0, 1.0)
+    assert len(ch3.plot_placement_effects(4, 0.5, 0.5).axes) == 2
 
 
 # ------------------------------------------------------------------ errata: bounds and both directions
 
 
 def test_errata_cases_err_in_both_directions():
-    cases = clipping.errata_cases()
+    cases = ch3.errata_cases()
     long_a1 = cases["(a1) too long: aligned"]
     assert long_a1.norm == pytest.approx(2.0) and long_a1.ratio == pytest.approx(2.0, rel=1e-5)
     short_a1 = cases["(a1) too short: opposing"]  # (10, 0), (−9, 0), c = 1: each g_k/2 is clipped to length 1
@@ -152,12 +153,12 @@ def test_errata_cases_err_in_both_directions():
     assert short_b.cosine == pytest.approx(0.25 / (0.5 * math.hypot(4.0, 0.5)), abs=1e-6)  # ≈ 0.124
     flip_b = cases["(b) reversed"]  # (10, 0), (−7, 0): ‖g‖ = 1.5 > c, yet (b) gives (−1, 0)
     assert flip_b.norm == pytest.approx(1.0, abs=1e-6) and flip_b.cosine == pytest.approx(-1.0)
-    assert "n/a" in clipping.format_errata_cases(cases)  # no cosine printed for the zero step
+    assert "n/a" in ch3.format_errata_cases(cases)  # no cosine printed for the zero step
 
 
 def test_running_reaches_c_exactly_when_its_final_buffer_exceeds_c():
     for name in ("(b) too short and turned", "(b) reversed"):
-        _, vectors, c = clipping.ERRATA_CASES[name]
+        _, vectors, c = ch3.ERRATA_CASES[name]
         grads = [torch.tensor(v, dtype=torch.float64) for v in vectors]
         buffers = clipping.running_buffer_norms(grads, c)
         step = float(clipping.combine(grads, c, "running").norm())
@@ -166,7 +167,7 @@ def test_running_reaches_c_exactly_when_its_final_buffer_exceeds_c():
     assert clipping.running_buffer_norms([torch.tensor([10.0, 0.0]), torch.tensor([-2.0, 1.0])], 1.0)[-1] \
         == pytest.approx(0.5, abs=1e-6)
     for seed in range(6):  # random cases: the equivalence holds both ways
-        grads = clipping.synthetic_micro_gradients(6, 0.2 * seed, norm=2.0, dim=8, seed=seed)
+        grads = ch3.synthetic_micro_gradients(6, 0.2 * seed, norm=2.0, dim=8, seed=seed)
         for c in (0.3, 1.0, 3.0):
             last = clipping.running_buffer_norms(grads, c)[-1]
             step = float(clipping.combine(grads, c, "running").norm())
@@ -179,7 +180,7 @@ def test_running_reaches_c_exactly_when_its_final_buffer_exceeds_c():
 def test_norm_bounds_always_hold(seed, alignment, k, c, norm):
     gen = torch.Generator().manual_seed(seed)
     scales = 0.1 + 3 * torch.rand(k, generator=gen, dtype=torch.float64)  # micro-gradients of unequal lengths
-    grads = [s * g for s, g in zip(scales, clipping.synthetic_micro_gradients(k, alignment, norm, dim=16, seed=seed))]
+    grads = [s * g for s, g in zip(scales, ch3.synthetic_micro_gradients(k, alignment, norm, dim=16, seed=seed))]
     bounds = clipping.norm_bounds(grads, c)
     correct = float(clipping.combine(grads, c, "once").norm())
     assert correct == pytest.approx(bounds["once"], rel=1e-5)
@@ -192,14 +193,14 @@ def test_norm_bounds_always_hold(seed, alignment, k, c, norm):
 
 
 def test_scaled_micro_is_raw_micro_at_threshold_kc():
-    grads = clipping.synthetic_micro_gradients(8, 0.4, norm=5.0, seed=3)
+    grads = ch3.synthetic_micro_gradients(8, 0.4, norm=5.0, seed=3)
     assert torch.allclose(clipping.combine(grads, 0.5, "scaled_micro"), clipping.combine(grads, 4.0, "raw_micro"),
                           atol=1e-9)
 
 
 @pytest.mark.parametrize("k, alignment", [(2, 0.5), (8, 0.0), (16, 0.8)])
 def test_raw_micro_when_every_micro_gradient_is_clipped(k, alignment):
-    grads = clipping.synthetic_micro_gradients(k, alignment, norm=3.0, dim=64, seed=1)
+    grads = ch3.synthetic_micro_gradients(k, alignment, norm=3.0, dim=64, seed=1)
     predicted = clipping.raw_micro_all_clipped(clipping.mean_pairwise_cosine(grads), k, 3.0)
     assert float(clipping.combine(grads, 1.0, "raw_micro").norm()) == pytest.approx(predicted, rel=1e-5)
     with pytest.raises(ValueError, match="agreement"):
@@ -261,15 +262,15 @@ def test_clip_running_buffer_needs_contributions():
 
 
 def test_sweeps_small(digits):
-    tables = clipping.table_sweep(digits, setups=(("layer", 0.3),), seeds=(1,), ks=(1, 4))
+    tables = ch3.table_sweep(digits, setups=(("layer", 0.3),), seeds=(1,), ks=(1, 4))
     row = tables[("layer", 0.3, 1)][4]
     assert row["smallest"][0] <= row["largest"][0] and row["full"][0] > 0
-    assert "(a1) ‖step‖/c" in clipping.format_table_sweep(tables)
-    losses = clipping.train_sweep(digits, k=4, epochs=1, setups=(("group", 0.3),), seeds=(0,))
+    assert "(a1) ‖step‖/c" in ch3.format_table_sweep(tables)
+    losses = ch3.train_sweep(digits, k=4, epochs=1, setups=(("group", 0.3),), seeds=(0,))
     assert set(losses[("group", 0.3, 0)]) == set(clipping.PLACEMENTS)
-    assert "(a1)" in clipping.format_train_sweep(losses)
+    assert "(a1)" in ch3.format_train_sweep(losses)
     with pytest.raises(ValueError, match="per-sample"):
-        clipping.train_placements(digits, k=2, c=0.3, epochs=1, norm="batch")
+        ch3.train_placements(digits, k=2, c=0.3, epochs=1, norm="batch")
 
 
 def test_with_two_micro_batches_neither_placement_exceeds_the_unclipped_gradient():

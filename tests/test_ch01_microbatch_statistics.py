@@ -6,14 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from gradaccum import _validate, bn
+from gradaccum import _validate, bn_statistics
+from gradaccum.book import ch01_microbatch_statistics as ch1
 from gradaccum.book.models import make_cnn
 
 
 def test_batch_moments_match_batchnorm():
     torch.manual_seed(0)
     x = torch.randn(6, 3, 4, 4, dtype=torch.float64)
-    mean, biased, unbiased = bn.batch_moments(x)
+    mean, biased, unbiased = bn_statistics.batch_moments(x)
     layer = nn.BatchNorm2d(3, affine=False, momentum=1.0).double().train()
     out = layer(x)
     expected = (x - mean[None, :, None, None]) / torch.sqrt(biased[None, :, None, None] + layer.eps)
@@ -24,9 +25,9 @@ def test_batch_moments_match_batchnorm():
 
 def test_batch_moments_errors():
     with pytest.raises(ValueError):
-        bn.batch_moments(torch.zeros(5))
+        bn_statistics.batch_moments(torch.zeros(5))
     with pytest.raises(ValueError):
-        bn.batch_moments(torch.zeros(1, 3))
+        bn_statistics.batch_moments(torch.zeros(1, 3))
 
 
 @pytest.mark.parametrize("b", [1, 2, 3, 5, 7])
@@ -35,30 +36,30 @@ def test_mean_variance_formula_is_exact_over_all_subsets(b):
     pop = np.array([0.3, -1.2, 2.5, 0.0, 4.1, -0.7, 1.9])
     n = len(pop)
     means = [pop[list(c)].mean() for c in itertools.combinations(range(n), b)]
-    assert np.var(means) == pytest.approx(bn.predicted_mean_variance(pop.var(), b, n), rel=1e-12, abs=1e-15)
+    assert np.var(means) == pytest.approx(bn_statistics.predicted_mean_variance(pop.var(), b, n), rel=1e-12, abs=1e-15)
 
 
 def test_biased_variance_factor_is_exact_over_all_pairs_with_replacement():
     pop = np.array([1.0, 4.0, -2.0, 0.5])
     b = 3
     vals = [np.var(pop[list(c)]) for c in itertools.product(range(len(pop)), repeat=b)]  # i.i.d. draws
-    assert np.mean(vals) == pytest.approx(bn.biased_variance_factor(b) * pop.var(), rel=1e-12)
+    assert np.mean(vals) == pytest.approx(bn_statistics.biased_variance_factor(b) * pop.var(), rel=1e-12)
 
 
 def test_predicted_mean_variance_errors():
     with pytest.raises(ValueError):
-        bn.predicted_mean_variance(1.0, 0, 10)
+        bn_statistics.predicted_mean_variance(1.0, 0, 10)
     with pytest.raises(ValueError):
-        bn.predicted_mean_variance(1.0, 11, 10)
+        bn_statistics.predicted_mean_variance(1.0, 11, 10)
 
 
 @pytest.mark.parametrize("m, k", [(0.1, 8), (0.01, 3), (0.5, 1)])
 def test_momentum_algebra(m, k):
-    assert bn.effective_momentum(m, k) == pytest.approx(1 - (1 - m) ** k)
-    m2 = bn.corrected_momentum(m, k)
-    assert bn.effective_momentum(m2, k) == pytest.approx(m, rel=1e-12)
-    w = bn.micro_batch_weights(m, k)
-    assert w.sum() == pytest.approx(bn.effective_momentum(m, k)) and np.all(np.diff(w) >= 0)
+    assert bn_statistics.effective_momentum(m, k) == pytest.approx(1 - (1 - m) ** k)
+    m2 = bn_statistics.corrected_momentum(m, k)
+    assert bn_statistics.effective_momentum(m2, k) == pytest.approx(m, rel=1e-12)
+    w = bn_statistics.micro_batch_weights(m, k)
+    assert sum(w) == pytest.approx(bn_statistics.effective_momentum(m, k)) and np.all(np.diff(w) >= 0)
 
 
 def test_micro_batch_weights_match_pytorch():
@@ -68,21 +69,21 @@ def test_micro_batch_weights_match_pytorch():
     micro = [torch.randn(3, 2, dtype=torch.float64) * (j + 1) for j in range(k)]
     for x in micro:
         layer(x)
-    predicted = sum(w * x.mean(0) for w, x in zip(bn.micro_batch_weights(m, k), micro))
+    predicted = sum(w * x.mean(0) for w, x in zip(bn_statistics.micro_batch_weights(m, k), micro))
     assert torch.allclose(layer.running_mean, predicted, atol=1e-14)
 
 
 @pytest.mark.parametrize("m", [0.0, -0.1, 1.5, float("nan"), "0.1", True])
 def test_bad_momentum(m):
     with pytest.raises(ValueError, match="momentum"):
-        bn.effective_momentum(m, 2)
+        bn_statistics.effective_momentum(m, 2)
 
 
 def test_set_bn_momentum():
     model = make_cnn("batch")
-    assert bn.set_bn_momentum(model, 0.05) == 3
+    assert bn_statistics.set_bn_momentum(model, 0.05) == 3
     assert all(mod.momentum == 0.05 for mod in model.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm))
-    assert bn.set_bn_momentum(make_cnn("group"), 0.05) == 0
+    assert bn_statistics.set_bn_momentum(make_cnn("group"), 0.05) == 0
 
 
 def test_check_micro_batch():
@@ -95,67 +96,67 @@ def test_check_micro_batch():
 
 def test_layer_inputs_and_moment_spread(digits):
     model = make_cnn("batch").train()
-    feats = bn.layer_inputs(model, digits.x_train, "head.1")
+    feats = bn_statistics.layer_inputs(model, digits.x_train, "head.1")
     assert feats.shape == (1221, 32) and model.training
-    s = bn.moment_spread(feats, 4, draws=3000, seed=1)
+    s = ch1.moment_spread(feats, 4, draws=3000, seed=1)
     assert abs(s.mean_var_ratio - 1) < 0.1 and abs(s.biased_var_ratio - 0.75) < 0.03
     with pytest.raises(ValueError, match="no submodule"):
-        bn.layer_inputs(model, digits.x_train, "head.9")
+        bn_statistics.layer_inputs(model, digits.x_train, "head.9")
     with pytest.raises(ValueError, match="exceeds"):
-        bn.moment_spread(feats[:3], 4)
+        ch1.moment_spread(feats[:3], 4)
     with pytest.raises(ValueError, match=r"\(N, C\)"):
-        bn.moment_spread(feats[None], 4)
+        ch1.moment_spread(feats[None], 4)
 
 
 def test_microbatch_effect(digits):
-    e = bn.microbatch_effect(1, 16, digits.x_train, digits.y_train)
+    e = ch1.microbatch_effect(1, 16, digits.x_train, digits.y_train)
     assert all(v == 0.0 for v in e.rel_error.values())
-    e = bn.microbatch_effect(4, 4, digits.x_train, digits.y_train)
+    e = ch1.microbatch_effect(4, 4, digits.x_train, digits.y_train)
     assert e.rel_error["batch"] > 0.3 and e.rel_error["group"] < 1e-12 and e.rel_error["layer"] < 1e-12
     assert 0.4 < e.rel_mean_std < 0.6  # ≈ 1/√4 with the finite-population correction
     with pytest.raises(ValueError, match="exceeds"):
-        bn.microbatch_effect(32, 64, digits.x_train, digits.y_train)
+        ch1.microbatch_effect(32, 64, digits.x_train, digits.y_train)
     with pytest.raises(ValueError, match="b >= 2"):
-        bn.microbatch_effect(4, 1, digits.x_train, digits.y_train)
+        ch1.microbatch_effect(4, 1, digits.x_train, digits.y_train)
 
 
 def test_run_fingerprint_small(digits):
-    runs = bn.run_fingerprint(digits, {"batch": (64, 8), "group": (8,)}, seeds=(0,), epochs=1)
+    runs = ch1.run_fingerprint(digits, {"batch": (64, 8), "group": (8,)}, seeds=(0,), epochs=1)
     assert [(r.norm, r.b, r.k, r.steps) for r in runs] == [("batch", 64, 1, 19), ("batch", 8, 8, 19), ("group", 8, 8, 19)]
-    table = bn.summarize_fingerprint(runs)
+    table = ch1.summarize_fingerprint(runs)
     assert set(table) == {("batch", 64), ("batch", 8), ("group", 8)}
     assert table["group", 8]["gap"] == 0.0
-    text = bn.format_fingerprint(table)
+    text = ch1.format_fingerprint(table)
     assert text.count("\n") == 3 and "group" in text
     with pytest.raises(ValueError, match="does not divide"):
-        bn.run_fingerprint(digits, {"batch": (6,)}, seeds=(0,), epochs=1)
+        ch1.run_fingerprint(digits, {"batch": (6,)}, seeds=(0,), epochs=1)
     with pytest.raises(ValueError, match="b >= 2"):
-        bn.run_fingerprint(digits, {"batch": (1,)}, seeds=(0,), epochs=1)
+        ch1.run_fingerprint(digits, {"batch": (1,)}, seeds=(0,), epochs=1)
 
 
 def test_figures_have_fixed_sizes(digits):
     import matplotlib
 
     matplotlib.use("Agg")
-    fig = bn.plot_microbatch_effect(2, 8, digits.x_train, digits.y_train)
+    fig = ch1.plot_microbatch_effect(2, 8, digits.x_train, digits.y_train)
     assert tuple(fig.get_size_inches()) == (9.6, 3.4)
-    fig = bn.plot_momentum_weights(0.1, 4)
+    fig = ch1.plot_momentum_weights(0.1, 4)
     assert len(fig.axes[0].patches) == 12
 
 
 def test_exercise_solutions_numbers():
     """Every number the chapter-1 exercise solutions state."""
-    assert (1 - 0.1) ** 8 == pytest.approx(0.430, abs=5e-4) and bn.effective_momentum(0.1, 8) == pytest.approx(0.570, abs=5e-4)
-    assert bn.corrected_momentum(0.1, 8) == pytest.approx(0.013084, abs=5e-7) and 0.1 / 8 == 0.0125
-    assert bn.biased_variance_factor(4) == 0.75
-    assert bn.eval_train_mean_abs_ratio(4) == pytest.approx(0.92, abs=0.005)
-    assert bn.eval_train_mean_abs_ratio(2) == pytest.approx(0.80, abs=0.005)
-    assert bn.eval_train_mean_abs_ratio(2) == pytest.approx(math.sqrt(2 / math.pi), rel=1e-12)  # |z_train| = 1
+    assert (1 - 0.1) ** 8 == pytest.approx(0.430, abs=5e-4) and bn_statistics.effective_momentum(0.1, 8) == pytest.approx(0.570, abs=5e-4)
+    assert bn_statistics.corrected_momentum(0.1, 8) == pytest.approx(0.013084, abs=5e-7) and 0.1 / 8 == 0.0125
+    assert bn_statistics.biased_variance_factor(4) == 0.75
+    assert bn_statistics.eval_train_mean_abs_ratio(4) == pytest.approx(0.92, abs=0.005)
+    assert bn_statistics.eval_train_mean_abs_ratio(2) == pytest.approx(0.80, abs=0.005)
+    assert bn_statistics.eval_train_mean_abs_ratio(2) == pytest.approx(math.sqrt(2 / math.pi), rel=1e-12)  # |z_train| = 1
     for b in (2, 4):
-        rms_train, rms_eval, ratio = bn.normalized_feature_sizes(b)
+        rms_train, rms_eval, ratio = ch1.normalized_feature_sizes(b)
         assert rms_train == pytest.approx(1, abs=1e-6) and rms_eval == pytest.approx(1, abs=0.01)  # RMS 1 both
-        assert ratio == pytest.approx(bn.eval_train_mean_abs_ratio(b), abs=0.01)  # the formula, by simulation
+        assert ratio == pytest.approx(bn_statistics.eval_train_mean_abs_ratio(b), abs=0.01)  # the formula, by simulation
     # the old solution's claim, sqrt(3/4) ≈ 0.87 "as large in evaluation", is not what BatchNorm does:
-    assert abs(bn.normalized_feature_sizes(4)[1] / bn.normalized_feature_sizes(4)[0] - math.sqrt(0.75)) > 0.1
+    assert abs(ch1.normalized_feature_sizes(4)[1] / ch1.normalized_feature_sizes(4)[0] - math.sqrt(0.75)) > 0.1
     with pytest.raises(ValueError):
-        bn.eval_train_mean_abs_ratio(1)
+        bn_statistics.eval_train_mean_abs_ratio(1)

@@ -8,15 +8,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: chapter notebook stem → (module in src/gradaccum, unit-test file in tests/)
-CHAPTERS: dict[str, tuple[str, str]] = {
-    "01_microbatch_statistics": ("bn", "test_bn"),
-    "02_ghost_batchnorm": ("ghost", "test_ghost"),
-    "03_clip_ordering": ("clipping", "test_clipping"),
-    "04_mixed_precision_scaling": ("precision", "test_precision"),
-    "05_no_sync": ("distributed", "test_distributed"),
-    "06_loss_normalization_and_friends": ("silent", "test_silent"),
+#: chapter notebook stem → the torch-only core modules it derives (src/gradaccum/<name>.py). Each chapter also has
+#: its book module src/gradaccum/book/ch<stem>.py and its tests tests/test_ch<stem>.py (see book_module, chapter_tests).
+CHAPTERS: dict[str, tuple[str, ...]] = {
+    "01_microbatch_statistics": ("bn_statistics",),
+    "02_ghost_batchnorm": ("ghost_bn", "fullbatch_bn", "precise_bn"),
+    "03_clip_ordering": ("clipping",),
+    "04_mixed_precision_scaling": ("precision",),
+    "05_no_sync": ("distributed",),
+    "06_loss_normalization_and_friends": ("windows", "check"),
 }
+
+
+def book_module(stem: str) -> Path:
+    """The chapter's module in the book layer: its experiments, figures and widget functions."""
+    return ROOT / "src" / "gradaccum" / "book" / f"ch{stem}.py"
+
+
+def chapter_tests(stem: str) -> Path:
+    """The chapter's unit tests (core and book parts)."""
+    return ROOT / "tests" / f"test_ch{stem}.py"
 
 
 def toc_files() -> list[str]:

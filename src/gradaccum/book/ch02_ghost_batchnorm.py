@@ -1,0 +1,556 @@
+"""Chapter 2, "Ghost BatchNorm and full-batch statistics": the method comparisons and seed study, step costs, PreciseBN size effects and the figures.
+
+The book layer over :mod:`gradaccum.ghost_bn`, :mod:`gradaccum.fullbatch_bn` and :mod:`gradaccum.precise_bn` (the torch-only tools the chapter derives).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from gradaccum._validate import require_k, require_micro_batch
+from gradaccum.accumulate import (
+    accumulate_backward,
+    accumulated_gradient,
+    accuracy,
+    agreement,
+    full_batch_gradient,
+    train,
+)
+from gradaccum.bn_statistics import corrected_momentum, layer_inputs, set_bn_momentum
+from gradaccum.book.data import DigitsSplit
+from gradaccum.book.models import make_cnn
+from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
+from gradaccum.fullbatch_bn import (
+    full_batch_statistics,
+    full_batch_stats_backward,
+    full_batch_stats_gradient,
+    normalized_with,
+)
+from gradaccum.ghost_bn import GhostBatchNorm, LoopGhostBatchNorm, ghostify
+from gradaccum.precise_bn import precise_bn
+from gradaccum.timing import interleaved_medians, median_time
+
+
+def layer_timings(shape: tuple[int, int, int, int] = (128, 16, 8, 8), v: int = 8, device: torch.device | str = "cpu",
+                  repeat: int = 20) -> dict[str, float]:
+    """Forward + backward time of the Ghost BatchNorm implementations, relative to ``nn.BatchNorm2d`` on the
+    whole batch (float32, random input)."""
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen).to(device).requires_grad_()
+    grad = torch.ones_like(x)
+    modules = {"nn.BatchNorm2d (whole batch)": nn.BatchNorm2d(shape[1]),
+               "loop of nn.BatchNorm2d": LoopGhostBatchNorm(shape[1], v),
+               "GhostBatchNorm (fold)": GhostBatchNorm(shape[1], v)}
+    times = {}
+    for name, module in modules.items():
+        module.to(device).train()
+
+        def step(m: nn.Module = module) -> None:
+            x.grad = None
+            m(x).backward(grad)
+
+        times[name] = median_time(step, device, repeat=repeat)
+    base = times["nn.BatchNorm2d (whole batch)"]
+    return {name: t / base for name, t in times.items()}
+
+
+@dataclass(frozen=True)
+class PreciseBNSizeEffect:
+    """How PreciseBN's statistics and accuracy change with the batch size of its pass, per BatchNorm layer
+    (in call order): ``var_ratio`` = (min, max) over channels of running_var(batches of ``small``) /
+    running_var(one batch of ``large``); ``mean_shift`` = max over channels of |Δ running_mean| / running_std;
+    ``acc`` = eval-mode validation accuracy after each pass."""
+
+    small: int
+    large: int
+    var_ratio: dict[str, tuple[float, float]]
+    mean_shift: dict[str, float]
+    acc_small: float
+    acc_large: float
+
+
+def precise_bn_size_effect(model: nn.Module, x: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
+                           small: int, large: int) -> PreciseBNSizeEffect:
+    """Run PreciseBN on two copies of ``model``, in batches of ``small`` and of ``large``, and compare.
+
+    ``update_bn`` averages what BatchNorm stores per batch — the mean and the *unbiased* variance — so at the
+    first BatchNorm layer both sizes estimate the same population values. At later layers the inputs
+    themselves differ, because during the pass every earlier layer normalizes each batch with that batch's
+    statistics.
+    """
+
+    copies = {}
+    for size in (small, large):
+        copies[size] = copy.deepcopy(model)
+        precise_bn(copies[size], x, size)
+    ratios, shifts = {}, {}
+    for name, layer in copies[small].named_modules():
+        if isinstance(layer, _BatchNorm):
+            ref = copies[large].get_submodule(name)
+            ratio = layer.running_var / ref.running_var  # type: ignore[operator]
+            ratios[name] = (float(ratio.min()), float(ratio.max()))
+            shifts[name] = float(((layer.running_mean - ref.running_mean).abs()  # type: ignore[operator]
+                                  / ref.running_var.sqrt()).max())  # type: ignore[union-attr]
+    accs = {size: accuracy(m.eval(), x_val, y_val) for size, m in copies.items()}
+    return PreciseBNSizeEffect(small, large, ratios, shifts, accs[small], accs[large])
+
+
+#: The methods chapter 2 compares, in the order of its table. "ghost BN, 1 update/step" is this book's
+#: one-pass GhostBatchNorm, which updates the running statistics once per step; Hoffer et al.'s reference code
+#: runs backward per chunk and updates them once per chunk, which *is* the "plain accumulation" row.
+METHODS: tuple[str, ...] = ("full batch", "plain accumulation", "ghost BN, 1 update/step", "full-batch stats",
+                            "exact full-batch stats", "momentum-corrected", "GroupNorm", "LayerNorm")
+
+
+@dataclass(frozen=True)
+class MethodEffect:
+    """One method's normalization-statistics error and gradient agreement on one batch of K·b images.
+
+    ``stat_error``: RMS over normalization groups and channels of (μ_group − μ_full)/σ_full at the head's
+    BatchNorm1d input (0 when the method normalizes with the full batch; NaN for per-sample norms);
+    ``rel_error``/``cosine``: its gradient against the full-batch BatchNorm gradient (for GroupNorm and
+    LayerNorm, against their own full-batch gradient).
+    """
+
+    method: str
+    stat_error: float
+    rel_error: float
+    cosine: float
+
+
+def _stat_error(feats: torch.Tensor, group: int) -> float:
+    full_mean, full_std = feats.mean(0), feats.std(0, correction=0)
+    keep = full_std > 1e-12
+    means = torch.stack([c.mean(0) for c in feats.split(group)])
+    return float((((means - full_mean) / torch.where(keep, full_std, 1.0))[:, keep] ** 2).mean().sqrt())
+
+
+def method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> list[MethodEffect]:
+    """Compare, on the first K·b images, how each method normalizes and what gradient it produces.
+
+    ``v`` is Ghost BatchNorm's virtual batch size for a single pass over the K·b images (v = b reproduces
+    plain accumulation exactly).
+    """
+
+    require_k(k)
+    require_micro_batch(b)
+    n = k * b
+    if n > x.shape[0]:
+        raise ValueError(f"K·b = {k}·{b} = {n} exceeds the {x.shape[0]} images available; lower K or b.")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 2 or n % v:
+        raise ValueError(f"the virtual batch size v = {v} must be >= 2 and divide K·b = {n}.")
+    xb, yb = x[:n].double(), y[:n]
+    loss_fn = nn.CrossEntropyLoss()
+    model = make_cnn("batch", seed=seed, device=x.device).train()
+    g_full = full_batch_gradient(model, loss_fn, xb, yb)
+    stats = full_batch_statistics(model, list(xb.split(b)))
+    with normalized_with(stats):  # every BatchNorm normalizes with the full batch: the full-batch forward
+        feats = layer_inputs(model, xb, "head.1")
+    rows = []
+    for method, grad, group in (
+        ("plain accumulation", accumulated_gradient(model, loss_fn, xb, yb, k), b),
+        ("ghost BN, 1 update/step", full_batch_gradient(ghostify(model, v), loss_fn, xb, yb), v),
+        ("full-batch stats", full_batch_stats_gradient(model, loss_fn, xb, yb, k), n),
+        ("exact full-batch stats", full_batch_stats_gradient(model, loss_fn, xb, yb, k, exact=True), n),
+    ):
+        a = agreement(g_full, grad)
+        rows.append(MethodEffect(method, _stat_error(feats, group), a.rel_error, a.cosine))
+    for norm, label in (("group", "GroupNorm"), ("layer", "LayerNorm")):
+        other = make_cnn(norm, seed=seed, device=x.device).train()  # type: ignore[arg-type]
+        a = agreement(full_batch_gradient(other, loss_fn, xb, yb), accumulated_gradient(other, loss_fn, xb, yb, k))
+        rows.append(MethodEffect(label, float("nan"), a.rel_error, a.cosine))
+    return rows
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One training run of the side-by-side experiment.
+
+    ``k``: forward/backward passes per optimizer step (1 for the full batch and the one-pass Ghost BatchNorm);
+    ``b``: how many samples each BatchNorm statistic was computed from in training (the micro-batch, the ghost
+    batch, or the whole batch of 64 for the full batch and both full-batch-statistics schemes).
+    ``val_acc``: eval-mode validation accuracy with the running statistics training left behind;
+    ``val_acc_precise``: the same model after PreciseBN (:func:`precise_bn` over the training set in batches
+    of the size the method normalized with; NaN for GroupNorm/LayerNorm, which keep no statistics);
+    ``weight_growth``: for each layer whose output feeds a BatchNorm, ‖W_end‖/‖W_start‖ (empty without
+    BatchNorm) — the drift Ioffe and Szegedy predicted for gradients that ignore the statistics.
+    """
+
+    method: str
+    k: int
+    b: int
+    seed: int
+    schedule: str
+    val_acc: float
+    val_acc_precise: float
+    weight_growth: tuple[float, ...]
+    steps: int
+
+
+def pre_bn_layers(model: nn.Module) -> list[str]:
+    """Names of the layers whose output is the input of a BatchNorm layer (the module just before a
+    ``_BatchNorm`` in an ``nn.Sequential``)."""
+    names = []
+    for parent, module in model.named_modules():
+        if isinstance(module, nn.Sequential):
+            children = list(module.named_children())
+            for (name, before), (_, after) in zip(children, children[1:]):
+                if isinstance(after, _BatchNorm) and getattr(before, "weight", None) is not None:
+                    names.append(f"{parent}.{name}" if parent else name)
+    return names
+
+
+def _normalization_size(method: str, k: int, batch_size: int) -> int:
+    """The number of samples each BatchNorm statistic was computed from while ``method`` trained."""
+    return batch_size if method in ("full batch", "full-batch stats", "exact full-batch stats") else batch_size // k
+
+
+class ShadowRunningStats:
+    r"""The running statistics every BatchNorm layer of ``model`` *would* keep with another ``momentum``,
+    tracked beside the real ones during training.
+
+    A training-mode forward normalizes with the batch statistics and never reads the running ones, so the
+    momentum changes nothing in training — not the gradients, not the weights — only the running statistics.
+    One run can therefore serve two momenta: a forward pre-hook applies BatchNorm's own update,
+    :math:`\bar\mu \leftarrow (1-m)\bar\mu + m\,\hat\mu_B` and the same for the unbiased variance, with the
+    other momentum.
+    """
+
+    def __init__(self, model: nn.Module, momentum: float):
+        self.momentum = momentum
+        self.stats = {name: (layer.running_mean.clone(), layer.running_var.clone())  # type: ignore[union-attr]
+                      for name, layer in model.named_modules() if isinstance(layer, _BatchNorm)}
+        self._hooks = [layer.register_forward_pre_hook(functools.partial(self._update, name))
+                       for name, layer in model.named_modules() if isinstance(layer, _BatchNorm)]
+
+    def _update(self, name: str, layer: _BatchNorm, inputs: tuple[torch.Tensor, ...]) -> None:
+        if not layer.training:
+            return
+        x = inputs[0].detach()
+        dims = [0, *range(2, x.dim())]
+        mean, var = self.stats[name]
+        mean.mul_(1 - self.momentum).add_(x.mean(dims), alpha=self.momentum)
+        var.mul_(1 - self.momentum).add_(x.var(dims, correction=1), alpha=self.momentum)
+
+    def apply_to(self, model: nn.Module) -> nn.Module:
+        """A copy of ``model`` (hooks removed from the original) with the shadow running statistics."""
+        for h in self._hooks:
+            h.remove()
+        twin = copy.deepcopy(model)
+        for name, (mean, var) in self.stats.items():
+            layer = twin.get_submodule(name)
+            layer.running_mean.copy_(mean)  # type: ignore[union-attr,operator]
+            layer.running_var.copy_(var)  # type: ignore[union-attr,operator]
+        return twin
+
+
+def train_method(split: DigitsSplit, method: str, k: int, batch_size: int = 64, epochs: int = 8, seed: int = 0,
+                 schedule: str = "constant", shadow: list[MethodRun] | None = None) -> tuple[MethodRun, nn.Module]:
+    """Train a fresh SmallCNN with one method on 64-image batches (K micro-batches of b = 64/K): SGD with
+    momentum 0.9, learning rate 0.05 (``schedule`` "constant" or "cosine"), cross-entropy, float64.
+
+    "full batch" and "ghost BN, 1 update/step" take one forward/backward per batch (K = 1); every other method
+    accumulates K micro-batches. Returns the run and the trained model (in eval mode).
+
+    With ``shadow`` (a list, for "plain accumulation" only), the momentum-corrected run is read off the same
+    training run with :class:`ShadowRunningStats` and appended to it: it has the same weights, so only its
+    running statistics differ.
+    """
+
+    require_k(k)
+    if batch_size % k or batch_size // k < 2:
+        raise ValueError(f"K = {k} must divide the batch size {batch_size} into micro-batches of at least 2.")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}.")
+    b = batch_size // k
+    norm = {"GroupNorm": "group", "LayerNorm": "layer"}.get(method, "batch")
+    model: nn.Module = make_cnn(norm, seed=seed, device=split.x_train.device)  # type: ignore[arg-type]
+    steps_k, backward_fn = k, None
+    if method == "full batch":
+        steps_k = 1
+    elif method == "ghost BN, 1 update/step":
+        model, steps_k = ghostify(model, b), 1
+    elif method == "full-batch stats":
+        backward_fn = full_batch_stats_backward
+    elif method == "exact full-batch stats":
+        backward_fn = functools.partial(full_batch_stats_backward, exact=True)
+    elif method == "momentum-corrected":
+        set_bn_momentum(model, corrected_momentum(0.1, k))
+    if shadow is not None and method != "plain accumulation":
+        raise ValueError("shadow running statistics are read off a plain-accumulation run only.")
+    tracker = ShadowRunningStats(model, corrected_momentum(0.1, k)) if shadow is not None else None
+    watched = {name: m.weight.detach().norm().item() for name, m in model.named_modules()
+               if name in pre_bn_layers(model)}
+    result = train(model, split.x_train, split.y_train, split.x_val, split.y_val, batch_size=batch_size,
+                   k=steps_k, epochs=epochs, seed=seed, backward_fn=backward_fn, schedule=schedule)  # type: ignore[arg-type]
+    growth = tuple(model.get_submodule(name).weight.detach().norm().item() / start
+                   for name, start in watched.items())
+    precise = float("nan")
+    if norm == "batch":
+        recomputed = copy.deepcopy(model)
+        precise_bn(recomputed, split.x_train, _normalization_size(method, k, batch_size))  # the size it trained with
+        precise = accuracy(recomputed.eval(), split.x_val, split.y_val)
+    group = _normalization_size(method, k, batch_size)
+    run = MethodRun(method, steps_k, group, seed, schedule, result.val_acc, precise, growth, result.optimizer_steps)
+    if tracker is not None and shadow is not None:
+        twin = tracker.apply_to(model).eval()
+        shadow.append(MethodRun("momentum-corrected", steps_k, group, seed, schedule,
+                                accuracy(twin, split.x_val, split.y_val), precise, growth, result.optimizer_steps))
+    return run, model.eval()
+
+
+def train_methods(split: DigitsSplit, k: int, batch_size: int = 64, epochs: int = 8, seed: int = 0,
+                  methods: Sequence[str] = METHODS, schedule: str = "constant") -> list[MethodRun]:
+    """:func:`train_method` for each of ``methods`` (in the order of :data:`METHODS`), on the same batches.
+
+    When both "plain accumulation" and "momentum-corrected" are asked for, one training run serves both
+    (:class:`ShadowRunningStats`; a test checks it against a separate momentum-corrected run).
+    """
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from {list(METHODS)}.")
+    runs: dict[str, MethodRun] = {}
+    for m in METHODS:
+        if m not in methods or m in runs:
+            continue
+        if m == "plain accumulation" and "momentum-corrected" in methods:  # one run, two momenta
+            shadow: list[MethodRun] = []
+            runs[m] = train_method(split, m, k, batch_size, epochs, seed, schedule, shadow=shadow)[0]
+            runs["momentum-corrected"] = shadow[0]
+        else:
+            runs[m] = train_method(split, m, k, batch_size, epochs, seed, schedule)[0]
+    return [runs[m] for m in METHODS if m in methods]
+
+
+def seed_study(split: DigitsSplit, seeds: Sequence[int] = (0, 1, 2),
+               schedules: Sequence[str] = ("constant", "cosine"), k: int = 16, k_small: int = 4,
+               batch_size: int = 64, epochs: int = 8) -> list[MethodRun]:
+    """The runs behind chapter 2's comparative claims, for every seed and learning-rate schedule: the full
+    batch, plain accumulation at ``k_small`` and at ``k``, and momentum-corrected accumulation at ``k``
+    (each with its PreciseBN accuracy)."""
+    runs = []
+    for schedule in schedules:
+        for seed in seeds:
+            runs += train_methods(split, k, batch_size, epochs, seed,
+                                  ("full batch", "plain accumulation", "momentum-corrected"), schedule)
+            runs += train_methods(split, k_small, batch_size, epochs, seed, ("plain accumulation",), schedule)
+    return runs
+
+
+def study_table(runs: Sequence[MethodRun]) -> dict[tuple[str, int, str, int], MethodRun]:
+    """Index runs by (method, K, schedule, seed); refuses duplicates."""
+    table: dict[tuple[str, int, str, int], MethodRun] = {}
+    for r in runs:
+        key = (r.method, r.k, r.schedule, r.seed)
+        if key in table:
+            raise ValueError(f"two runs for {key}; pass each run once.")
+        table[key] = r
+    return table
+
+
+def format_study(runs: Sequence[MethodRun]) -> str:
+    """Validation accuracy per seed and schedule: each column as "running stats → after PreciseBN"."""
+    table = study_table(runs)
+    columns = list(dict.fromkeys((m, k) for m, k, _, _ in table))
+    heads = {("full batch", 1): "full batch"}
+    lines = [f"{'schedule':<9}{'seed':>5}" + "".join(
+        f"{heads.get(c, c[0].replace('accumulation', 'accum.').replace('momentum-', 'mom.-') + f' K={c[1]}'):>22}"
+        for c in columns)]
+    for schedule in dict.fromkeys(s for _, _, s, _ in table):
+        for seed in dict.fromkeys(s for _, _, _, s in table):
+            cells = []
+            for m, k in columns:
+                r = table[m, k, schedule, seed]
+                cells.append(f"{100 * r.val_acc:.1f} → {100 * r.val_acc_precise:.1f}%")
+            lines.append(f"{schedule:<9}{seed:>5}" + "".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)
+
+
+def format_methods(runs: list[MethodRun]) -> str:
+    """The side-by-side table: validation accuracy per method with its running statistics and after
+    PreciseBN, and the growth of the weights that feed BatchNorm layers."""
+    lines = [f"{'method':<26}{'K':>3}{'BN n':>5}{'val acc':>9}{'after PreciseBN':>17}{'pre-BN weight growth':>23}"]
+    for r in runs:
+        precise = "—" if r.val_acc_precise != r.val_acc_precise else f"{100 * r.val_acc_precise:.1f}%"
+        growth = "—" if not r.weight_growth else f"{min(r.weight_growth):.1f}–{max(r.weight_growth):.1f}×"
+        group = f"{r.b}" if r.weight_growth else "—"  # GroupNorm/LayerNorm: per-sample statistics
+        lines.append(f"{r.method:<26}{r.k:>3}{group:>5}{100 * r.val_acc:>8.1f}%{precise:>17}{growth:>23}")
+    return "\n".join(lines)
+
+
+def plot_methods(runs: list[MethodRun]):
+    """Validation accuracy of every method, with its running statistics and after PreciseBN."""
+
+
+    fig, (ax,) = figure(1, 9.6, 3.8)
+    pos = np.arange(len(runs))
+    ax.bar(pos - 0.2, [100 * r.val_acc for r in runs], 0.4, color=PALETTE["sky"], label="running statistics")
+    ax.bar(pos + 0.2, [100 * r.val_acc_precise for r in runs], 0.4, color=PALETTE["vermillion"], hatch="//",
+           edgecolor="white", label="after PreciseBN")
+    ax.set_xticks(pos, [f"{r.method}\n(K={r.k}, BN n={r.b})" for r in runs], rotation=25, ha="right", fontsize=8)
+    title = f"Digits, seed {runs[0].seed}, {runs[0].schedule} LR, {runs[0].steps} optimizer steps"
+    decorate(ax, "", "validation accuracy (%)", title)
+    ax.set_ylim(0, 118)
+    ax.set_yticks(range(0, 101, 20))
+    ax.legend(loc="upper center", ncol=2, frameon=False)
+    return fig
+
+
+def plot_study(runs: Sequence[MethodRun]):
+    """Each claim's runs, seed by seed: PreciseBN and momentum correction against plain accumulation at K,
+    and plain accumulation at the small K against the full batch, for each schedule."""
+
+    table = study_table(runs)
+    schedules = list(dict.fromkeys(s for _, _, s, _ in table))
+    seeds = sorted({s for _, _, _, s in table})
+    k = max(kk for m, kk, _, _ in table if m == "momentum-corrected")
+    k_small = min(kk for m, kk, _, _ in table if m == "plain accumulation")
+    fig, axes = figure(len(schedules), 4.8 * len(schedules), 3.6)
+    for ax, schedule in zip(axes, schedules):
+        for i, seed in enumerate(seeds):
+            plain = table["plain accumulation", k, schedule, seed]
+            full = table["full batch", 1, schedule, seed]
+            small = table["plain accumulation", k_small, schedule, seed]
+            mom = table["momentum-corrected", k, schedule, seed]
+            pairs = [(0, plain.val_acc_precise - plain.val_acc, PALETTE["vermillion"], f"PreciseBN − plain (K={k})"),
+                     (1, mom.val_acc - plain.val_acc, PALETTE["blue"], f"momentum-corrected − plain (K={k})"),
+                     (2, small.val_acc - full.val_acc, PALETTE["orange"], f"K={k_small} − full batch"),
+                     (3, small.val_acc_precise - full.val_acc_precise, PALETTE["green"],
+                      f"K={k_small} − full batch, both PreciseBN")]
+            for x, diff, color, label in pairs:
+                ax.scatter(x + (i - 1) * 0.12, 100 * diff, color=color, s=28, label=label if i == 0 else None)
+        ax.axhline(0, color="0.4", lw=0.8)
+        b_small = table["plain accumulation", k_small, schedule, seeds[0]].b
+        ax.set_xticks(range(4), ["PreciseBN", "momentum\ncorrection", f"b={b_small}\nvs full",
+                                 f"b={b_small} vs full\n(PreciseBN)"], fontsize=8)
+        decorate(ax, "", "difference (points)", f"{schedule} learning rate, seeds {seeds[0]}–{seeds[-1]}")
+    return fig
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one optimizer step of a method costs on a batch of K·b images: the model's forward calls (each
+    micro-batch forward counts one, a forward stopped early by the statistics pass too) and wall time
+    relative to plain accumulation (median over interleaved repeats)."""
+
+    method: str
+    forward_calls: int
+    time_ratio: float
+
+
+def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: int = 7,
+               methods: Sequence[str] = ("full batch", "plain accumulation", "ghost BN, 1 update/step",
+                                         "full-batch stats", "exact full-batch stats")) -> list[StepCost]:
+    """Count the passes and time one optimizer step of each method on the same batch (SmallCNN, float64).
+
+    Timing is interleaved: each round runs every method once, in turn, and each method's time is the median
+    over ``repeat`` rounds (after one untimed round), so a machine that slows down or speeds up during the
+    measurement affects every method alike.
+    """
+
+    require_k(k)
+    x, y = split.x_train[:batch_size], split.y_train[:batch_size]
+    loss_fn = nn.CrossEntropyLoss()
+    counts: dict[str, list[int]] = {}
+    steps = {}
+    for method in methods:
+        model: nn.Module = make_cnn("batch", seed=0, device=x.device).train()
+        steps_k, backward = k, accumulate_backward
+        if method == "full batch":
+            steps_k = 1
+        elif method == "ghost BN, 1 update/step":
+            model, steps_k = ghostify(model, batch_size // k), 1
+        elif method == "full-batch stats":
+            backward = full_batch_stats_backward
+        elif method == "exact full-batch stats":
+            backward = functools.partial(full_batch_stats_backward, exact=True)
+        elif method != "plain accumulation":
+            raise ValueError(f"no step cost for {method!r}; choose among the BatchNorm methods of METHODS.")
+        counter = counts.setdefault(method, [0])
+        model.register_forward_pre_hook(lambda *_, c=counter: c.__setitem__(0, c[0] + 1))
+
+        def step(m: nn.Module = model, kk: int = steps_k, fn=backward) -> None:
+            m.zero_grad(set_to_none=True)
+            fn(m, loss_fn, x, y, kk)
+
+        steps[method] = step
+    for method, step in steps.items():  # one counted step per method
+        counts[method][0] = 0
+        step()
+    calls = {m: c[0] for m, c in counts.items()}
+    times = interleaved_medians(steps, repeat=repeat, warmup=1)
+    base = times.get("plain accumulation") or next(iter(times.values()))
+    return [StepCost(m, calls[m], times[m] / base) for m in methods]
+
+
+def precise_bn_cost(split: DigitsSplit, b: int = 4, k: int = 16, repeat: int = 5) -> float:
+    """Seconds of one PreciseBN pass (over the training set in batches of b) divided by the seconds of one
+    plain-accumulation step (K micro-batches of b), interleaved medians."""
+
+    model = make_cnn("batch", seed=0, device=split.x_train.device).train()
+    x, y = split.x_train[: k * b], split.y_train[: k * b]
+    loss_fn = nn.CrossEntropyLoss()
+    recompute = copy.deepcopy(model)
+
+    def plain() -> None:
+        model.zero_grad(set_to_none=True)
+        accumulate_backward(model, loss_fn, x, y, k)
+
+    times = interleaved_medians({"plain step": plain, "PreciseBN pass": lambda: precise_bn(recompute, split.x_train, b)},
+                                repeat=repeat, warmup=1)
+    return times["PreciseBN pass"] / times["plain step"]
+
+
+def effect_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> dict[str, "np.ndarray"]:
+    """Gradient cosine to the full batch over a grid of K (rows) and b (columns), per method (v = b)."""
+
+    grids: dict[str, list[list[float]]] = {}
+    for k in ks:
+        rows: dict[str, list[float]] = {}
+        for b in bs:
+            for e in method_effects(k, b, b, x, y):
+                rows.setdefault(e.method, []).append(e.cosine)
+        for method, values in rows.items():
+            grids.setdefault(method, []).append(values)
+    return {m: np.array(v) for m, v in grids.items()}
+
+
+def plot_effect_grid(grids: dict[str, "np.ndarray"], ks: Sequence[int], bs: Sequence[int],
+                     methods: Sequence[str] = ("plain accumulation", "full-batch stats", "exact full-batch stats")):
+    """Heat maps of the gradient cosine to the full-batch gradient, one panel per method."""
+
+    fig, axes = figure(len(methods), 3.6 * len(methods), 3.6)
+    for ax, method in zip(axes, methods):
+        image = heatmap(ax, grids[method], ks, bs, vmin=0.0, vmax=1.0, aspect="equal", xlabel="micro-batch size b",
+                        ylabel="K", title=method)
+    fig.colorbar(image, ax=axes, label="cosine to the full-batch gradient", shrink=0.9)
+    return fig
+
+
+def plot_method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor):
+    """The widget's picture: statistics error and gradient cosine of each method for one (K, b, v)."""
+
+
+    rows = method_effects(k, b, v, x, y)
+    names = [r.method.replace(", 1 update/step", f" (v={v})") for r in rows]
+    fig, (ax1, ax2) = figure(2, 9.6, 3.6)
+    ax1.barh(names, [0 if np.isnan(r.stat_error) else r.stat_error for r in rows], color=PALETTE["vermillion"])
+    for i, r in enumerate(rows):
+        if np.isnan(r.stat_error):
+            ax1.text(0.01, i, "per-sample statistics: n/a", va="center", fontsize=8)
+        elif r.stat_error == 0:
+            ax1.text(0.01, i, "0: full-batch statistics", va="center", fontsize=8)
+    decorate(ax1, "RMS (μ_group − μ_full) / σ", "", f"Statistics error (K = {k}, b = {b})")
+    ax2.barh(names, [r.cosine for r in rows], color=PALETTE["blue"])
+    ax2.set_xlim(-0.05, 1.05)
+    ax2.set_yticks(range(len(names)), [""] * len(names))
+    decorate(ax2, "cosine to the full-batch gradient", "", "Gradient agreement")
+    return fig

@@ -1,0 +1,99 @@
+"""Chapter 4, "Loss scaling meets accumulation": the loss-scale grid and the figures.
+
+The book layer over :mod:`gradaccum.precision` (the torch-only tools the chapter derives).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from gradaccum._validate import require_k
+from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
+from gradaccum.precision import cast_report, format_info
+
+
+def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int],
+              dtype: torch.dtype = torch.float16) -> dict[str, np.ndarray]:
+    """Fractions lost (underflow + subnormal) and overflowed over S = 2^s (rows) × K (columns), for gradients
+    computed with K = 1 (with K micro-batches of the same size, every gradient is divided by K)."""
+    lost = np.zeros((len(log2_scales), len(ks)))
+    over = np.zeros_like(lost)
+    for i, s in enumerate(log2_scales):
+        for j, k in enumerate(ks):
+            r = cast_report(values / require_k(k), dtype, 2.0**s)
+            lost[i, j], over[i, j] = r.underflow + r.subnormal, r.overflow
+    return {"lost": lost, "overflow": over}
+
+
+def plot_formats(values_by_k: dict[int, torch.Tensor]):
+    """Left: the normal and subnormal ranges of fp16, bf16 and fp32 on a log2 axis. Right: histograms of
+    log2|activation gradient| for several K (micro-batch size fixed) against fp16's range."""
+
+    fig, (ax1, ax2) = figure(2, 11.0, 3.6)
+    for i, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32)):
+        f = format_info(dtype)
+        lo, mid, hi = math.log2(f.smallest_subnormal), math.log2(f.smallest_normal), math.log2(f.max)
+        ax1.barh(i, mid - lo, left=lo, color=PALETTE["orange"], label="subnormal" if i == 0 else None)
+        ax1.barh(i, hi - mid, left=mid, color=PALETTE["blue"], label="normal" if i == 0 else None)
+    ax1.set_yticks(range(3), ["float16", "bfloat16", "float32"])
+    decorate(ax1, "log2 |x|", "", "Representable magnitudes")
+    colors = [PALETTE["sky"], PALETTE["vermillion"], PALETTE["purple"], PALETTE["green"]]
+    f16 = format_info(torch.float16)
+    bins = np.arange(-34, 8, 0.5)
+    for color, (k, v) in zip(colors, values_by_k.items()):
+        logs = v[v != 0].abs().double().log2().cpu().numpy()
+        ax2.hist(logs, bins=bins, histtype="step", color=color, linewidth=1.5, density=True, label=f"K = {k}")
+    ax2.axvspan(bins[0], math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="fp16: zero")
+    ax2.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
+                alpha=0.2, label="fp16: subnormal")
+    decorate(ax2, "log2 |activation gradient| (loss / K, no scale)", "density", "Real gradients vs fp16")
+    ax2.legend(frameon=False, fontsize=7)
+    return fig
+
+
+def plot_loss_grid(grid: dict[str, np.ndarray], log2_scales: Sequence[int], ks: Sequence[int]):
+    """Heat maps of the fraction lost (underflow + subnormal) and overflowed over S and K."""
+
+    fig, axes = figure(2, 9.6, 3.8)
+    for ax, (key, title) in zip(axes, (("lost", "lost to underflow or subnormals"), ("overflow", "overflowed"))):
+        image = heatmap(ax, grid[key], [f"2^{s}" for s in log2_scales], ks, fmt="{:.3f}", vmin=0.0, vmax=1.0,
+                        xlabel="K (micro-batch size fixed)", ylabel="loss scale S", title=f"fp16: fraction {title}")
+    fig.colorbar(image, ax=axes, shrink=0.9)
+    return fig
+
+
+def plot_cast(values: torch.Tensor, log2_scale: float, k: int, shift: float = 0.0):
+    """The widget's picture: log2 of the gradients the backward pass holds, S/K · 2^shift · g, against fp16."""
+
+    require_k(k)
+    if not -40 <= log2_scale <= 40:
+        raise ValueError(f"log2 of the loss scale must lie in [-40, 40], got {log2_scale}.")
+    scale = 2.0**log2_scale / k
+    shifted = values * 2.0**shift
+    report = cast_report(shifted, torch.float16, scale)
+    f16 = format_info(torch.float16)
+    logs = (shifted[shifted != 0].abs().double() * scale).log2().cpu().numpy()
+    fig, (ax,) = figure(1, 7.2, 3.4)
+    ax.hist(logs, bins=np.arange(-45, 40, 0.5), color=PALETTE["blue"], density=True)
+    ax.axvspan(-45, math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="→ 0")
+    ax.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
+               alpha=0.3, label="subnormal")
+    ax.axvspan(math.log2(f16.max), 40, color=PALETTE["vermillion"], alpha=0.3, label="→ inf")
+    decorate(ax, "log2 |S/K · g| in the backward pass", "density",
+             f"S/K = 2^{log2_scale:g}/{k}: underflow {report.underflow:.1%}, subnormal {report.subnormal:.1%}, "
+             f"overflow {report.overflow:.1%}")
+    ax.legend(frameon=False, fontsize=8)
+    return fig
+
+
+def plot_accumulation_error(ks: Sequence[int], errors: dict[str, Sequence[float]]):
+
+    fig, (ax,) = figure()
+    for (name, errs), color, marker in zip(errors.items(), (PALETTE["vermillion"], PALETTE["blue"]), ("o", "s")):
+        ax.plot(ks, [max(e, 1e-16) for e in errs], marker=marker, color=color, label=f"{name} accumulator")
+    decorate(ax, "micro-batches K", "relative error of the sum", "Summing bf16 micro-gradients",
+             xscale="log", yscale="log", xticks=ks)
+    return fig
