@@ -7,10 +7,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help install book test unit nbval nbval-loaded outputs budgets gpu-check binder-check student nbgrader clean
+.PHONY: help install book test unit lint nbval nbval-loaded outputs budgets gpu-check binder-check student nbgrader clean
 
-help:
-	@echo "make book | test | nbval-loaded | outputs | budgets | student | nbgrader | gpu-check | binder-check | clean"
+# `make help` prints every target with the text after its `##`.
+help: ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/\1\t\2/' | \
+		awk -F'\t' '{printf "  make %-13s %s\n", $$1, $$2}'
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,57 +24,64 @@ $(STAMP): requirements.txt pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) ## create .venv and install the pinned stack and the package (editable)
 
-book: $(STAMP)
+book: $(STAMP) ## build the site from the stored outputs into _build/html (no execution)
 	$(VENV)/bin/jupyter-book build . --all -n -W --keep-going
 	@echo "The site is in $(CURDIR)/_build/html (open _build/html/index.html)"
 
-# Unit tests, strict nbval (every output compared cell by cell; the lax mode is never used) and the site check.
-test: $(STAMP)
+# Lint and types, then every test once: package tests, shown commands, a fresh torch-only install, the site and
+# strict nbval (every output compared cell by cell; the lax mode is never used). Each chapter runs once.
+test: lint ## lint + types, then every test (unit, commands, fresh install, site, strict nbval on every chapter)
 	$(PY) -m pytest tests chapters --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
-unit: $(STAMP)
-	$(PY) -m pytest tests -p no:cacheprovider -m "not site"
+# The package's tests only: no notebook, no site build, no shown command, no new virtual environment.
+unit: $(STAMP) ## the package's tests only (fast: no notebook, site, command or install test)
+	$(PY) -m pytest tests -p no:cacheprovider -m "not site and not commands and not install"
 
-nbval: $(STAMP)
+lint: $(STAMP) ## ruff (package, tests, scripts, notebooks) and mypy (package)
+	$(VENV)/bin/ruff check src tests scripts benchmarks chapters
+	$(VENV)/bin/ruff format --check --line-length 80 chapters
+	$(VENV)/bin/mypy
+
+nbval: $(STAMP) ## strict nbval on every chapter only
 	$(PY) -m pytest chapters --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 		-p no:cacheprovider
 
 # Strict nbval on every chapter with both cores kept busy, three runs in a row: timing asserts must survive load.
-nbval-loaded: $(STAMP)
+nbval-loaded: $(STAMP) ## strict nbval three times with every core kept busy
 	PY=$(PY) bash scripts/loaded_nbval.sh 3
 
 # The only way stored outputs are regenerated: headless execution in place, widget state stored.
-outputs: $(STAMP)
+outputs: $(STAMP) ## re-execute every chapter in place and store its outputs
 	$(PY) scripts/execute_notebooks.py
 
 # Time and peak memory of every chapter (executes without writing).
-budgets: $(STAMP)
+budgets: $(STAMP) ## time and peak memory of every chapter (nothing written)
 	$(PY) scripts/execute_notebooks.py --check
 
 # The student edition: solutions removed, exercise outputs cleared; notebooks and a site without solutions.
-student: $(STAMP)
+student: $(STAMP) ## the student edition: notebooks and site without solutions
 	$(PY) -m gradaccum.book.course student --out _build/student/book
 	$(VENV)/bin/jupyter-book build _build/student/book --path-output _build/student --all -n -W --keep-going
 	@echo "Student notebooks: $(CURDIR)/_build/student/book/chapters; student site: $(CURDIR)/_build/student/_build/html"
 
 # nbgrader source notebooks (one assignment per chapter) under _build/nbgrader/source.
-nbgrader: $(STAMP)
+nbgrader: $(STAMP) ## nbgrader source notebooks under _build/nbgrader
 	$(PY) -m gradaccum.book.course nbgrader --out _build/nbgrader
 
 # Run every chapter on a CUDA GPU; where there is none, on the CPU, and it says so. Uses the project's .venv when
 # there is one (a GPU machine without Jupyter can use any Python with torch: make gpu-check PYTHON=python3).
 GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
-gpu-check:
+gpu-check: ## every chapter on a CUDA GPU (on the CPU, with a notice, where there is none)
 	@dev=$${GRADACCUM_DEVICE:-$$($(GPU_PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}; \
 	if [ "$$dev" = cpu ]; then echo "gpu-check: no CUDA device here: running every chapter on the CPU instead"; fi; \
 	GRADACCUM_DEVICE=$$dev PYTHONPATH=$(CURDIR)/src $(GPU_PY) scripts/gpu_check.py
 
 # Install from binder/ alone into a fresh virtual environment and run one chapter there.
-binder-check:
+binder-check: ## install from binder/ alone into a fresh venv and run one chapter
 	bash scripts/binder_check.sh
 
-clean:
+clean: ## remove _build
 	rm -rf _build

@@ -11,9 +11,13 @@ Usage: python scripts/execute_notebooks.py [--check] [NOTEBOOK ...]   (default: 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import nbformat
 from nbclient import NotebookClient
@@ -21,6 +25,45 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ("import resource as _r; print('PEAK_RSS_KB', _r.getrusage(_r.RUSAGE_SELF).ru_maxrss, "
          "_r.getrusage(_r.RUSAGE_CHILDREN).ru_maxrss)")
+
+
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+MODEL_ID = re.compile(r"\b[0-9a-f]{32}\b")
+
+
+def stable_widget_ids(nb: Any, salt: str) -> Any:
+    """Rename every widget model id to one that depends only on the notebook (``salt``) and the model's place in a
+    fixed traversal: the views in cell order, then the models each references (``IPY_MODEL_<id>``), depth first,
+    then models no view reaches, by content.
+    The kernel draws random ids on every run; with these, re-executing a notebook changes only what changed."""
+    state = nb.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    if not state:
+        return nb
+    order: list[str] = []
+
+    def visit(model_id: str) -> None:
+        if model_id in order or model_id not in state:
+            return
+        order.append(model_id)
+        for ref in re.findall(r"IPY_MODEL_([0-9a-f]{32})", json.dumps(state[model_id], sort_keys=True)):
+            visit(ref)
+
+    for cell in nb.get("cells", []):
+        for out in cell.get("outputs", []):
+            view = out.get("data", {}).get(WIDGET_VIEW)
+            if view:
+                visit(view["model_id"])
+    # models no view reaches, in an order that depends on their content only (not on the kernel's order)
+    masked = {m: MODEL_ID.sub("", json.dumps(state[m], sort_keys=True)) for m in state}
+    for model_id in sorted(state, key=lambda m: masked[m]):
+        visit(model_id)
+    new = {old: hashlib.sha256(f"{salt}:{i}".encode()).hexdigest()[:32] for i, old in enumerate(order)}
+    text = MODEL_ID.sub(lambda m: new.get(m.group(0), m.group(0)), json.dumps(nb))
+    renamed = json.loads(text)
+    widgets = renamed["metadata"]["widgets"][WIDGET_STATE]
+    widgets["state"] = {new[old]: widgets["state"][new[old]] for old in order}
+    return nbformat.from_dict(renamed) if isinstance(nb, nbformat.NotebookNode) else renamed
 
 
 def execute(path: Path, write: bool = True, timeout: int = 600) -> tuple[float, float]:
@@ -39,7 +82,7 @@ def execute(path: Path, write: bool = True, timeout: int = 600) -> tuple[float, 
     text = "".join(o.get("text", "") for o in probe.outputs)
     kernel_kb, child_kb = (int(v) for v in text.split("PEAK_RSS_KB")[1].split()[:2])
     if write:
-        nbformat.write(nb, path)
+        nbformat.write(stable_widget_ids(nb, path.stem), path)
     return seconds, kernel_kb / 1024, child_kb / 1024
 
 

@@ -36,6 +36,8 @@ from pathlib import Path
 import pytest
 from layout import ROOT
 
+pytestmark = pytest.mark.commands
+
 BIN = Path(sys.executable).parent
 
 #: How a shown command starts.

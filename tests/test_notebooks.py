@@ -111,3 +111,37 @@ def test_code_cells_fit_the_page_and_are_formatted():
     proc = subprocess.run([ruff, "format", "--check", "--line-length", "80", *(str(ROOT / "chapters" / f"{s}.ipynb")
                            for s in STEMS)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_the_page_shows_the_code_it_studies(stem):
+    """Each chapter includes the core lines it discusses from the package's own source (one source: the page cannot
+    drift from the package), 10–60 lines in all, each include resolving to a core module's object."""
+    from gradaccum.book import course
+
+    text = "\n".join(source(c) for c in load(stem)["cells"] if c["cell_type"] == "markdown")
+    found = course.INCLUDE.findall(text)
+    assert found, "include the package code the chapter studies with ```{literalinclude} ../src/gradaccum/…"
+    assert text.count("{literalinclude}") == len(found), "every literalinclude has the form course.INCLUDE reads"
+    lines = sum(len(course.package_source(module, obj).splitlines()) for module, obj in found)
+    assert 10 <= lines <= 60, lines
+    for module, _ in found:
+        assert not module.startswith("book"), "the page shows core code, not the book's plumbing"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_widget_ids_are_stable(stem):
+    """Stored widget model ids are the canonical ones ``make outputs`` writes (they depend on the notebook and the
+    models' places only), so re-executing a chapter does not rewrite every id."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("execute_notebooks", ROOT / "scripts" / "execute_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    nb = load(stem)
+    assert nb["metadata"]["widgets"][module.WIDGET_STATE]["state"], "the chapter stores its widget state"
+    canonical = module.stable_widget_ids(nb, stem)
+    assert json.dumps(canonical, sort_keys=True) == json.dumps(nb, sort_keys=True)
+    for i, model_id in enumerate(list(canonical["metadata"]["widgets"][module.WIDGET_STATE]["state"])[:1]):
+        assert len(model_id) == 32

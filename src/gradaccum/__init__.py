@@ -1,15 +1,44 @@
-"""gradaccum: the companion package of *Gradient Accumulation, Correctly*.
+"""gradaccum: gradient accumulation, correctly. The core needs torch only (``pip install gradaccum``).
 
-Each chapter of the book has a module here that computes what the chapter shows:
+What each core module holds (the chapter of the book that derives it in brackets):
 
-* :mod:`gradaccum.accumulate` — splitting batches, accumulated vs full-batch gradients, the training loop;
-* :mod:`gradaccum.bn` — chapter 1, BatchNorm's micro-batch statistics;
-* :mod:`gradaccum.book.exercises` — checkers that explain wrong answers;
-* :mod:`gradaccum.runtime`, :mod:`gradaccum.book.data`, :mod:`gradaccum.book.models`, :mod:`gradaccum.book.plotting`,
-  :mod:`gradaccum.book.widgets` — shared set-up, data, models, figures and widgets.
+* :mod:`gradaccum.accumulate` — cut a batch into K micro-batches; accumulated vs full-batch gradients; a plain
+  training loop; the agreement of two gradients [all chapters].
+* :mod:`gradaccum.check` — ``from gradaccum.check import check``; ``check(model, loss_fn, x, y, k, step=...)``: run a reader's accumulation loop and
+  name what makes it differ from one full-batch step; ``python -m gradaccum.check`` for CI [Check your loop].
+* :mod:`gradaccum.bn_statistics` — micro-batch moments, the effective and the corrected BatchNorm momentum [1].
+* :mod:`gradaccum.ghost_bn` — ``GhostBatchNorm`` and ``ghostify`` [2].
+* :mod:`gradaccum.fullbatch_bn` — the exact full-batch-statistics scheme under accumulation [2].
+* :mod:`gradaccum.precise_bn` — PreciseBN: recompute running statistics after training [2].
+* :mod:`gradaccum.clipping` — where to clip: the four placements, their bounds, clipping with a GradScaler [3].
+* :mod:`gradaccum.precision` — loss scaling × 1/K: formats, casts, the amp window and its mistakes [4].
+* :mod:`gradaccum.distributed` — ``no_sync()`` placements, all-reduce counting, the α–β cost model [5].
+* :mod:`gradaccum.windows` — token-count normalization, dropout masks, scheduler steps, partial windows [6].
+* :mod:`gradaccum.runtime`, :mod:`gradaccum.timing` — seeds, threads and device; interleaved median timings.
+
+The book layer, :mod:`gradaccum.book` (``pip install "gradaccum[book]"``), holds the data, models, figures,
+widgets, exercise graders, course tools and one module of experiments per chapter.
 """
 
+from .accumulate import accumulate_backward, accumulated_gradient, agreement, full_batch_gradient, split_batch
+from .fullbatch_bn import full_batch_stats_backward
+from .ghost_bn import GhostBatchNorm, ghostify
+from .precise_bn import precise_bn
 from .runtime import pick_device, seed_everything, setup
 
-__version__ = "0.1.0"
-__all__ = ["__version__", "pick_device", "seed_everything", "setup"]
+__version__ = "0.2.0"
+__all__ = [
+    "__version__",
+    "GhostBatchNorm",
+    "accumulate_backward",
+    "accumulated_gradient",
+    "agreement",
+    "full_batch_gradient",
+    "full_batch_stats_backward",
+    "ghostify",
+    "pick_device",
+    "precise_bn",
+    "seed_everything",
+    "setup",
+    "split_batch",
+]

@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -122,8 +122,9 @@ class Report:
             error = f"{self.rel_error:.2e}, cosine {self.cosine:.4f} (tolerance {self.tolerance:.0e})"
         lines = [f"gradaccum.check, K = {self.k}: accumulated vs full-batch gradient: relative error {error}"]
         lines += ["  warning raised by your step: " + w for w in self.warnings]
-        if self.weights is not None and not self.ok and self.findings:
-            lines.append(f"  micro-batch weights: yours {nums(self.weights)}, full batch {nums(self.expected_weights)}")
+        if self.weights is not None and self.expected_weights is not None and not self.ok and self.findings:
+            lines.append(f"  micro-batch weights: yours {nums(self.weights)}, "
+                         f"full batch {nums(self.expected_weights)}")
         lines += ["  " + n for n in self.notes]
         if self.ok and not self.findings:
             return "\n".join(lines + ["  OK: accumulation computes the full-batch gradient."])
@@ -441,7 +442,9 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
     given = clip
     if clip is not None:
         source = "the clip argument"
-        loop = ", ".join(f"{fn} with threshold {num(v)}" for fn, v, _ in sorted(thresholds, key=str))
+        # v is None when the loop's threshold was not a number (e.g. a tensor); num(None) raises: left as is
+        loop = ", ".join(f"{fn} with threshold {num(v)}"  # type: ignore[arg-type]
+                         for fn, v, _ in sorted(thresholds, key=str))
         report.notes.append(f"clipping: the full batch is clipped once at threshold {num(clip)} (the clip argument)"
                             + (f"; your loop calls {loop}" if loop else "; your loop makes no clip call"))
     else:
@@ -527,7 +530,7 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
                        "accept k < K", 6, "note")
     probe = _loss_probe(loss_fn, refs.out.narrow(0, 0, m * b), yp, m, b)
     basis = refs.basis[:m]
-    ideal = sum(fj * basis[j] for j, fj in enumerate(probe.weights))
+    ideal = cast(torch.Tensor, sum(fj * basis[j] for j, fj in enumerate(probe.weights)))
     if clip is not None:
         ideal = clip_vec(ideal, clip, kind, norm_type)
     error = rel(ideal, run.applied)
@@ -567,8 +570,10 @@ def _load_target(target: str) -> Callable[[], Any]:
             if not os.path.exists(path):
                 raise _UsageError(f"no file {module_name}")
             spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+            if spec is None or spec.loader is None:  # not for a .py path; caught below as "cannot import"
+                raise ImportError(f"no module spec for {path}")
             module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)  # type: ignore[union-attr]
+            spec.loader.exec_module(module)
         else:
             sys.path.insert(0, os.getcwd())
             module = importlib.import_module(module_name)

@@ -35,7 +35,7 @@ import os
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -135,10 +135,11 @@ def placements(basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "n
     running = torch.zeros_like(basis[0])
     for p in parts:
         running = clip_vec(running + p, c, kind, norm_type)
+    # sum() of tensors is a tensor (typeshed types it ``Tensor | Literal[0]`` for the empty case)
     return {
-        "once": clip_vec(sum(parts), c, kind, norm_type),
-        "scaled_micro": sum(clip_vec(p, c, kind, norm_type) for p in parts),
-        "raw_micro": sum(fj * clip_vec(basis[j], c, kind, norm_type) for j, fj in enumerate(f)),
+        "once": clip_vec(cast(torch.Tensor, sum(parts)), c, kind, norm_type),
+        "scaled_micro": cast(torch.Tensor, sum(clip_vec(p, c, kind, norm_type) for p in parts)),
+        "raw_micro": cast(torch.Tensor, sum(fj * clip_vec(basis[j], c, kind, norm_type) for j, fj in enumerate(f))),
         "running": running,
     }
 
@@ -293,7 +294,6 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     """All findings for one window, and the measured quantities a report shows (weights, scale, calls)."""
     out = _Findings()
     info: dict[str, Any] = {}
-    k = m.k
     last = len(m.passes)
     events = m.events
     info["backward_passes"] = last
@@ -338,7 +338,7 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     top_w = max(abs(v) for v in w) if w else 0.0
     w = [v if abs(v) > max(m.wtol, 1e-9) * top_w else 0.0 for v in w]  # rounding noise of the fit shown as 0
     clip_factor = 1.0
-    ideal_unclipped = sum(fj * m.basis[j] for j, fj in enumerate(m.f))
+    ideal_unclipped = cast(torch.Tensor, sum(fj * m.basis[j] for j, fj in enumerate(m.f)))
     if m.clip is not None:
         clipped = clip_vec(ideal_unclipped, m.clip, m.clip_kind, m.clip_norm_type)
         if m.clip_kind == "norm":
@@ -442,8 +442,8 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
         later = [e for e in inside if e.after >= 2]  # the first clip always sees one micro-batch only
         per_micro = bool(later) and all(_held_one(m, e) for e in later)
         factors = [e.detail.get("factor", 1.0) for e in inside]
-        changed = any(abs(f - 1) > 1e-12 for f in factors)
-        effect = (f"it scaled the gradient by {nums(factors[:6])}" if changed else
+        bites = any(abs(f - 1) > 1e-12 for f in factors)
+        effect = (f"it scaled the gradient by {nums(factors[:6])}" if bites else
                   "it did not change this window's gradient (every norm was below the threshold) but will when "
                   "gradients grow")
         evidence = (f"{len(clips)} clip call(s), {len(inside)} before the last backward "
@@ -612,7 +612,7 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
             if name != "once" and rel(vec, m.applied) <= m.thr:
                 matched = name
                 break
-    if matched is not None:
+    if matched is not None and c is not None:  # a match implies a threshold
         evidence = (f"your gradient equals {PLACEMENT_TEXT[matched]} at threshold {num(c)} to rounding; the "
                     f"micro-batches no longer weigh what they weigh in the full batch: {weights}")
         if matched == "running":  # the measured gradient decides the placement

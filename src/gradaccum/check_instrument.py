@@ -160,7 +160,8 @@ class SampleRNG(TorchDispatchMode):
 
     def _per_sample(self, func, args, kwargs, call: int, kind: str, dim: int, block: int):  # noqa: ANN001, ANN202
         names = self._names(func)
-        offset, _ = self.window  # type: ignore[misc]
+        assert self.window is not None  # only reached for an op that _plan planned, which needs a window
+        offset, _ = self.window
         args = list(args)
         if kind == "tensor":
             base = args[0]
@@ -439,8 +440,8 @@ class CallRecorder:
             if name == "unscale_":
                 self.grads_scaled = False
             if self._push(frame, "scaler"):
-                self._event(f"scaler.{name}", scale=float(obj._scale) if getattr(obj, "_scale", None) is not None
-                            else None)
+                scale = getattr(obj, "_scale", None)
+                self._event(f"scaler.{name}", scale=float(scale) if scale is not None else None)
             return
         if name == "step" and isinstance(obj, LRScheduler):
             outer = self._push(frame, "sched")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -90,12 +90,13 @@ def combine(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement,
     _require_placement(placement)
     k = len(micro_grads)
     require_k(k)
+    # sum() of K >= 1 tensors is a tensor (typeshed types it ``Tensor | Literal[0]`` for the empty case)
     if placement == "once":
-        return clip_vector(sum(micro_grads) / k, c, mode)  # type: ignore[arg-type]
+        return clip_vector(cast(torch.Tensor, sum(micro_grads)) / k, c, mode)
     if placement == "scaled_micro":
-        return sum(clip_vector(g / k, c, mode) for g in micro_grads)  # type: ignore[return-value]
+        return cast(torch.Tensor, sum(clip_vector(g / k, c, mode) for g in micro_grads))
     if placement == "raw_micro":
-        return sum(clip_vector(g, c, mode) for g in micro_grads) / k  # type: ignore[return-value]
+        return cast(torch.Tensor, sum(clip_vector(g, c, mode) for g in micro_grads)) / k
     return clip_running_buffer([g / k for g in micro_grads], c, mode)
 
 
@@ -132,7 +133,7 @@ def norm_bounds(micro_grads: Sequence[torch.Tensor], c: float) -> dict[str, floa
     k = len(micro_grads)
     require_k(k)
     norms = [float(torch.linalg.vector_norm(g)) for g in micro_grads]
-    mean = float(torch.linalg.vector_norm(sum(micro_grads) / k))  # type: ignore[arg-type]
+    mean = float(torch.linalg.vector_norm(sum(micro_grads) / k))
     return {
         "once": min(mean, c),
         "scaled_micro": sum(min(c, n / k) for n in norms),
@@ -348,4 +349,4 @@ def scaler_clip_norm(grad_norm: float, c: float, scale: float = 2.0**16, unscale
     else:
         torch.nn.utils.clip_grad_norm_([p], c)
         scaler.unscale_(opt)
-    return float(torch.linalg.vector_norm(p.grad))  # type: ignore[arg-type]
+    return float(torch.linalg.vector_norm(p.grad))

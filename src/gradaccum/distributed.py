@@ -85,6 +85,7 @@ def counting_hook(state: CommCounter, bucket: dist.GradBucket) -> torch.futures.
 
     state.calls += 1
     state.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+    # None: the default process group (the hook handles it; torch types the argument as ProcessGroup)
     return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
 
 

@@ -31,13 +31,13 @@ class Moments:
     m2: torch.Tensor
 
     @staticmethod
-    def of(x: torch.Tensor) -> "Moments":
+    def of(x: torch.Tensor) -> Moments:
         dims = [0, *range(2, x.dim())]
         mean = x.mean(dims)
         centered = x - mean.view(1, -1, *([1] * (x.dim() - 2)))
         return Moments(x.numel() // x.shape[1], mean, (centered * centered).sum(dims))
 
-    def combine(self, other: "Moments") -> "Moments":
+    def combine(self, other: Moments) -> Moments:
         """Chan et al.'s pairwise update: exact, and stable (no E[x²] − E[x]² cancellation)."""
         n = self.count + other.count
         delta = other.mean - self.mean
@@ -215,7 +215,7 @@ class _FullBatchNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor,  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor,
                 layer: _BatchNorm, sweep: _Sweep | None) -> torch.Tensor:
         ctx.scale, ctx.layer, ctx.sweep = scale, layer, sweep
         if sweep is not None:
@@ -224,7 +224,7 @@ class _FullBatchNorm(torch.autograd.Function):
         return (x - mean) / scale
 
     @staticmethod
-    def backward(ctx, a: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, a: torch.Tensor):
         sweep: _Sweep | None = ctx.sweep
         if sweep is None:
             return a / ctx.scale, None, None, None, None
@@ -321,6 +321,7 @@ def _affine(layer: _BatchNorm, xhat: torch.Tensor) -> torch.Tensor:
 def _patched(patch: _Patch, layers: Sequence[_BatchNorm]) -> Iterator[_Patch]:
     saved = {layer: layer.__dict__.get("forward") for layer in layers}
     for layer in layers:
+        # an instance attribute shadows the method on purpose (removed again below)
         layer.forward = functools.partial(patch.forward, layer)  # type: ignore[method-assign]
     try:
         yield patch
@@ -329,7 +330,7 @@ def _patched(patch: _Patch, layers: Sequence[_BatchNorm]) -> Iterator[_Patch]:
             if old is None:
                 del layer.forward
             else:
-                layer.forward = old  # type: ignore[method-assign]
+                layer.forward = old  # type: ignore[method-assign]  # restore the instance's own patch
 
 
 @contextmanager
@@ -420,14 +421,14 @@ def update_running_stats(stats: dict[_BatchNorm, Moments]) -> None:
                 continue
             factor = 0.0 if layer.momentum is None else layer.momentum
             if layer.num_batches_tracked is not None:
-                layer.num_batches_tracked.add_(1)  # type: ignore[operator]
+                layer.num_batches_tracked.add_(1)
                 if layer.momentum is None:
                     factor = 1.0 / float(layer.num_batches_tracked)
             if layer.running_mean is not None:
-                layer.running_mean.mul_(1 - factor).add_(m.mean, alpha=factor)  # type: ignore[operator]
+                layer.running_mean.mul_(1 - factor).add_(m.mean, alpha=factor)
             if layer.running_var is not None:
                 unbiased = m.var * m.count / (m.count - 1)
-                layer.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)  # type: ignore[operator]
+                layer.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
 
 
 def _collect_corrections(model: nn.Module, loss_fn: LossFn, micro: list, k: int, stats: dict[_BatchNorm, Moments],

@@ -29,6 +29,11 @@ class GhostBatchNorm(_BatchNorm):
     layer is exactly ``nn.BatchNorm``. In eval mode it uses the running statistics, as BatchNorm does.
     """
 
+    # Always tracked (``track_running_stats=True`` below), so never None; annotations only, no runtime effect.
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor
+
     def __init__(self, num_features: int, virtual_batch_size: int, dims: int = 2, eps: float = 1e-5,
                  momentum: float | None = 0.1, affine: bool = True):
         if dims not in (1, 2):
@@ -61,18 +66,18 @@ class GhostBatchNorm(_BatchNorm):
                 f"{v}, or a virtual batch size that divides {n}."
             )
         g = n // v
-        self.num_batches_tracked.add_(1)  # type: ignore[operator]
+        self.num_batches_tracked.add_(1)
         factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         rest = x.shape[2:]
         folded = x.reshape(g, v, c, *rest).transpose(0, 1).reshape(v, g * c, *rest)
-        running_mean = self.running_mean.repeat(g)  # type: ignore[union-attr]
-        running_var = self.running_var.repeat(g)  # type: ignore[union-attr]
+        running_mean = self.running_mean.repeat(g)
+        running_var = self.running_var.repeat(g)
         weight = self.weight.repeat(g) if self.affine else None
         bias = self.bias.repeat(g) if self.affine else None
         out = F.batch_norm(folded, running_mean, running_var, weight, bias, True, factor, self.eps)
         with torch.no_grad():  # G identical updates, one per ghost batch: their mean is one averaged update
-            self.running_mean.copy_(running_mean.view(g, c).mean(0))  # type: ignore[union-attr]
-            self.running_var.copy_(running_var.view(g, c).mean(0))  # type: ignore[union-attr]
+            self.running_mean.copy_(running_mean.view(g, c).mean(0))
+            self.running_var.copy_(running_var.view(g, c).mean(0))
         return out.reshape(v, g, c, *rest).transpose(0, 1).reshape(x.shape)
 
 
@@ -93,10 +98,11 @@ def ghostify(model: nn.Module, virtual_batch_size: int) -> nn.Module:
     running statistics."""
     model = copy.deepcopy(model)
     replaced = 0
-    for name, module in list(model.named_modules()):
+    for _name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, _BatchNorm) and not isinstance(child, GhostBatchNorm):
-                ghost = GhostBatchNorm(child.num_features, virtual_batch_size, dims=1 if isinstance(child, nn.BatchNorm1d) else 2,
+                dims = 1 if isinstance(child, nn.BatchNorm1d) else 2
+                ghost = GhostBatchNorm(child.num_features, virtual_batch_size, dims=dims,
                                        eps=child.eps, momentum=child.momentum, affine=child.affine)
                 ghost.load_state_dict(child.state_dict())
                 ghost.to(next(child.buffers()).device, next(child.buffers()).dtype)

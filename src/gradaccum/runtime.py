@@ -12,10 +12,11 @@ Every chapter's first cell calls :func:`setup`. Stored notebook outputs are comp
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import random
 
-import numpy as np
 import torch
 
 #: Threads used by torch on the CPU in every chapter. One thread makes reductions run in the same order on
@@ -27,11 +28,13 @@ DEVICE_ENV = "GRADACCUM_DEVICE"
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's generators (CPU and, when present, every CUDA device)."""
+    """Seed Python's, NumPy's (when NumPy is installed: the core does not need it) and torch's generators (CPU
+    and, when present, every CUDA device)."""
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}; pass e.g. seed=0.")
     random.seed(seed)
-    np.random.seed(seed)
+    if importlib.util.find_spec("numpy") is not None:
+        importlib.import_module("numpy").random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,8 @@ def window_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
     return value
 
 
-def window_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int, normalization: Normalization) -> torch.Tensor:
+def window_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
+                    normalization: Normalization) -> torch.Tensor:
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     window_backward(work, x, y, k, normalization)
@@ -90,7 +91,8 @@ def token_mean_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
     return window_gradient(model, x, y, 1, "window_tokens")
 
 
-def ranks_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int, k: int, global_count: bool) -> torch.Tensor:
+def ranks_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int, k: int,
+                   global_count: bool) -> torch.Tensor:
     """What DDP would apply with p ranks (equal shares of the batch), K micro-batches each, token-sum loss.
 
     Each rank divides by its own token count (``global_count=False``) or by the all-reduced count of all ranks,
@@ -293,7 +295,8 @@ def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
         for xb, yb in split_batch(x[idx], y[idx], present):
             (loss_fn(trial(xb), yb) / divisor).backward()
         trial_opt.step()
-        norms.append(float(torch.sqrt(sum(((p.detach() - q) ** 2).sum() for p, q in zip(trial.parameters(), before)))))
+        squared = cast(torch.Tensor, sum(((p.detach() - q) ** 2).sum() for p, q in zip(trial.parameters(), before)))
+        norms.append(float(torch.sqrt(squared)))
     return norms[0] / norms[1]
 
 

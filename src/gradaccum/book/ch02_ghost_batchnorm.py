@@ -509,7 +509,7 @@ def precise_bn_cost(split: DigitsSplit, b: int = 4, k: int = 16, repeat: int = 5
     return times["PreciseBN pass"] / times["plain step"]
 
 
-def effect_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> dict[str, "np.ndarray"]:
+def effect_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
     """Gradient cosine to the full batch over a grid of K (rows) and b (columns), per method (v = b)."""
 
     grids: dict[str, list[list[float]]] = {}
@@ -523,7 +523,7 @@ def effect_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y: torch.
     return {m: np.array(v) for m, v in grids.items()}
 
 
-def plot_effect_grid(grids: dict[str, "np.ndarray"], ks: Sequence[int], bs: Sequence[int],
+def plot_effect_grid(grids: dict[str, np.ndarray], ks: Sequence[int], bs: Sequence[int],
                      methods: Sequence[str] = ("plain accumulation", "full-batch stats", "exact full-batch stats")):
     """Heat maps of the gradient cosine to the full-batch gradient, one panel per method."""
 

@@ -302,7 +302,7 @@ def plot_placement_effects(k: int, c: float, alignment: float):
     return fig
 
 
-def placement_grid(ks: Sequence[int], alignments: Sequence[float], c: float) -> dict[str, "np.ndarray"]:
+def placement_grid(ks: Sequence[int], alignments: Sequence[float], c: float) -> dict[str, np.ndarray]:
     """‖step‖/c over K (rows) × alignment (columns), per placement, for synthetic micro-gradients of norm 1."""
 
     out = {p: np.zeros((len(ks), len(alignments))) for p in PLACEMENTS}
@@ -313,7 +313,7 @@ def placement_grid(ks: Sequence[int], alignments: Sequence[float], c: float) -> 
     return out
 
 
-def plot_placement_grid(grid: dict[str, "np.ndarray"], ks: Sequence[int], alignments: Sequence[float]):
+def plot_placement_grid(grid: dict[str, np.ndarray], ks: Sequence[int], alignments: Sequence[float]):
 
     fig, axes = figure(4, 14.0, 3.6)
     vmax = max(float(g.max()) for g in grid.values())

@@ -360,7 +360,7 @@ def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float], p: int) -> Inte
     return Interconnect("measured", 1.0 / inv_beta, max(float(alpha), 0.0), "fit")
 
 
-def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, micro_compute: float) -> "Any":
+def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, micro_compute: float) -> Any:
     r"""Fraction of step time saved by no_sync over K (rows) × number of GPUs p (columns).
 
     With A the time of one synchronization and c of one micro-batch's compute, the model gives

@@ -14,6 +14,7 @@ answer; the checker's message says what is wrong when it does not.
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import json
 import re
@@ -58,13 +59,43 @@ def solution_texts(nb: dict[str, Any]) -> list[str]:
     return texts
 
 
+#: ```{literalinclude} ../src/gradaccum/<module>.py + :pyobject: <name>: the chapters show the package's own code.
+INCLUDE = re.compile(r"```\{literalinclude\} \.\./src/gradaccum/(\w+)\.py\n:pyobject: ([\w.]+)\n(?::[^\n]*\n)*```")
+
+
+def package_source(module: str, pyobject: str) -> str:
+    """The source of ``pyobject`` (``name`` or ``Class.method``) in ``gradaccum.<module>``, read from the installed
+    package, as Sphinx's ``literalinclude :pyobject:`` selects it (decorators included)."""
+    path = Path(__file__).resolve().parents[1] / f"{module}.py"
+    if not path.exists():
+        raise ValueError(f"gradaccum has no module {module!r}: the include names a file that is not in the package.")
+    text = path.read_text(encoding="utf-8")
+    node: Any = ast.parse(text)
+    for part in pyobject.split("."):
+        found = [n for n in node.body if getattr(n, "name", None) == part]
+        if not found:
+            raise ValueError(f"gradaccum.{module} defines no {pyobject!r}: fix the chapter's literalinclude.")
+        node = found[0]
+    start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    lines = text.splitlines()[start - 1:node.end_lineno]
+    indent = min(len(line) - len(line.lstrip()) for line in lines if line.strip())
+    return "\n".join(line[indent:] for line in lines)
+
+
+def inline_includes(text: str) -> str:
+    """Replace each ``literalinclude`` of the package's source by a fenced copy of the code: the student edition and
+    nbgrader's notebooks carry no package source to include from."""
+    return INCLUDE.sub(lambda m: "```python\n" + package_source(m.group(1), m.group(2)) + "\n```", text)
+
+
 def student_notebook(nb: dict[str, Any]) -> dict[str, Any]:
-    """The student version of a chapter: solutions removed, exercise outputs cleared, the rest kept."""
+    """The student version of a chapter: solutions removed, exercise outputs cleared, included package code
+    inlined, the rest kept."""
     out = copy.deepcopy(nb)
     cells = []
     for cell in out["cells"]:
         if cell["cell_type"] == "markdown":
-            text = SOLUTION.sub("", _source(cell)).strip()
+            text = inline_includes(SOLUTION.sub("", _source(cell))).strip()
             if not text:
                 continue  # the cell held only a solution
             cell["source"] = text
@@ -128,7 +159,7 @@ def _write_binder(root: Path, out: Path) -> None:
     (out / "binder").mkdir(exist_ok=True)
     (out / "binder" / "requirements.txt").write_text(
         f"{requirements}\n# The student edition has no package source: install the book's package from its repository.\n"
-        f"gradaccum @ git+{match.group(1)}\n")
+        f"gradaccum[book] @ git+{match.group(1)}\n")
     shutil.copy(root / "binder" / "runtime.txt", out / "binder" / "runtime.txt")
 
 

@@ -27,7 +27,7 @@ class DigitsSplit:
     x_val: torch.Tensor
     y_val: torch.Tensor
 
-    def to(self, device: torch.device | str) -> "DigitsSplit":
+    def to(self, device: torch.device | str) -> DigitsSplit:
         """The same split on another device."""
         return DigitsSplit(*(t.to(device) for t in (self.x_train, self.y_train, self.x_val, self.y_val)))
 

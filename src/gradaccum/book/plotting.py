@@ -70,7 +70,7 @@ def decorate(
     return ax
 
 
-def heatmap(ax: Axes, grid: "np.ndarray", rows: Sequence[object], cols: Sequence[object], fmt: str = "{:.2f}",
+def heatmap(ax: Axes, grid: np.ndarray, rows: Sequence[object], cols: Sequence[object], fmt: str = "{:.2f}",
             vmin: float | None = None, vmax: float | None = None, xlabel: str = "", ylabel: str = "",
             title: str = "", aspect: str = "auto"):
     """An annotated heat map (first row at the bottom) in the colour-blind-safe cividis map; every cell shows its
