@@ -72,7 +72,7 @@ def execute(path: Path, write: bool = True, timeout: int = 600) -> tuple[float, 
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(PROBE))
     client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", store_widget_state=True,
+        nb, timeout=timeout, kernel_name="python3", store_widget_state=True, record_timing=False,
         resources={"metadata": {"path": str(path.parent)}},
     )
     start = time.perf_counter()
