@@ -29,7 +29,7 @@ PROBE = ("import resource as _r; print('PEAK_RSS_KB', _r.getrusage(_r.RUSAGE_SEL
 
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-MODEL_ID = re.compile(r"\b[0-9a-f]{32}\b")
+MODEL_ID = re.compile(r"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])")
 
 
 def stable_widget_ids(nb: Any, salt: str) -> Any:

@@ -1,13 +1,16 @@
-"""Chapter 2, "Ghost BatchNorm and full-batch statistics": the method comparisons and seed study, step costs, PreciseBN size effects and the figures.
+"""Chapter 2, "Ghost BatchNorm and full-batch statistics": the method comparisons and seed study, step costs,
+PreciseBN size effects and the figures.
 
-The book layer over :mod:`gradaccum.ghost_bn`, :mod:`gradaccum.fullbatch_bn` and :mod:`gradaccum.precise_bn` (the torch-only tools the chapter derives).
+The book layer over :mod:`gradaccum.ghost_bn`, :mod:`gradaccum.fullbatch_bn` and :mod:`gradaccum.precise_bn` (the
+torch-only tools the chapter derives).
 """
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -25,7 +28,7 @@ from gradaccum.accumulate import (
 )
 from gradaccum.bn_statistics import corrected_momentum, layer_inputs, set_bn_momentum
 from gradaccum.book.data import DigitsSplit
-from gradaccum.book.models import make_cnn
+from gradaccum.book.models import NormKind, make_cnn
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.fullbatch_bn import (
     full_batch_statistics,
@@ -77,6 +80,11 @@ class PreciseBNSizeEffect:
     acc_large: float
 
 
+def _running_stats(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A BatchNorm layer's running mean and variance (every BatchNorm layer of the chapter tracks them)."""
+    return cast(torch.Tensor, layer.running_mean), cast(torch.Tensor, layer.running_var)
+
+
 def precise_bn_size_effect(model: nn.Module, x: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
                            small: int, large: int) -> PreciseBNSizeEffect:
     """Run PreciseBN on two copies of ``model``, in batches of ``small`` and of ``large``, and compare.
@@ -94,11 +102,11 @@ def precise_bn_size_effect(model: nn.Module, x: torch.Tensor, x_val: torch.Tenso
     ratios, shifts = {}, {}
     for name, layer in copies[small].named_modules():
         if isinstance(layer, _BatchNorm):
-            ref = copies[large].get_submodule(name)
-            ratio = layer.running_var / ref.running_var  # type: ignore[operator]
+            mean, var = _running_stats(layer)
+            ref_mean, ref_var = _running_stats(copies[large].get_submodule(name))
+            ratio = var / ref_var
             ratios[name] = (float(ratio.min()), float(ratio.max()))
-            shifts[name] = float(((layer.running_mean - ref.running_mean).abs()  # type: ignore[operator]
-                                  / ref.running_var.sqrt()).max())  # type: ignore[union-attr]
+            shifts[name] = float(((mean - ref_mean).abs() / ref_var.sqrt()).max())
     accs = {size: accuracy(m.eval(), x_val, y_val) for size, m in copies.items()}
     return PreciseBNSizeEffect(small, large, ratios, shifts, accs[small], accs[large])
 
@@ -163,8 +171,9 @@ def method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor, see
     ):
         a = agreement(g_full, grad)
         rows.append(MethodEffect(method, _stat_error(feats, group), a.rel_error, a.cosine))
-    for norm, label in (("group", "GroupNorm"), ("layer", "LayerNorm")):
-        other = make_cnn(norm, seed=seed, device=x.device).train()  # type: ignore[arg-type]
+    others: tuple[tuple[NormKind, str], ...] = (("group", "GroupNorm"), ("layer", "LayerNorm"))
+    for norm, label in others:
+        other = make_cnn(norm, seed=seed, device=x.device).train()
         a = agreement(full_batch_gradient(other, loss_fn, xb, yb), accumulated_gradient(other, loss_fn, xb, yb, k))
         rows.append(MethodEffect(label, float("nan"), a.rel_error, a.cosine))
     return rows
@@ -226,7 +235,7 @@ class ShadowRunningStats:
 
     def __init__(self, model: nn.Module, momentum: float):
         self.momentum = momentum
-        self.stats = {name: (layer.running_mean.clone(), layer.running_var.clone())  # type: ignore[union-attr]
+        self.stats = {name: tuple(t.clone() for t in _running_stats(layer))
                       for name, layer in model.named_modules() if isinstance(layer, _BatchNorm)}
         self._hooks = [layer.register_forward_pre_hook(functools.partial(self._update, name))
                        for name, layer in model.named_modules() if isinstance(layer, _BatchNorm)]
@@ -246,9 +255,9 @@ class ShadowRunningStats:
             h.remove()
         twin = copy.deepcopy(model)
         for name, (mean, var) in self.stats.items():
-            layer = twin.get_submodule(name)
-            layer.running_mean.copy_(mean)  # type: ignore[union-attr,operator]
-            layer.running_var.copy_(var)  # type: ignore[union-attr,operator]
+            running_mean, running_var = _running_stats(twin.get_submodule(name))
+            running_mean.copy_(mean)
+            running_var.copy_(var)
         return twin
 
 
@@ -271,8 +280,9 @@ def train_method(split: DigitsSplit, method: str, k: int, batch_size: int = 64, 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}.")
     b = batch_size // k
-    norm = {"GroupNorm": "group", "LayerNorm": "layer"}.get(method, "batch")
-    model: nn.Module = make_cnn(norm, seed=seed, device=split.x_train.device)  # type: ignore[arg-type]
+    norms: dict[str, NormKind] = {"GroupNorm": "group", "LayerNorm": "layer"}
+    norm = norms.get(method, "batch")
+    model: nn.Module = make_cnn(norm, seed=seed, device=split.x_train.device)
     steps_k, backward_fn = k, None
     if method == "full batch":
         steps_k = 1
@@ -290,8 +300,8 @@ def train_method(split: DigitsSplit, method: str, k: int, batch_size: int = 64, 
     watched = {name: m.weight.detach().norm().item() for name, m in model.named_modules()
                if name in pre_bn_layers(model)}
     result = train(model, split.x_train, split.y_train, split.x_val, split.y_val, batch_size=batch_size,
-                   k=steps_k, epochs=epochs, seed=seed, backward_fn=backward_fn, schedule=schedule)  # type: ignore[arg-type]
-    growth = tuple(model.get_submodule(name).weight.detach().norm().item() / start
+                   k=steps_k, epochs=epochs, seed=seed, backward_fn=backward_fn, schedule=schedule)
+    growth = tuple(cast(torch.Tensor, model.get_submodule(name).weight).detach().norm().item() / start
                    for name, start in watched.items())
     precise = float("nan")
     if norm == "batch":
@@ -460,7 +470,7 @@ def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: in
     x, y = split.x_train[:batch_size], split.y_train[:batch_size]
     loss_fn = nn.CrossEntropyLoss()
     counts: dict[str, list[int]] = {}
-    steps = {}
+    steps: dict[str, Callable[[], object]] = {}
     for method in methods:
         model: nn.Module = make_cnn("batch", seed=0, device=x.device).train()
         steps_k, backward = k, accumulate_backward
@@ -482,9 +492,9 @@ def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: in
             fn(m, loss_fn, x, y, kk)
 
         steps[method] = step
-    for method, step in steps.items():  # one counted step per method
+    for method, step_fn in steps.items():  # one counted step per method
         counts[method][0] = 0
-        step()
+        step_fn()
     calls = {m: c[0] for m, c in counts.items()}
     times = interleaved_medians(steps, repeat=repeat, warmup=1)
     base = times.get("plain accumulation") or next(iter(times.values()))
@@ -504,8 +514,9 @@ def precise_bn_cost(split: DigitsSplit, b: int = 4, k: int = 16, repeat: int = 5
         model.zero_grad(set_to_none=True)
         accumulate_backward(model, loss_fn, x, y, k)
 
-    times = interleaved_medians({"plain step": plain, "PreciseBN pass": lambda: precise_bn(recompute, split.x_train, b)},
-                                repeat=repeat, warmup=1)
+    times = interleaved_medians(
+        {"plain step": plain, "PreciseBN pass": lambda: precise_bn(recompute, split.x_train, b)},
+        repeat=repeat, warmup=1)
     return times["PreciseBN pass"] / times["plain step"]
 
 
