@@ -51,18 +51,25 @@ def to_script(path: Path) -> str:
     # Under a __main__ guard: chapter 5 spawns workers, which re-import the main module (an `if` block keeps
     # the cells' variables global).
     body = "\n\n".join(parts)
-    return "if __name__ == '__main__':\n" + "\n".join("    " + line if line else "" for line in body.splitlines()) + "\n"
+    return (
+        "if __name__ == '__main__':\n" + "\n".join("    " + line if line else "" for line in body.splitlines()) + "\n"
+    )
 
 
 def run(path: Path, timeout: int = 600) -> tuple[bool, float, str]:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(to_script(path))
-    env = {**os.environ, "GRADACCUM_DEVICE": os.environ.get("GRADACCUM_DEVICE", "cuda"), "MPLBACKEND": "Agg",
-           # the package from this checkout, installed or not (the GPU machine has no virtual environment)
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "GRADACCUM_DEVICE": os.environ.get("GRADACCUM_DEVICE", "cuda"),
+        "MPLBACKEND": "Agg",
+        # the package from this checkout, installed or not (the GPU machine has no virtual environment)
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+    }
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, f.name], cwd=path.parent, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, f.name], cwd=path.parent, env=env, capture_output=True, text=True, timeout=timeout
+    )
     seconds = time.perf_counter() - start
     device = next((line[7:] for line in proc.stdout.splitlines() if line.startswith("DEVICE ")), "?")
     if proc.returncode:

@@ -122,7 +122,11 @@ def test_microbatch_effect(digits):
 
 def test_run_fingerprint_small(digits):
     runs = ch1.run_fingerprint(digits, {"batch": (64, 8), "group": (8,)}, seeds=(0,), epochs=1)
-    assert [(r.norm, r.b, r.k, r.steps) for r in runs] == [("batch", 64, 1, 19), ("batch", 8, 8, 19), ("group", 8, 8, 19)]
+    assert [(r.norm, r.b, r.k, r.steps) for r in runs] == [
+        ("batch", 64, 1, 19),
+        ("batch", 8, 8, 19),
+        ("group", 8, 8, 19),
+    ]
     table = ch1.summarize_fingerprint(runs)
     assert set(table) == {("batch", 64), ("batch", 8), ("group", 8)}
     assert table["group", 8]["gap"] == 0.0
@@ -146,16 +150,22 @@ def test_figures_have_fixed_sizes(digits):
 
 def test_exercise_solutions_numbers():
     """Every number the chapter-1 exercise solutions state."""
-    assert (1 - 0.1) ** 8 == pytest.approx(0.430, abs=5e-4) and bn_statistics.effective_momentum(0.1, 8) == pytest.approx(0.570, abs=5e-4)
+    assert (1 - 0.1) ** 8 == pytest.approx(0.430, abs=5e-4) and bn_statistics.effective_momentum(
+        0.1, 8
+    ) == pytest.approx(0.570, abs=5e-4)
     assert bn_statistics.corrected_momentum(0.1, 8) == pytest.approx(0.013084, abs=5e-7) and 0.1 / 8 == 0.0125
     assert bn_statistics.biased_variance_factor(4) == 0.75
     assert bn_statistics.eval_train_mean_abs_ratio(4) == pytest.approx(0.92, abs=0.005)
     assert bn_statistics.eval_train_mean_abs_ratio(2) == pytest.approx(0.80, abs=0.005)
-    assert bn_statistics.eval_train_mean_abs_ratio(2) == pytest.approx(math.sqrt(2 / math.pi), rel=1e-12)  # |z_train| = 1
+    assert bn_statistics.eval_train_mean_abs_ratio(2) == pytest.approx(
+        math.sqrt(2 / math.pi), rel=1e-12
+    )  # |z_train| = 1
     for b in (2, 4):
         rms_train, rms_eval, ratio = ch1.normalized_feature_sizes(b)
         assert rms_train == pytest.approx(1, abs=1e-6) and rms_eval == pytest.approx(1, abs=0.01)  # RMS 1 both
-        assert ratio == pytest.approx(bn_statistics.eval_train_mean_abs_ratio(b), abs=0.01)  # the formula, by simulation
+        assert ratio == pytest.approx(
+            bn_statistics.eval_train_mean_abs_ratio(b), abs=0.01
+        )  # the formula, by simulation
     # the old solution's claim, sqrt(3/4) ≈ 0.87 "as large in evaluation", is not what BatchNorm does:
     assert abs(ch1.normalized_feature_sizes(4)[1] / ch1.normalized_feature_sizes(4)[0] - math.sqrt(0.75)) > 0.1
     with pytest.raises(ValueError):

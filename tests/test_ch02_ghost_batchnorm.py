@@ -81,7 +81,9 @@ def test_ghost_bad_input():
 def test_moments_combine_exactly():
     torch.manual_seed(3)
     x = torch.randn(10, 2, 3, dtype=torch.float64) * 5 + 3
-    total = fullbatch_bn.Moments.of(x[:3]).combine(fullbatch_bn.Moments.of(x[3:4])).combine(fullbatch_bn.Moments.of(x[4:]))
+    total = (
+        fullbatch_bn.Moments.of(x[:3]).combine(fullbatch_bn.Moments.of(x[3:4])).combine(fullbatch_bn.Moments.of(x[4:]))
+    )
     ref = fullbatch_bn.Moments.of(x)
     assert total.count == ref.count == 30
     assert torch.allclose(total.mean, ref.mean, atol=1e-13) and torch.allclose(total.var, ref.var, atol=1e-12)
@@ -105,7 +107,9 @@ def test_exact_scheme_gives_the_full_batch_gradient(k, batch, loss_fn):
     x, y = batch
     model = make_cnn("batch").train()
     g_full = full_batch_gradient(model, loss_fn, x, y)
-    assert agreement(g_full, fullbatch_bn.full_batch_stats_gradient(model, loss_fn, x, y, k, exact=True)).rel_error < 1e-12
+    assert (
+        agreement(g_full, fullbatch_bn.full_batch_stats_gradient(model, loss_fn, x, y, k, exact=True)).rel_error < 1e-12
+    )
     frozen = agreement(g_full, fullbatch_bn.full_batch_stats_gradient(model, loss_fn, x, y, k))
     assert frozen.rel_error > 0.5  # constants: every term through the statistics is missing
 
@@ -135,8 +139,14 @@ def test_scheme_errors(batch, loss_fn):
 def test_exact_scheme_trains_like_the_full_batch(digits):
     args = (digits.x_train, digits.y_train, digits.x_val, digits.y_val)
     full = train(make_cnn("batch"), *args, batch_size=64, k=1, epochs=1)
-    exact = train(make_cnn("batch"), *args, batch_size=64, k=8, epochs=1,
-                  backward_fn=functools.partial(fullbatch_bn.full_batch_stats_backward, exact=True))
+    exact = train(
+        make_cnn("batch"),
+        *args,
+        batch_size=64,
+        k=8,
+        epochs=1,
+        backward_fn=functools.partial(fullbatch_bn.full_batch_stats_backward, exact=True),
+    )
     assert max(abs(a - b) for a, b in zip(full.train_loss, exact.train_loss)) < 1e-10
     assert full.val_acc == exact.val_acc
 
@@ -168,13 +178,17 @@ def test_method_effects(digits):
 
 
 def test_train_methods_small(digits):
-    runs = ch2.train_methods(digits, 8, epochs=1, methods=("full batch", "plain accumulation",
-                                                              "exact full-batch stats", "GroupNorm"))
+    runs = ch2.train_methods(
+        digits, 8, epochs=1, methods=("full batch", "plain accumulation", "exact full-batch stats", "GroupNorm")
+    )
     by = {r.method: r for r in runs}
     assert list(by) == ["full batch", "plain accumulation", "exact full-batch stats", "GroupNorm"]
     assert by["full batch"].val_acc == by["exact full-batch stats"].val_acc  # exact: the same trajectory
     assert by["full batch"].weight_growth == pytest.approx(by["exact full-batch stats"].weight_growth, rel=1e-9)
-    assert (by["full batch"].k, by["full batch"].b) == (1, 64) and (by["plain accumulation"].k, by["plain accumulation"].b) == (8, 8)
+    assert (by["full batch"].k, by["full batch"].b) == (1, 64) and (
+        by["plain accumulation"].k,
+        by["plain accumulation"].b,
+    ) == (8, 8)
     assert (by["exact full-batch stats"].k, by["exact full-batch stats"].b) == (8, 64)
     assert len(by["full batch"].weight_growth) == 3 and by["GroupNorm"].weight_growth == ()
     assert by["GroupNorm"].val_acc_precise != by["GroupNorm"].val_acc_precise  # NaN: nothing to recompute
@@ -197,8 +211,12 @@ def test_pre_bn_layers_are_the_layers_feeding_batchnorm():
 def test_study_table_and_format(digits):
     runs = ch2.seed_study(digits, seeds=(0,), schedules=("cosine",), k=8, k_small=2, epochs=1)
     table = ch2.study_table(runs)
-    assert set(table) == {("full batch", 1, "cosine", 0), ("plain accumulation", 8, "cosine", 0),
-                          ("momentum-corrected", 8, "cosine", 0), ("plain accumulation", 2, "cosine", 0)}
+    assert set(table) == {
+        ("full batch", 1, "cosine", 0),
+        ("plain accumulation", 8, "cosine", 0),
+        ("momentum-corrected", 8, "cosine", 0),
+        ("plain accumulation", 2, "cosine", 0),
+    }
     assert "→" in ch2.format_study(runs) and "cosine" in ch2.format_study(runs)
     with pytest.raises(ValueError, match="two runs"):
         ch2.study_table(runs + runs[:1])
@@ -221,11 +239,11 @@ def test_precise_bn_exercise_solution(digits):
         e = ch2.precise_bn_size_effect(model, digits.x_train, digits.x_val, digits.y_val, 4, 1221)
         first, *later = list(e.var_ratio)
         assert first == "features.1" and max(abs(v - 1) for v in e.var_ratio[first]) < 0.005  # within 0.5%
-        assert e.mean_shift[first] < 1e-3                                                     # same mean
-        assert max(abs(v - 1) for name in later for v in e.var_ratio[name]) < 0.06             # up to about 6%
-        assert max(abs(v - 1) for name in later for v in e.var_ratio[name]) > 0.01             # ... but not 0
-        assert max(e.mean_shift[name] for name in later) < 0.035                               # ≤ 0.03 sd
-        assert e.acc_small == e.acc_large                                                      # same accuracy
+        assert e.mean_shift[first] < 1e-3  # same mean
+        assert max(abs(v - 1) for name in later for v in e.var_ratio[name]) < 0.06  # up to about 6%
+        assert max(abs(v - 1) for name in later for v in e.var_ratio[name]) > 0.01  # ... but not 0
+        assert max(e.mean_shift[name] for name in later) < 0.035  # ≤ 0.03 sd
+        assert e.acc_small == e.acc_large  # same accuracy
 
 
 def test_effect_grid_and_figures(digits):
@@ -251,8 +269,11 @@ def test_shadow_momentum_equals_a_separate_momentum_corrected_run(digits):
     for p, q in zip(model.parameters(), real_model.parameters()):
         assert torch.equal(p, q)  # the momentum never reaches the weights
     assert shadow[0].val_acc == real.val_acc and shadow[0].val_acc_precise == real.val_acc_precise
-    tracker_stats = {n: (m.running_mean, m.running_var) for n, m in real_model.named_modules()
-                     if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    tracker_stats = {
+        n: (m.running_mean, m.running_var)
+        for n, m in real_model.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+    }
     assert len(tracker_stats) == 3
     assert plain.val_acc != real.val_acc  # the running statistics do differ
     with pytest.raises(ValueError, match="plain-accumulation run only"):
@@ -284,21 +305,29 @@ def test_chapter2_claims_on_other_seeds(digits):
     def diff(a, b, sched, key="val_acc"):
         return [getattr(t[a + (sched, s)], key) - getattr(t[b + (sched, s)], key) for s in seeds]
 
-    plain16, mom16, plain4, full1 = ("plain accumulation", 16), ("momentum-corrected", 16), \
-        ("plain accumulation", 4), ("full batch", 1)
-    gains = {(r, s): [t[r + (s, x)].val_acc_precise - t[r + (s, x)].val_acc for x in seeds]
-             for r in (full1, plain16, plain4) for s in ("constant", "cosine")}
-    assert min(min(g) for g in gains.values()) > -0.005             # PreciseBN never costs half a point
-    assert min(gains[full1, "constant"]) > 0.001                      # ... and helps the constant-LR full batch
+    plain16, mom16, plain4, full1 = (
+        ("plain accumulation", 16),
+        ("momentum-corrected", 16),
+        ("plain accumulation", 4),
+        ("full batch", 1),
+    )
+    gains = {
+        (r, s): [t[r + (s, x)].val_acc_precise - t[r + (s, x)].val_acc for x in seeds]
+        for r in (full1, plain16, plain4)
+        for s in ("constant", "cosine")
+    }
+    assert min(min(g) for g in gains.values()) > -0.005  # PreciseBN never costs half a point
+    assert min(gains[full1, "constant"]) > 0.001  # ... and helps the constant-LR full batch
     assert max(abs(x) for r in (full1, plain16, plain4) for x in gains[r, "cosine"]) < 0.01  # cosine: < 1 point
-    assert max(diff(mom16, plain16, "constant")) < 0                  # momentum correction hurts: constant LR
-    assert min(diff(mom16, plain16, "cosine")) >= 0                   # ... not with cosine decay
+    assert max(diff(mom16, plain16, "constant")) < 0  # momentum correction hurts: constant LR
+    assert min(diff(mom16, plain16, "cosine")) >= 0  # ... not with cosine decay
     gap = diff(plain4, full1, "constant")
-    assert min(gap) < 0 < max(gap)                                    # b = 16 vs full batch: the sign flips
+    assert min(gap) < 0 < max(gap)  # b = 16 vs full batch: the sign flips
     assert max(abs(g) for g in diff(plain4, full1, "cosine")) < 0.011  # cosine: within about one point
-    for seed in (3, 4):                                               # constants fail on other seeds too
-        runs = {r.method: r for r in ch2.train_methods(digits, 16, seed=seed,
-                                                         methods=("full batch", "full-batch stats"))}
+    for seed in (3, 4):  # constants fail on other seeds too
+        runs = {
+            r.method: r for r in ch2.train_methods(digits, 16, seed=seed, methods=("full batch", "full-batch stats"))
+        }
         const, full = runs["full-batch stats"], runs["full batch"]
         assert const.val_acc < 0.55 and const.val_acc < full.val_acc - 0.3
         assert min(const.weight_growth) > 2 * max(full.weight_growth)

@@ -16,7 +16,13 @@ def f32(digits):
 
 def test_format_info():
     f = precision.format_info(torch.float16)
-    assert (f.max, f.smallest_normal, f.smallest_subnormal, f.eps, f.mantissa_bits) == (65504, 2**-14, 2**-24, 2**-10, 10)
+    assert (f.max, f.smallest_normal, f.smallest_subnormal, f.eps, f.mantissa_bits) == (
+        65504,
+        2**-14,
+        2**-24,
+        2**-10,
+        10,
+    )
     b = precision.format_info(torch.bfloat16)
     assert b.mantissa_bits == 7 and b.smallest_subnormal == 2**-133
     with pytest.raises(ValueError):
@@ -151,7 +157,15 @@ def test_divide_where(f32, loss_fn):
 
 
 def test_scale_history_growth_and_backoff():
-    assert precision.scale_history(7, 3, overflow_at=(4,)) == [2.0**16, 2.0**16, 2.0**17, 2.0**17, 2.0**16, 2.0**16, 2.0**16]
+    assert precision.scale_history(7, 3, overflow_at=(4,)) == [
+        2.0**16,
+        2.0**16,
+        2.0**17,
+        2.0**17,
+        2.0**16,
+        2.0**16,
+        2.0**16,
+    ]
     assert precision.scale_history(4, 2000) == [2.0**16] * 4  # the default interval: no growth in a few steps
     with pytest.raises(ValueError, match="growth_interval"):
         precision.scale_history(3, 0)
@@ -212,7 +226,7 @@ def test_activation_gradients_exact_with_inplace_relu(digits, loss_fn):
     inplace = precision.activation_gradients(_mlp(True), loss_fn, x, y)
     assert plain.numel() == 16 * (32 + 32 + 10) and torch.equal(plain, inplace)
     # the Linear slot holds dL/dz (pre-ReLU), which differs from the ReLU slot where z < 0
-    assert not torch.equal(plain[: 16 * 32], plain[16 * 32: 2 * 16 * 32])
+    assert not torch.equal(plain[: 16 * 32], plain[16 * 32 : 2 * 16 * 32])
 
 
 class _Tuple(nn.Module):

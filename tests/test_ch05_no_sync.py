@@ -56,9 +56,9 @@ def test_placed_accumulate_rejects_an_unknown_placement():
 
 
 def test_micro_batch_that_fits():
-    assert distributed.micro_batch_that_fits(1221, 2, 4, 5) == 8     # README: 2 processes, K = 4
-    assert distributed.micro_batch_that_fits(1221, 8, 8, 5) == 3     # one node of 8
-    assert distributed.micro_batch_that_fits(1221, 16, 4, 5) == 3    # two nodes of 8
+    assert distributed.micro_batch_that_fits(1221, 2, 4, 5) == 8  # README: 2 processes, K = 4
+    assert distributed.micro_batch_that_fits(1221, 8, 8, 5) == 3  # one node of 8
+    assert distributed.micro_batch_that_fits(1221, 16, 4, 5) == 3  # two nodes of 8
     assert distributed.micro_batch_that_fits(1221, 2, 4, 5, cap=100) == 30
     with pytest.raises(ValueError, match="use at most 9 steps"):
         distributed.micro_batch_that_fits(1221, 16, 8, 10)
@@ -140,9 +140,13 @@ def test_predict_step():
     pred = distributed.predict_step(10**6, 8, 4, link, 0.01)
     assert pred.saving == pytest.approx(7 * distributed.ring_allreduce_time(4e6, 4, link))
     assert distributed.predict_step(10**6, 1, 4, link, 0.01).saving == 0
-    with_copy = distributed.predict_step(10**6, 2, 4, link, 0.0, copy_bandwidth=1e10)  # DDP: division fused into the copy
+    with_copy = distributed.predict_step(
+        10**6, 2, 4, link, 0.0, copy_bandwidth=1e10
+    )  # DDP: division fused into the copy
     assert with_copy.saving == pytest.approx(distributed.ring_allreduce_time(4e6, 4, link) + 2 * 4e6 / 1e10)
-    hooked = distributed.predict_step(10**6, 2, 4, link, 0.0, copy_bandwidth=1e10, copy_passes=3)  # a hook divides apart
+    hooked = distributed.predict_step(
+        10**6, 2, 4, link, 0.0, copy_bandwidth=1e10, copy_passes=3
+    )  # a hook divides apart
     assert hooked.saving - with_copy.saving == pytest.approx(4e6 / 1e10)
     with pytest.raises(ValueError):
         distributed.predict_step(0, 2, 2, link, 0.1)
@@ -155,9 +159,12 @@ def test_analyse_timing_on_synthetic_measurements():
     sizes = [4 * 2**10, 4 * 2**16, 4 * 2**20]
     params = {64: 10**5}
     saving = 3 * (distributed.ring_allreduce_time(4e5, 2, link) + 2 * 4e5 / 1e10)
-    result = {"allreduce": {s: distributed.ring_allreduce_time(s, 2, link) for s in sizes}, "copy": {s: s / 1e10 for s in sizes},
-              "params": params, "steps": {(64, 1, False): 1.0, (64, 1, True): 1.0, (64, 4, False): 1.0 + saving,
-                                          (64, 4, True): 1.0}}
+    result = {
+        "allreduce": {s: distributed.ring_allreduce_time(s, 2, link) for s in sizes},
+        "copy": {s: s / 1e10 for s in sizes},
+        "params": params,
+        "steps": {(64, 1, False): 1.0, (64, 1, True): 1.0, (64, 4, False): 1.0 + saving, (64, 4, True): 1.0},
+    }
     fit = ch5.analyse_timing(result, p=2)
     assert fit.link.bandwidth == pytest.approx(1e9, rel=1e-6)
     (row,) = [r for r in fit.rows if r[2] == 4]
@@ -195,7 +202,8 @@ def test_worker_errors_list_ranks_killed_by_a_signal_last(tmp_path):
     assert ch5._worker_errors(["", "", ""], [-15, 3, -15]) == [
         "rank 1: process exited with exit code 3",
         "rank 0: killed by SIGTERM (exit code -15), a consequence of the failure above",
-        "rank 2: killed by SIGTERM (exit code -15), a consequence of the failure above"]
+        "rank 2: killed by SIGTERM (exit code -15), a consequence of the failure above",
+    ]
     error_file = tmp_path / "rank1.err"
     error_file.write_bytes(pickle.dumps("Traceback ...\nValueError: 2 ranks × 800 images exceed the 1221"))
     lost = tmp_path / "rank2.err"
@@ -246,8 +254,10 @@ def test_savings_grid_is_the_closed_form():
 def test_cluster_numbers_of_the_chapter():
     """One all-reduce of 10^9 fp32 gradients: ~15.6 ms in an 8-GPU NVLink 4 domain, ~165 ms across 512 GPUs on
     InfiniBand NDR, ~6.4 s across 512 GPUs on 10 Gb/s Ethernet (nominal rates, assumed latencies)."""
-    t = {name: distributed.ring_allreduce_time(4e9, p, distributed.PRESETS[name]) for name, p in
-         (("NVLink 4 (H100)", 8), ("InfiniBand NDR 400 Gb/s", 512), ("Ethernet 10 Gb/s", 512))}
+    t = {
+        name: distributed.ring_allreduce_time(4e9, p, distributed.PRESETS[name])
+        for name, p in (("NVLink 4 (H100)", 8), ("InfiniBand NDR 400 Gb/s", 512), ("Ethernet 10 Gb/s", 512))
+    }
     assert t["NVLink 4 (H100)"] == pytest.approx(15.6e-3, rel=5e-3)
     assert t["InfiniBand NDR 400 Gb/s"] == pytest.approx(0.165, rel=5e-3)
     assert t["Ethernet 10 Gb/s"] == pytest.approx(6.44, rel=5e-3)

@@ -52,11 +52,14 @@ def test_demo_cases_are_usable_as_returned_and_match_the_expectations():
 
 def test_chapter_6_assertions_still_hold():
     """The demo reports name each planted cause in words a reader recognises (chapter 6 prints them)."""
-    for name, cause in [("BatchNorm", "BatchNorm"), ("clipping inside the loop", "clipping inside"),
-                        ("RNG re-seeded per micro-batch", "re-seeded"),
-                        ("scheduler stepped per micro-batch", "scheduler"),
-                        ("loss scale changed inside the window", "loss scale"),
-                        ("mean of per-micro-batch token means", "token")]:
+    for name, cause in [
+        ("BatchNorm", "BatchNorm"),
+        ("clipping inside the loop", "clipping inside"),
+        ("RNG re-seeded per micro-batch", "re-seeded"),
+        ("scheduler stepped per micro-batch", "scheduler"),
+        ("loss scale changed inside the window", "loss scale"),
+        ("mean of per-micro-batch token means", "token"),
+    ]:
         report = BY_NAME[name].report
         assert not report.ok and any(cause in f.cause for f in report.findings), name
     assert BY_NAME["correct loop, GroupNorm"].report.ok and BY_NAME["dropout, fresh masks (correct)"].report.ok
@@ -72,7 +75,7 @@ def test_every_code_the_checker_can_raise_is_documented():
 
     raised = set(re.findall(r'(?:out\.add\(|Finding\()\s*"([a-z0-9_]+)"', source))
     raised |= {code for codes in check_demo.DEMO_EXPECTED.values() for code in codes}
-    assert raised == set(CODES), (raised ^ set(CODES))
+    assert raised == set(CODES), raised ^ set(CODES)
 
 
 # ------------------------------------------------------------------------------- the issue's reports
@@ -86,8 +89,9 @@ def test_layernorm_and_two_dropout_layers_correct_loop_is_ok(digits, loss_fn):
 
 
 def test_linear_lr_constructor_step_is_not_counted(digits, loss_fn):
-    report = C.check(make_cnn("group"), loss_fn, digits.x_train[:16], digits.y_train[:16], 4,
-                     step=correct_whole_iteration)
+    report = C.check(
+        make_cnn("group"), loss_fn, digits.x_train[:16], digits.y_train[:16], 4, step=correct_whole_iteration
+    )
     assert report.ok and report.counts["scheduler.step"] == 1 and report.counts["optimizer.step"] == 1, str(report)
 
 
@@ -118,8 +122,14 @@ def test_an_arbitrary_exception_in_the_step_is_reported_with_where_it_happened(d
 
 def test_functional_token_loss_is_probed_not_matched_by_class():
     x, y = lm_batch([1, 2, 3, 4, 9, 10, 11, 12])
-    report = C.check(char_lm(), LAMBDA_TOKEN_LOSS, x, y, 2, step=lambda m, lf, xs, ys, k: [
-        (lf(m(xb), yb) / k).backward() for xb, yb in zip(xs.chunk(k), ys.chunk(k))])
+    report = C.check(
+        char_lm(),
+        LAMBDA_TOKEN_LOSS,
+        x,
+        y,
+        2,
+        step=lambda m, lf, xs, ys, k: [(lf(m(xb), yb) / k).backward() for xb, yb in zip(xs.chunk(k), ys.chunk(k))],
+    )
     assert report.codes == ["token_normalization"], str(report)
     assert "tokens per micro-batch [10, 42]" in report.findings[0].evidence
 
@@ -200,8 +210,12 @@ def test_a_partial_window_that_raises_is_a_note_not_a_bug(digits, loss_fn):
 
     report = C.check(make_cnn("group"), loss_fn, digits.x_train[:16], digits.y_train[:16], 4, step=strict)
     assert report.ok and [f.code for f in report.findings] == ["partial_window_not_checked"]
-    assert C.check(make_cnn("group"), loss_fn, digits.x_train[:16], digits.y_train[:16], 4, step=strict,
-                   partial=False).findings == []
+    assert (
+        C.check(
+            make_cnn("group"), loss_fn, digits.x_train[:16], digits.y_train[:16], 4, step=strict, partial=False
+        ).findings
+        == []
+    )
 
 
 # ------------------------------------------------------------------------------------------ promises
@@ -218,8 +232,14 @@ def test_check_leaves_model_and_rng_alone(digits, loss_fn):
     expected_next, expected_py = torch.rand(3), random.random()
     torch.manual_seed(42)
     random.seed(7)
-    C.check(model, loss_fn, digits.x_train[:16], digits.y_train[:16], 4, step=check_demo.demo_cases()
-            ["RNG re-seeded per micro-batch"][4])
+    C.check(
+        model,
+        loss_fn,
+        digits.x_train[:16],
+        digits.y_train[:16],
+        4,
+        step=check_demo.demo_cases()["RNG re-seeded per micro-batch"][4],
+    )
     assert torch.equal(torch.rand(3), expected_next) and random.random() == expected_py
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(model[1].weight.grad, torch.ones_like(model[1].weight))
@@ -264,16 +284,20 @@ def test_report_is_json_ready():
     for result in RESULTS:
         data = json.loads(json.dumps(result.report.to_dict()))
         assert data["ok"] == result.report.ok and [f["code"] for f in data["findings"]] == [
-            f.code for f in result.report.findings]
+            f.code for f in result.report.findings
+        ]
         assert all(f["severity"] in ("bug", "note", "inconclusive") for f in data["findings"])
 
 
 def test_command_line_demo():
-    out = subprocess.run([sys.executable, "-m", "gradaccum.check", "--demo"], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "gradaccum.check", "--demo"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("== ") == len(check_demo.DEMO_EXPECTED) and "Traceback" not in out.stderr
-    assert f"demo: {len(check_demo.DEMO_EXPECTED)} of {len(check_demo.DEMO_EXPECTED)} verdicts as expected" in out.stdout
+    assert (
+        f"demo: {len(check_demo.DEMO_EXPECTED)} of {len(check_demo.DEMO_EXPECTED)} verdicts as expected" in out.stdout
+    )
 
 
 def test_a_loss_that_does_not_reach_the_parameters_is_a_value_error(digits):
@@ -357,8 +381,14 @@ def test_randomness_without_a_batch_dimension_is_inconclusive(digits, loss_fn):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Noisy().double()
-    report = C.check(model, loss_fn, digits.x_train[:16], digits.y_train[:16], 4, step=lambda m, lf, xs, ys, k: [
-        (lf(m(xb), yb) / k).backward() for xb, yb in zip(xs.chunk(k), ys.chunk(k))])
+    report = C.check(
+        model,
+        loss_fn,
+        digits.x_train[:16],
+        digits.y_train[:16],
+        4,
+        step=lambda m, lf, xs, ys, k: [(lf(m(xb), yb) / k).backward() for xb, yb in zip(xs.chunk(k), ys.chunk(k))],
+    )
     assert report.codes == ["randomness_not_replayed"] and not report.ok, str(report)
     assert report.findings[0].severity == "inconclusive"
 

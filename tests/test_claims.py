@@ -70,7 +70,9 @@ def test_no_assert_compares_a_thing_with_itself(stem):
         for cmp in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
             sides = [cmp.left, *cmp.comparators]
             dumped = [ast.dump(s) for s in sides]
-            assert len(set(dumped)) == len(dumped), f"{stem}: assert compares an expression with itself: {ast.unparse(node)}"
+            assert len(set(dumped)) == len(dumped), (
+                f"{stem}: assert compares an expression with itself: {ast.unparse(node)}"
+            )
 
 
 def test_errata_page_lists_the_corrections():

@@ -41,8 +41,10 @@ pytestmark = pytest.mark.commands
 BIN = Path(sys.executable).parent
 
 #: How a shown command starts.
-COMMAND = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?\s+(?:-m\s+\w|scripts/|benchmarks/)|torchrun\s|bash\s+scripts/"
-                     r"|make\s+[a-z])")
+COMMAND = re.compile(
+    r"^(?:[A-Z_]+=\S+\s+)*(?:python3?\s+(?:-m\s+\w|scripts/|benchmarks/)|torchrun\s|bash\s+scripts/"
+    r"|make\s+[a-z])"
+)
 SHELL_FENCES = {"bash", "sh", "shell", "console"}
 
 
@@ -87,8 +89,11 @@ def shown_commands() -> dict[str, set[str]]:
         cells = json.loads(path.read_text())["cells"]
         text = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
         add(_from_markdown(text), path)
-    for path in [*sorted((ROOT / "scripts").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
-                 *sorted((ROOT / "src" / "gradaccum").glob("*.py"))]:
+    for path in [
+        *sorted((ROOT / "scripts").glob("*.py")),
+        *sorted((ROOT / "benchmarks").glob("*.py")),
+        *sorted((ROOT / "src" / "gradaccum").rglob("*.py")),
+    ]:
         add(_from_docstring(ast.get_docstring(ast.parse(path.read_text())) or ""), path)
     for path in sorted((ROOT / "scripts").glob("*.sh")):
         header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
@@ -114,8 +119,9 @@ class Run:
 DDP_2 = "torchrun --nproc_per_node=2 scripts/ddp_train.py --k 4"
 DDP_2_EXPLICIT = "torchrun --nproc_per_node=2 scripts/ddp_train.py --k 4 --b 8 --steps 5"
 DDP_8 = "torchrun --nproc_per_node=8 scripts/ddp_train.py --k 8"
-DDP_2_NODES = ("torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 "
-               "scripts/ddp_train.py")
+DDP_2_NODES = (
+    "torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 scripts/ddp_train.py"
+)
 DDP_OUT = r"max \|params\(sync\) - params\(no_sync\)\| = (\S+)"
 
 RUNS = {
@@ -124,52 +130,69 @@ RUNS = {
         ("{torchrun}", "--master_port={port}", "--nproc_per_node=2", "scripts/ddp_train.py", "--k", "4"),
         r"world size 2, K=4, b=8 .*5 steps",
         "a free port instead of 29500; the explicit form only spells out the defaults "
-        "(test_explicit_defaults_are_the_defaults)"),
+        "(test_explicit_defaults_are_the_defaults)",
+    ),
     "ddp-8-processes": Run(
         (DDP_8,),
         ("{torchrun}", "--master_port={port}", "--nproc_per_node=8", "scripts/ddp_train.py", "--k", "8"),
         r"world size 8, K=8, b=3 .*5 steps",
-        "8 CPU processes with gloo instead of 8 GPUs; a free port"),
+        "8 CPU processes with gloo instead of 8 GPUs; a free port",
+    ),
     "ddp-one-of-two-nodes": Run(
         (DDP_2_NODES,),
-        ("{torchrun}", "--nnodes=1", "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:{port}",
-         "scripts/ddp_train.py"),
+        (
+            "{torchrun}",
+            "--nnodes=1",
+            "--nproc_per_node=8",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=127.0.0.1:{port}",
+            "scripts/ddp_train.py",
+        ),
         r"world size 8, K=4, b=7 .*5 steps",
         "single-node equivalent: one node (--nnodes=1) on 127.0.0.1 with a free port; 16 ranks: see "
-        "test_two_node_world_fits_the_data"),
+        "test_two_node_world_fits_the_data",
+    ),
     "check-your-loop": Run(
         ("python -m gradaccum.check my_module:make -k 4",),
         ("{py}", "-m", "gradaccum.check", "my_module:make", "-k", "4"),
         r"OK: accumulation computes the full-batch gradient",
         "run in a folder holding a my_module.py whose make() returns a correct GroupNorm CNN and 32 digits",
-        cwd="{tmp}"),
+        cwd="{tmp}",
+    ),
     "ghost-bn-benchmark": Run(
-        ("python benchmarks/ghost_bn.py",
-         "python benchmarks/ghost_bn.py [--device cpu|cuda] [--threads N] [--no-compile] [--quick]"),
+        (
+            "python benchmarks/ghost_bn.py",
+            "python benchmarks/ghost_bn.py [--device cpu|cuda] [--threads N] [--no-compile] [--quick]",
+        ),
         ("{py}", "benchmarks/ghost_bn.py", "--quick", "--threads", "1"),
         r"one optimizer step of SmallCNN on 64 images\n(.*\n){3}",
-        "--quick and --threads 1 (both in its usage line): two timed calls per row, no torch.compile"),
+        "--quick and --threads 1 (both in its usage line): two timed calls per row, no torch.compile",
+    ),
     "execute-notebooks": Run(
         ("python scripts/execute_notebooks.py [--check] [NOTEBOOK ...]",),
         ("{py}", "scripts/execute_notebooks.py", "{tmp}/tiny.ipynb"),
         r"tiny\.ipynb\s+[\d.]+",
-        "on a one-cell notebook in a temporary folder (make outputs / make budgets run it on every chapter)"),
+        "on a one-cell notebook in a temporary folder (make outputs / make budgets run it on every chapter)",
+    ),
     "gpu-check": Run(
         ("GRADACCUM_DEVICE=cuda python scripts/gpu_check.py [NOTEBOOK ...]",),
         ("{py}", "scripts/gpu_check.py", "{tmp}/tiny.ipynb"),
         r"tiny\.ipynb\s+pass",
         "on a one-cell notebook; without CUDA, GRADACCUM_DEVICE=cpu (the script keeps a value that is set)",
-        env={"GRADACCUM_DEVICE": "{device}"}),
+        env={"GRADACCUM_DEVICE": "{device}"},
+    ),
     "student-edition": Run(
         ("python -m gradaccum.book.course student",),
         ("{py}", "-m", "gradaccum.book.course", "student", "--out", "{tmp}/student"),
         r"wrote \d+ notebooks",
-        "--out a temporary folder instead of _build/student/book"),
+        "--out a temporary folder instead of _build/student/book",
+    ),
     "nbgrader": Run(
         ("python -m gradaccum.book.course nbgrader",),
         ("{py}", "-m", "gradaccum.book.course", "nbgrader", "--out", "{tmp}/nbgrader"),
         r"wrote \d+ notebooks",
-        "--out a temporary folder instead of _build/nbgrader"),
+        "--out a temporary folder instead of _build/nbgrader",
+    ),
 }
 
 #: Shown commands that another test file runs exactly: command → "file::test".
@@ -182,31 +205,42 @@ ELSEWHERE = {
 MAKE_TARGETS = {
     "book": "tests/test_site.py builds the site the way `make book` does (jupyter-book build . -n -W --keep-going)",
     "test": "runs this file among all the others: a test cannot run the command that runs it",
-    "unit": "the unit-test half of `make test`",
+    "unit": "the package-test subset of `make test` (every test not marked site, commands or install)",
+    "lint": "the first step of `make test` (ruff, ruff format --check, mypy); CI runs it through `make test`",
+    "help": "prints the Makefile's own `##` descriptions; test_make_help_describes_every_target checks them",
     "nbval": "the strict-nbval half of `make test`",
     "nbval-loaded": "strict nbval (part of `make test`) three times over with both cores kept busy: a stress run "
-                    "of existing tests, not a behaviour of its own",
+    "of existing tests, not a behaviour of its own",
     "outputs": "scripts/execute_notebooks.py over every chapter: the script runs here (execute-notebooks); every "
-               "chapter's execution is what strict nbval checks",
+    "chapter's execution is what strict nbval checks",
     "budgets": "scripts/execute_notebooks.py --check (execute-notebooks without writing) over every chapter",
     "gpu-check": "scripts/gpu_check.py over every chapter: the script runs here (gpu-check); the chapters' code "
-                 "on a CPU is strict nbval's; on a GPU only `make gpu-check` itself, by hand",
+    "on a CPU is strict nbval's; on a GPU only `make gpu-check` itself, by hand",
     "student": "tests/test_course.py writes the student edition and builds its site; the CLI runs here",
     "nbgrader": "tests/test_course.py::test_nbgrader_layout writes it; the CLI runs here",
 }
 
 #: Shown commands no test runs, and why.
 NOT_RUN = {
+    'pip install "gradaccum @ git+https://github.com/gradaccum/gradient-accumulation-correctly"': (
+        "needs the network to reach the repository; tests/test_core_torch_only.py::"
+        "test_fresh_environment_with_only_torch installs the same package from a copy of this repository into a "
+        "virtual environment holding torch alone, and runs the checker there"
+    ),
     "make binder-check": "creates a fresh virtual environment and downloads torch from PyPI into it (network, "
-                         "minutes): run by hand before publishing the Binder link",
+    "minutes): run by hand before publishing the Binder link",
     "bash scripts/loaded_nbval.sh [RUNS] [NOTEBOOK ...]": "what `make nbval-loaded` runs (see MAKE_TARGETS)",
 }
 
 
 def covered(command: str) -> bool:
     target = re.fullmatch(r"make ([\w-]+)", command)
-    return (any(command in run.shown for run in RUNS.values()) or command in ELSEWHERE or command in NOT_RUN
-            or bool(target and target.group(1) in MAKE_TARGETS))
+    return (
+        any(command in run.shown for run in RUNS.values())
+        or command in ELSEWHERE
+        or command in NOT_RUN
+        or bool(target and target.group(1) in MAKE_TARGETS)
+    )
 
 
 # --------------------------------------------------------------------------------------------- the tests
@@ -234,10 +268,21 @@ def test_coverage_lists_are_not_stale():
 
 
 def _tiny_notebook(path: Path) -> None:
-    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": "c0", "metadata": {}, "outputs": [],
-                     "source": ["x = 6 * 7\n", "x"]}],
-          "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
-          "nbformat": 4, "nbformat_minor": 5}
+    nb = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "execution_count": None,
+                "id": "c0",
+                "metadata": {},
+                "outputs": [],
+                "source": ["x = 6 * 7\n", "x"],
+            }
+        ],
+        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
     path.write_text(json.dumps(nb))
 
 
@@ -251,14 +296,22 @@ def _free_port() -> int:
 def test_shown_command_runs(name, tmp_path):
     run = RUNS[name]
     (tmp_path / "my_module.py").write_text(
-        "import torch\nfrom gradaccum.book.data import load_digits_split\nfrom gradaccum.book.models import make_cnn\n\n\n"
+        "import torch\nfrom gradaccum.book.data import load_digits_split\n"
+        "from gradaccum.book.models import make_cnn\n\n\n"
         "def make():\n    d = load_digits_split()\n"
-        "    return make_cnn('group'), torch.nn.CrossEntropyLoss(), d.x_train[:32], d.y_train[:32]\n")
+        "    return make_cnn('group'), torch.nn.CrossEntropyLoss(), d.x_train[:32], d.y_train[:32]\n"
+    )
     _tiny_notebook(tmp_path / "tiny.ipynb")
     import torch
 
-    fill = {"py": sys.executable, "torchrun": str(BIN / "torchrun"), "port": str(_free_port()), "tmp": str(tmp_path),
-            "root": str(ROOT), "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    fill = {
+        "py": sys.executable,
+        "torchrun": str(BIN / "torchrun"),
+        "port": str(_free_port()),
+        "tmp": str(tmp_path),
+        "root": str(ROOT),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
     argv = [part.format(**fill) for part in run.argv]
     env = {**os.environ, **{k: v.format(**fill) for k, v in run.env.items()}}
     proc = subprocess.run(argv, cwd=run.cwd.format(**fill), env=env, capture_output=True, text=True, timeout=300)
@@ -285,7 +338,7 @@ def _resolved(command: str, n_images: int = 1221) -> tuple[int, int, int, int]:
     words = shlex.split(command)
     world = int(next(w for w in words if w.startswith("--nproc_per_node=")).split("=")[1])
     script = _ddp_train()
-    args = script.parser().parse_args(words[words.index("scripts/ddp_train.py") + 1:])
+    args = script.parser().parse_args(words[words.index("scripts/ddp_train.py") + 1 :])
     return world, args.k, script.choose_b(args, n_images, world), args.steps
 
 
@@ -316,8 +369,20 @@ def test_a_micro_batch_that_does_not_fit_is_refused_with_one_that_does():
 
 
 def test_extraction_reads_fences_spans_and_usage_lines():
-    md = "Run `python -m pkg.tool --x` or `make book`; not `torchrun`.\n```bash\ntorchrun --a b   # note\n```\n" \
-         "```python\npython -m not.a.command\n```\n"
+    md = (
+        "Run `python -m pkg.tool --x` or `make book`; not `torchrun`.\n```bash\ntorchrun --a b   # note\n```\n"
+        "```python\npython -m not.a.command\n```\n"
+    )
     assert _from_markdown(md) == {"python -m pkg.tool --x", "make book", "torchrun --a b"}
     doc = "Usage: python scripts/x.py [--y]   (default: z)\n    python -m a.b --c    # comment\n``make nb``"
     assert _from_docstring(doc) == {"python scripts/x.py [--y]", "python -m a.b --c", "make nb"}
+
+
+def test_make_help_describes_every_target():
+    """`make help` lists every target of the Makefile with a description."""
+    makefile = (ROOT / "Makefile").read_text()
+    phony = re.search(r"^\.PHONY:(.*)$", makefile, flags=re.M).group(1).split()
+    out = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    described = dict(re.findall(r"^\s+make (\S+)\s+(.+)$", out, flags=re.M))
+    assert sorted(described) == sorted(phony), (sorted(described), sorted(phony))
+    assert all(len(text.split()) >= 2 for text in described.values())

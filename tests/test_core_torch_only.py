@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from layout import ROOT
 
 CORE = sorted(
@@ -113,3 +112,16 @@ def test_fresh_environment_with_only_torch(tmp_path: Path):
     cli = subprocess.run([str(py), "-m", "gradaccum.check", "--demo"], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     assert cli.returncode == 2 and "gradaccum[book]" in cli.stderr, (cli.returncode, cli.stderr)
+
+
+def test_every_core_module_is_reachable_as_a_module():
+    """No name exported by the package hides a module of the same name (``gradaccum.check`` is the module)."""
+    import importlib
+    import types
+
+    import gradaccum
+
+    for name in CORE:
+        importlib.import_module(f"gradaccum.{name}")
+        assert isinstance(getattr(gradaccum, name), types.ModuleType), name
+    assert set(gradaccum.__all__) <= set(dir(gradaccum))

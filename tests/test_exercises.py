@@ -88,9 +88,9 @@ def test_right_answers_pass(checker, right):
         (ex.grade_nosync_saving, 140, "K − 1"),
         (ex.grade_nosync_saving, 17.5, "one all-reduce"),
         (ex.grade_nosync_saving, 70, "2(p − 1)/p"),
-        (ex.grade_allreduce_calls, 22, "very first step"),     # 1 + 7 · 3: the first step's single bucket
-        (ex.grade_ring_bytes, 200, "almost 2n"),              # the large-p limit 2n, not 2(p − 1)/p · n
-        (ex.grade_nosync_saving, 0.1225, "in seconds"),       # 122.5 ms written in seconds
+        (ex.grade_allreduce_calls, 22, "very first step"),  # 1 + 7 · 3: the first step's single bucket
+        (ex.grade_ring_bytes, 200, "almost 2n"),  # the large-p limit 2n, not 2(p − 1)/p · n
+        (ex.grade_nosync_saving, 0.1225, "in seconds"),  # 122.5 ms written in seconds
     ],
 )
 def test_typical_mistakes_are_explained(checker, wrong, phrase):
@@ -103,8 +103,15 @@ def test_unrecognized_wrong_answer_gets_a_hint():
     assert not fb and "Write the update K times" in fb.message
 
 
-@pytest.mark.parametrize("answer, phrase", [(None, "no answer yet"), ("0.57", "expected a number"),
-                                            (float("nan"), "not a finite"), (True, "expected a number")])
+@pytest.mark.parametrize(
+    "answer, phrase",
+    [
+        (None, "no answer yet"),
+        ("0.57", "expected a number"),
+        (float("nan"), "not a finite"),
+        (True, "expected a number"),
+    ],
+)
 def test_non_answers(answer, phrase):
     fb = ex.grade_effective_momentum(answer)
     assert not fb and phrase in fb.message
@@ -158,9 +165,15 @@ def test_window_token_exercise_solution():
     assert torch.allclose(per_token, margins)
     long, short = (slice(0, 100), slice(100, 110))
     token_mean = float(windows.token_loss(logits, y))
-    mean_of_means = (float(windows.token_loss(logits[:, long], y[:, long])) + float(windows.token_loss(logits[:, short], y[:, short]))) / 2
+    mean_of_means = (
+        float(windows.token_loss(logits[:, long], y[:, long]))
+        + float(windows.token_loss(logits[:, short], y[:, short]))
+    ) / 2
     assert round(token_mean, 3) == 0.364 and abs(mean_of_means - 0.65) < 1e-12
-    assert ex.grade_window_token_loss(token_mean) and "mean of the micro-batch means" in ex.grade_window_token_loss(mean_of_means).message
+    assert (
+        ex.grade_window_token_loss(token_mean)
+        and "mean of the micro-batch means" in ex.grade_window_token_loss(mean_of_means).message
+    )
 
 
 def test_checkers_accept_what_torch_computes_and_refuse_arrays_politely():
@@ -176,8 +189,16 @@ def test_checkers_accept_what_torch_computes_and_refuse_arrays_politely():
     assert not fb.correct and "one number" in fb.message
 
 
-@pytest.mark.parametrize("wrong, phrase", [(0, "not positive"), (1e-45, "2^-149"), (2.0**-149, "2^-149"),
-                                           (1.18e-38, "smallest normal number"), (3e-9, "is not right")])
+@pytest.mark.parametrize(
+    "wrong, phrase",
+    [
+        (0, "not positive"),
+        (1e-45, "2^-149"),
+        (2.0**-149, "2^-149"),
+        (1.18e-38, "smallest normal number"),
+        (3e-9, "is not right"),
+    ],
+)
 def test_fp16_subnormal_tiny_answers_get_true_feedback(wrong, phrase):
     """Answers far below 1e-12 must not all be read as 'float32's smallest normal number'."""
     fb = ex.grade_fp16_subnormal(wrong)

@@ -1,4 +1,5 @@
-"""Property-based tests of the exact full-batch-statistics scheme (``fullbatch_bn.full_batch_stats_backward(exact=True)``).
+"""Property-based tests of the exact full-batch-statistics scheme
+(``fullbatch_bn.full_batch_stats_backward(exact=True)``).
 
 Hypothesis draws small float64 networks from torch's layers — BatchNorm1d on (N, C) and (N, C, L), BatchNorm2d,
 affine on/off, momentum None/0.1, track_running_stats on/off, layers frozen in eval mode, frozen parameters,
@@ -35,24 +36,24 @@ class BN:
     affine: bool = True
     momentum: float | None = 0.1
     track: bool = True
-    frozen_eval: bool = False    # layer.eval() inside a train-mode model
+    frozen_eval: bool = False  # layer.eval() inside a train-mode model
     frozen_affine: bool = False  # weight and bias with requires_grad=False
 
 
 @dataclass(frozen=True)
 class Block:
-    kind: str = "plain"          # plain | residual | branch | bn_skip
+    kind: str = "plain"  # plain | residual | branch | bn_skip
     bn: BN = BN()
-    bn2: BN = BN()               # the second branch's BatchNorm
-    act: str = "relu"            # relu | relu_ (in place) | leaky_ (in place) | tanh
-    dropout: str = "none"        # none | before | after
+    bn2: BN = BN()  # the second branch's BatchNorm
+    act: str = "relu"  # relu | relu_ (in place) | leaky_ (in place) | tanh
+    dropout: str = "none"  # none | before | after
     frozen_linear: bool = False
 
 
 @dataclass(frozen=True)
 class Arch:
-    kind: str = "1d"             # 1d: (N, C), seq: (N, C, L), both BatchNorm1d; 2d: (N, C, H, W), BatchNorm2d
-    input_bn: BN | None = None   # BatchNorm on the raw input (which needs no gradient)
+    kind: str = "1d"  # 1d: (N, C), seq: (N, C, L), both BatchNorm1d; 2d: (N, C, H, W), BatchNorm2d
+    input_bn: BN | None = None  # BatchNorm on the raw input (which needs no gradient)
     frozen_stem: bool = False
     blocks: tuple[Block, ...] = (Block(),)
     k: int = 4
@@ -67,7 +68,8 @@ def _mixer(kind: str, c_in: int, c_out: int) -> nn.Module:
 
 def _bn(kind: str, c: int, spec: BN) -> nn.Module:
     layer = (nn.BatchNorm2d if kind == "2d" else nn.BatchNorm1d)(
-        c, momentum=spec.momentum, affine=spec.affine, track_running_stats=spec.track)
+        c, momentum=spec.momentum, affine=spec.affine, track_running_stats=spec.track
+    )
     with torch.no_grad():
         if spec.track:  # running statistics that differ from the defaults, so that a wrong update shows
             layer.running_mean.normal_()
@@ -81,8 +83,12 @@ def _bn(kind: str, c: int, spec: BN) -> nn.Module:
 
 
 def _act(name: str) -> nn.Module:
-    return {"relu": nn.ReLU(), "relu_": nn.ReLU(inplace=True), "leaky_": nn.LeakyReLU(0.1, inplace=True),
-            "tanh": nn.Tanh()}[name]
+    return {
+        "relu": nn.ReLU(),
+        "relu_": nn.ReLU(inplace=True),
+        "leaky_": nn.LeakyReLU(0.1, inplace=True),
+        "tanh": nn.Tanh(),
+    }[name]
 
 
 class _Block(nn.Module):
@@ -142,8 +148,11 @@ def _scheme_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int):
     work.zero_grad(set_to_none=True)
     seen: dict[str, list[torch.Tensor]] = {name: [] for name in _dropouts(work)}
     for name, m in _dropouts(work).items():
-        m.register_forward_hook(lambda mod, inp, out, r=seen[name]: r.append(
-            torch.where(inp[0] != 0, out / inp[0], torch.zeros_like(out)).detach()))
+        m.register_forward_hook(
+            lambda mod, inp, out, r=seen[name]: r.append(
+                torch.where(inp[0] != 0, out / inp[0], torch.zeros_like(out)).detach()
+            )
+        )
     loss = fullbatch_bn.full_batch_stats_backward(work, nn.CrossEntropyLoss(), x, y, k, exact=True)
     return work, loss, {name: torch.cat(r[-k:]) for name, r in seen.items()}
 
@@ -179,18 +188,36 @@ def _assert_same_step(model: nn.Module, spec: Arch) -> None:
         if a.is_floating_point():
             assert torch.allclose(a, b, rtol=0, atol=1e-12), name  # running mean and variance
         else:
-            assert torch.equal(a, b), name                          # num_batches_tracked
-    assert [m.training for m in work.modules()] == modes            # no module's mode changed
+            assert torch.equal(a, b), name  # num_batches_tracked
+    assert [m.training for m in work.modules()] == modes  # no module's mode changed
 
 
-bns = st.builds(BN, affine=st.booleans(), momentum=st.sampled_from([None, 0.1]), track=st.booleans(),
-                frozen_eval=st.booleans(), frozen_affine=st.booleans())
-blocks = st.builds(Block, kind=st.sampled_from(["plain", "residual", "branch", "bn_skip"]), bn=bns, bn2=bns,
-                   act=st.sampled_from(["relu", "relu_", "leaky_", "tanh"]),
-                   dropout=st.sampled_from(["none", "before", "after"]), frozen_linear=st.booleans())
-archs = st.builds(Arch, kind=st.sampled_from(["1d", "seq", "2d"]), input_bn=st.none() | bns,
-                  frozen_stem=st.booleans(), blocks=st.lists(blocks, min_size=1, max_size=3).map(tuple),
-                  k=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**16))
+bns = st.builds(
+    BN,
+    affine=st.booleans(),
+    momentum=st.sampled_from([None, 0.1]),
+    track=st.booleans(),
+    frozen_eval=st.booleans(),
+    frozen_affine=st.booleans(),
+)
+blocks = st.builds(
+    Block,
+    kind=st.sampled_from(["plain", "residual", "branch", "bn_skip"]),
+    bn=bns,
+    bn2=bns,
+    act=st.sampled_from(["relu", "relu_", "leaky_", "tanh"]),
+    dropout=st.sampled_from(["none", "before", "after"]),
+    frozen_linear=st.booleans(),
+)
+archs = st.builds(
+    Arch,
+    kind=st.sampled_from(["1d", "seq", "2d"]),
+    input_bn=st.none() | bns,
+    frozen_stem=st.booleans(),
+    blocks=st.lists(blocks, min_size=1, max_size=3).map(tuple),
+    k=st.sampled_from([1, 2, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
 
 # The review's four failing cases, always run first.
 INPLACE_AFTER_BN = Arch(blocks=(Block(bn=BN(affine=False), act="relu_"), Block()))
@@ -200,8 +227,9 @@ BN_ON_INPUT = Arch(input_bn=BN(), blocks=(Block(),))
 DROPOUT = Arch(blocks=(Block(dropout="before"), Block(dropout="after")))
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(archs)
 @example(INPLACE_AFTER_BN)
 @example(INPLACE_CONV)
@@ -229,8 +257,11 @@ def test_dropout_masks_are_plain_accumulations():
     plain = copy.deepcopy(model)
     seen: dict[str, list[torch.Tensor]] = {name: [] for name in _dropouts(plain)}
     for name, m in _dropouts(plain).items():
-        m.register_forward_hook(lambda mod, inp, out, r=seen[name]: r.append(
-            torch.where(inp[0] != 0, out / inp[0], torch.zeros_like(out)).detach()))
+        m.register_forward_hook(
+            lambda mod, inp, out, r=seen[name]: r.append(
+                torch.where(inp[0] != 0, out / inp[0], torch.zeros_like(out)).detach()
+            )
+        )
     torch.manual_seed(5)
     for xb, yb in zip(x.split(N // spec.k), y.split(N // spec.k)):
         (nn.CrossEntropyLoss()(plain(xb), yb) / spec.k).backward()

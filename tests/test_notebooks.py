@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from layout import CHAPTERS, book_module, chapter_tests, ROOT, load, repository_url, source, tags, toc_files
+from layout import CHAPTERS, ROOT, book_module, chapter_tests, load, repository_url, source, tags, toc_files
 
 STEMS = sorted(CHAPTERS)
 
@@ -143,5 +143,6 @@ def test_widget_ids_are_stable(stem):
     assert nb["metadata"]["widgets"][module.WIDGET_STATE]["state"], "the chapter stores its widget state"
     canonical = module.stable_widget_ids(nb, stem)
     assert json.dumps(canonical, sort_keys=True) == json.dumps(nb, sort_keys=True)
-    for i, model_id in enumerate(list(canonical["metadata"]["widgets"][module.WIDGET_STATE]["state"])[:1]):
-        assert len(model_id) == 32
+    state = nb["metadata"]["widgets"][module.WIDGET_STATE]["state"]
+    references = set(re.findall(r"IPY_MODEL_([0-9a-f]{32})", json.dumps(state)))
+    assert references <= set(state), "every widget a widget refers to is stored"

@@ -4,8 +4,8 @@ What each core module holds (the chapter of the book that derives it in brackets
 
 * :mod:`gradaccum.accumulate` — cut a batch into K micro-batches; accumulated vs full-batch gradients; a plain
   training loop; the agreement of two gradients [all chapters].
-* :mod:`gradaccum.check` — ``from gradaccum.check import check``; ``check(model, loss_fn, x, y, k, step=...)``: run a reader's accumulation loop and
-  name what makes it differ from one full-batch step; ``python -m gradaccum.check`` for CI [Check your loop].
+* :mod:`gradaccum.check` — ``check(model, loss_fn, x, y, k, step=...)``: run a reader's accumulation loop and
+  name what makes it differ from one full-batch step; its command line serves CI [Check your loop].
 * :mod:`gradaccum.bn_statistics` — micro-batch moments, the effective and the corrected BatchNorm momentum [1].
 * :mod:`gradaccum.ghost_bn` — ``GhostBatchNorm`` and ``ghostify`` [2].
 * :mod:`gradaccum.fullbatch_bn` — the exact full-batch-statistics scheme under accumulation [2].
@@ -20,10 +20,11 @@ The book layer, :mod:`gradaccum.book` (``pip install "gradaccum[book]"``), holds
 widgets, exercise graders, course tools and one module of experiments per chapter.
 """
 
+# Functions are exported under names that no module uses: ``gradaccum.check`` and ``gradaccum.precise_bn`` stay the
+# modules (``from gradaccum.check import check``; ``from gradaccum.precise_bn import precise_bn``).
 from .accumulate import accumulate_backward, accumulated_gradient, agreement, full_batch_gradient, split_batch
 from .fullbatch_bn import full_batch_stats_backward
 from .ghost_bn import GhostBatchNorm, ghostify
-from .precise_bn import precise_bn
 from .runtime import pick_device, seed_everything, setup
 
 __version__ = "0.2.0"
@@ -37,7 +38,6 @@ __all__ = [
     "full_batch_stats_backward",
     "ghostify",
     "pick_device",
-    "precise_bn",
     "seed_everything",
     "setup",
     "split_batch",

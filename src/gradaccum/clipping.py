@@ -45,7 +45,7 @@ from gradaccum.accumulate import LossFn, flat_grad, split_batch
 Placement = Literal["once", "scaled_micro", "raw_micro", "running"]
 
 
-PLACEMENTS: tuple[str, ...] = ("once", "scaled_micro", "raw_micro", "running")
+PLACEMENTS: tuple[Placement, ...] = ("once", "scaled_micro", "raw_micro", "running")
 
 
 LABELS: dict[str, str] = {
@@ -66,10 +66,10 @@ def _require_threshold(c: float) -> float:
     return float(c)
 
 
-def _require_placement(placement: str) -> str:
+def _require_placement(placement: str) -> Placement:
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}.")
-    return placement
+    return cast(Placement, placement)  # checked just above
 
 
 def clip_vector(v: torch.Tensor, c: float, mode: Literal["norm", "value"] = "norm") -> torch.Tensor:

@@ -330,7 +330,7 @@ def _patched(patch: _Patch, layers: Sequence[_BatchNorm]) -> Iterator[_Patch]:
             if old is None:
                 del layer.forward
             else:
-                layer.forward = old  # type: ignore[method-assign]  # restore the instance's own patch
+                layer.forward = old  # type: ignore[method-assign]  # put back what the instance had
 
 
 @contextmanager

@@ -20,7 +20,8 @@ def _timed(fn: Callable[[], object], cuda: bool) -> float:
     return time.perf_counter() - start
 
 
-def median_time(fn: Callable[[], object], device: torch.device | str = "cpu", repeat: int = 20, warmup: int = 3) -> float:
+def median_time(fn: Callable[[], object], device: torch.device | str = "cpu", repeat: int = 20,
+                warmup: int = 3) -> float:
     """Median seconds of ``fn()`` over ``repeat`` calls after ``warmup`` untimed calls.
 
     On CUDA the device is synchronized before and after each call, so queued kernels are counted.

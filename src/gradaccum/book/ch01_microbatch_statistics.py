@@ -1,4 +1,5 @@
-"""Chapter 1, "Micro-batch statistics": the digits experiments, the BatchNorm fingerprint runs, the effect grid and the figures.
+"""Chapter 1, "Micro-batch statistics": the digits experiments, the BatchNorm fingerprint runs, the effect grid
+and the figures.
 
 The book layer over :mod:`gradaccum.bn_statistics` (the torch-only tools the chapter derives).
 """
@@ -131,7 +132,8 @@ def microbatch_effect(
         raise ValueError(f"K·b = {k}·{b} = {n} exceeds the {x.shape[0]} images available; lower K or b.")
     xb, yb = x[:n].double(), y[:n]
     loss_fn = nn.CrossEntropyLoss()
-    rel, cos = {}, {}
+    rel: dict[str, float] = {}
+    cos: dict[str, float] = {}
     for norm in norms:
         model = make_cnn(norm, seed=seed, device=x.device).train()
         a = agreement(full_batch_gradient(model, loss_fn, xb, yb), accumulated_gradient(model, loss_fn, xb, yb, k))
@@ -162,7 +164,7 @@ class FingerprintRun:
 
 def run_fingerprint(
     split: DigitsSplit,
-    plan: dict[str, tuple[int, ...]],
+    plan: dict[NormKind, tuple[int, ...]],
     seeds: tuple[int, ...] = (0, 1, 2),
     batch_size: int = 64,
     epochs: int = 8,
@@ -181,7 +183,7 @@ def run_fingerprint(
                 require_micro_batch(b, batch_norm=norm == "batch")
                 if batch_size % b:
                     raise ValueError(f"micro-batch size {b} does not divide the batch size {batch_size}.")
-                model = make_cnn(norm, seed=seed, device=split.x_train.device)  # type: ignore[arg-type]
+                model = make_cnn(norm, seed=seed, device=split.x_train.device)
                 r = train(model, split.x_train, split.y_train, split.x_val, split.y_val,
                           batch_size=batch_size, k=batch_size // b, epochs=epochs, lr=lr, seed=seed)
                 runs.append(FingerprintRun(norm, b, r.k, seed, r.optimizer_steps, r.val_acc, r.val_acc_train_mode))

@@ -1,4 +1,5 @@
-"""Chapter 3, "Where to clip": the errata cases, placement tables and training sweeps on the digits, the widget functions and the figures.
+"""Chapter 3, "Where to clip": the errata cases, placement tables and training sweeps on the digits, the widget
+functions and the figures.
 
 The book layer over :mod:`gradaccum.clipping` (the torch-only tools the chapter derives).
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from gradaccum.clipping import (
     LABELS,
     PLACEMENTS,
     Comparison,
+    Placement,
     _require_placement,
     _require_threshold,
     clipped_accumulation,
@@ -33,7 +35,7 @@ from gradaccum.clipping import (
 )
 
 #: Small two-dimensional cases for the errata: (placement, micro-gradients, threshold c).
-ERRATA_CASES: dict[str, tuple[str, tuple[tuple[float, float], ...], float]] = {
+ERRATA_CASES: dict[str, tuple[Placement, tuple[tuple[float, float], ...], float]] = {
     "(a1) too long: aligned": ("scaled_micro", ((2.0, 0.0),) * 4, 1.0),
     "(a1) too short: opposing": ("scaled_micro", ((10.0, 0.0), (-9.0, 0.0)), 1.0),
     "(a1) reversed, K = 3": ("scaled_micro", ((30.3, 0.0), (-15.0, 0.0), (-15.0, 0.0)), 1.0),
@@ -51,7 +53,7 @@ def errata_cases(dtype: torch.dtype = torch.float64) -> dict[str, Comparison]:
     out = {}
     for name, (placement, vectors, c) in ERRATA_CASES.items():
         grads = [torch.tensor(v, dtype=dtype) for v in vectors]
-        out[name] = compare_to_once(grads, c, placement)  # type: ignore[arg-type]
+        out[name] = compare_to_once(grads, c, placement)
     return out
 
 
@@ -64,13 +66,15 @@ def format_errata_cases(cases: dict[str, Comparison]) -> str:
     return "\n".join(lines)
 
 
-def synthetic_micro_gradients(k: int, alignment: float, norm: float = 1.0, dim: int = 256, seed: int = 0) -> list[torch.Tensor]:
+def synthetic_micro_gradients(k: int, alignment: float, norm: float = 1.0, dim: int = 256,
+                              seed: int = 0) -> list[torch.Tensor]:
     r"""K micro-gradients :math:`g_k = \text{norm}\cdot(\sqrt{a}\,u + \sqrt{1-a}\,n_k)/\|\cdot\|` sharing the unit
     direction u with weight a = ``alignment`` (independent random unit vectors n_k); their pairwise cosines are
     about a."""
     require_k(k)
     if not 0.0 <= alignment <= 1.0:
-        raise ValueError(f"alignment must lie in [0, 1] (0: unrelated micro-gradients, 1: identical), got {alignment}.")
+        raise ValueError(
+            f"alignment must lie in [0, 1] (0: unrelated micro-gradients, 1: identical), got {alignment}.")
     if norm <= 0:
         raise ValueError(f"norm must be positive, got {norm}.")
     gen = torch.Generator().manual_seed(seed)
@@ -101,7 +105,7 @@ def placement_effects(k: int, c: float, alignment: float, norm: float = 1.0, see
     correct = combine(grads, c, "once")
     rows = []
     for placement in PLACEMENTS:
-        result = combine(grads, c, placement)  # type: ignore[arg-type]
+        result = combine(grads, c, placement)
         cos = torch.nn.functional.cosine_similarity(result, correct, dim=0)
         rows.append(PlacementEffect(placement, float(torch.linalg.vector_norm(result)) / c, float(cos)))
     return rows
@@ -122,13 +126,13 @@ def placement_table(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
         grads = micro_gradients(model, loss_fn, x, y, k)
         correct = combine(grads, c, "once", mode)
         sizes = [float(torch.linalg.vector_norm(g) if mode == "norm" else g.abs().max()) / c for g in grads]
-        full = sum(grads) / k  # type: ignore[operator]
+        full = cast(torch.Tensor, sum(grads)) / k  # K >= 1 tensors
         row = {"agreement": (mean_pairwise_cosine(grads), nan),
                "full": (float(torch.linalg.vector_norm(full) if mode == "norm" else full.abs().max()) / c, nan),
                "smallest": (min(sizes), nan), "largest": (max(sizes), nan),
                "buffer": (running_buffer_norms(grads, c)[-1] / c if mode == "norm" else nan, nan)}
         for placement in PLACEMENTS:
-            g = combine(grads, c, placement, mode)  # type: ignore[arg-type]
+            g = combine(grads, c, placement, mode)
             size = torch.linalg.vector_norm(g) if mode == "norm" else g.abs().max()
             row[placement] = (float(size) / c, float(torch.nn.functional.cosine_similarity(g, correct, dim=0)))
         table[k] = row
@@ -153,7 +157,7 @@ class ClipRun:
 
 
 def train_placements(split: DigitsSplit, k: int, c: float, epochs: int = 8, seed: int = 0,
-                     placements: Sequence[str] = PLACEMENTS, norm: str = "group",
+                     placements: Sequence[str] = PLACEMENTS, norm: Literal["group", "layer"] = "group",
                      full_batch: bool = True) -> list[ClipRun]:
     """Train a SmallCNN with a per-sample normalization (``norm="group"`` or ``"layer"``, so that accumulation
     is otherwise exact) with each clip placement, plus (if ``full_batch``) the full batch clipped once
@@ -169,7 +173,7 @@ def train_placements(split: DigitsSplit, k: int, c: float, epochs: int = 8, seed
     for placement in (("full batch",) if full_batch else ()) + tuple(placements):
         kk, p = (1, "once") if placement == "full batch" else (k, placement)
         backward_fn = functools.partial(clipped_accumulation, c=c, placement=_require_placement(p))
-        model = make_cnn(norm, seed=seed, device=split.x_train.device)  # type: ignore[arg-type]
+        model = make_cnn(norm, seed=seed, device=split.x_train.device)
         r = train(model, split.x_train, split.y_train, split.x_val, split.y_val, batch_size=64, k=kk,
                   epochs=epochs, seed=seed, backward_fn=backward_fn)
         runs.append(ClipRun(placement, kk, r.val_acc, r.train_loss))
@@ -183,10 +187,11 @@ def last_epoch_loss(run: ClipRun, epochs: int) -> float:
 
 
 #: Set-ups of the robustness checks: (normalization, threshold c).
-SETUPS: tuple[tuple[str, float], ...] = (("group", 0.3), ("layer", 0.3), ("group", 1.0))
+SETUPS: tuple[tuple[Literal["group", "layer"], float], ...] = (("group", 0.3), ("layer", 0.3), ("group", 1.0))
 
 
-def table_sweep(split: DigitsSplit, setups: Sequence[tuple[str, float]] = SETUPS, seeds: Sequence[int] = (0, 1, 2),
+def table_sweep(split: DigitsSplit, setups: Sequence[tuple[Literal["group", "layer"], float]] = SETUPS,
+                seeds: Sequence[int] = (0, 1, 2),
                 ks: Sequence[int] = (1, 2, 4, 8, 16), batch_size: int = 64
                 ) -> dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]]:
     """:func:`placement_table` for every set-up and seed: seed s takes a fresh SmallCNN initialized with seed s
@@ -195,20 +200,21 @@ def table_sweep(split: DigitsSplit, setups: Sequence[tuple[str, float]] = SETUPS
 
 
     loss_fn = _nn.CrossEntropyLoss()
-    out = {}
+    out: dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]] = {}
     for norm, c in setups:
         for s in seeds:
             x = split.x_train[s * batch_size:(s + 1) * batch_size]
             y = split.y_train[s * batch_size:(s + 1) * batch_size]
-            model = make_cnn(norm, seed=s, device=x.device).train()  # type: ignore[arg-type]
+            model = make_cnn(norm, seed=s, device=x.device).train()
             out[(norm, c, s)] = placement_table(model, loss_fn, x, y, ks, c)
     return out
 
 
-def train_sweep(split: DigitsSplit, k: int = 8, epochs: int = 2, setups: Sequence[tuple[str, float]] = SETUPS,
+def train_sweep(split: DigitsSplit, k: int = 8, epochs: int = 2,
+                setups: Sequence[tuple[Literal["group", "layer"], float]] = SETUPS,
                 seeds: Sequence[int] = (0, 1, 2)) -> dict[tuple[str, float, int], dict[str, float]]:
     """Last-epoch training loss of every placement, for every set-up and seed (short runs: ``epochs``)."""
-    out = {}
+    out: dict[tuple[str, float, int], dict[str, float]] = {}
     for norm, c in setups:
         for s in seeds:
             runs = train_placements(split, k, c, epochs=epochs, seed=s, norm=norm, full_batch=False)
@@ -305,7 +311,7 @@ def plot_placement_effects(k: int, c: float, alignment: float):
 def placement_grid(ks: Sequence[int], alignments: Sequence[float], c: float) -> dict[str, np.ndarray]:
     """‖step‖/c over K (rows) × alignment (columns), per placement, for synthetic micro-gradients of norm 1."""
 
-    out = {p: np.zeros((len(ks), len(alignments))) for p in PLACEMENTS}
+    out: dict[str, np.ndarray] = {p: np.zeros((len(ks), len(alignments))) for p in PLACEMENTS}
     for i, k in enumerate(ks):
         for j, a in enumerate(alignments):
             for e in placement_effects(k, c, a):

@@ -45,7 +45,8 @@ def plot_formats(values_by_k: dict[int, torch.Tensor]):
     bins = np.arange(-34, 8, 0.5)
     for color, (k, v) in zip(colors, values_by_k.items()):
         logs = v[v != 0].abs().double().log2().cpu().numpy()
-        ax2.hist(logs, bins=bins, histtype="step", color=color, linewidth=1.5, density=True, label=f"K = {k}")
+        ax2.hist(logs, bins=bins,  # type: ignore[arg-type]  # stub wants a Sequence; hist takes any array
+                 histtype="step", color=color, linewidth=1.5, density=True, label=f"K = {k}")
     ax2.axvspan(bins[0], math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="fp16: zero")
     ax2.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
                 alpha=0.2, label="fp16: subnormal")
@@ -77,7 +78,8 @@ def plot_cast(values: torch.Tensor, log2_scale: float, k: int, shift: float = 0.
     f16 = format_info(torch.float16)
     logs = (shifted[shifted != 0].abs().double() * scale).log2().cpu().numpy()
     fig, (ax,) = figure(1, 7.2, 3.4)
-    ax.hist(logs, bins=np.arange(-45, 40, 0.5), color=PALETTE["blue"], density=True)
+    ax.hist(logs, bins=np.arange(-45, 40, 0.5),  # type: ignore[arg-type]  # stub wants a Sequence; an array works
+            color=PALETTE["blue"], density=True)
     ax.axvspan(-45, math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="→ 0")
     ax.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
                alpha=0.3, label="subnormal")

@@ -1,4 +1,5 @@
-"""Chapter 5, "no_sync()": the process launcher and the tasks each rank runs (equality, placements, timing, crashes, training), the timing analysis and the figures.
+"""Chapter 5, "no_sync()": the process launcher and the tasks each rank runs (equality, placements, timing,
+crashes, training), the timing analysis and the figures.
 
 The book layer over :mod:`gradaccum.distributed` (the torch-only tools the chapter derives).
 
@@ -60,7 +61,8 @@ def _entry(rank: int, world_size: int, port: int, task: str, kwargs: dict[str, A
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=kwargs.get("pg_timeout", 30)))
     try:
-        result = TASKS[task](rank, world_size, **{k: v for k, v in kwargs.items() if k not in ("backend", "pg_timeout")})
+        task_kwargs = {k: v for k, v in kwargs.items() if k not in ("backend", "pg_timeout")}
+        result = TASKS[task](rank, world_size, **task_kwargs)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -232,7 +234,7 @@ def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None,
         ddp_accumulate(model, nn.CrossEntropyLoss(), x, y, k, no_sync=mode == "no_sync")
         out[mode] = {"grad": flat_grad(model.module).detach(), "calls": counter.calls, "bytes": counter.bytes}
         if steps > 1:
-            cap = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+            cap: dict[str, Any] = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
             out[mode]["calls per step"] = _calls_per_step(x, y, k, steps, mode == "no_sync", **cap)
             out[mode]["variants"] = {
                 name: _calls_per_step(x, y, k, steps, mode == "no_sync", first_sync="first step synced" in name,
@@ -272,7 +274,7 @@ def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b
     result: dict[str, Any] = {"allreduce": {}, "copy": {}, "steps": {}, "params": {}, "pairs": {}}
     for n in sizes:  # all-reduce, and a plain copy, of n float32 values
         t, src = torch.ones(n), torch.ones(n)
-        times, copies = [], []
+        reduces, copies = [], []
         for i in range(2 * steps + 3):
             dist.barrier()
             start = time.perf_counter()
@@ -280,9 +282,9 @@ def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b
             middle = time.perf_counter()
             t.copy_(src)
             if i >= 3:
-                times.append(middle - start)
+                reduces.append(middle - start)
                 copies.append(time.perf_counter() - middle)
-        result["allreduce"][4 * n] = statistics.median(times)
+        result["allreduce"][4 * n] = statistics.median(reduces)
         result["copy"][4 * n] = statistics.median(copies)
     for width in widths:
         model = DDP(mlp(width))

@@ -1,4 +1,5 @@
-"""Chapter 6, "Loss normalization and friends": the dropout comparison, the partial-window study, the tiny language model's training and the figures.
+"""Chapter 6, "Loss normalization and friends": the dropout comparison, the partial-window study, the tiny language
+model's training and the figures.
 
 The book layer over :mod:`gradaccum.windows` (the torch-only tools the chapter derives).
 """
@@ -82,7 +83,7 @@ def partial_step_study(x_digits: torch.Tensor, y_digits: torch.Tensor, lines: Se
     for name, (make, loss_fn, xs, ys, b) in setups.items():
         for opt in optimizers:
             for w in warm:
-                out[name, opt, w] = [partial_step_ratio(make(sd), loss_fn, xs, ys, b, k, present, opt,  # type: ignore[arg-type]
+                out[name, opt, w] = [partial_step_ratio(make(sd), loss_fn, xs, ys, b, k, present, opt,
                                                         STUDY_LR[name][opt], w, seed=sd) for sd in seeds]
     return out
 

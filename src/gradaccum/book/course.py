@@ -144,7 +144,8 @@ def write_student_edition(root: Path, out: Path) -> list[Path]:
     written = []
     for path in sorted((root / "chapters").glob("*.ipynb")):
         target = out / "chapters" / path.name
-        target.write_text(json.dumps(student_notebook(json.loads(path.read_text())), indent=1, ensure_ascii=False) + "\n")
+        notebook = student_notebook(json.loads(path.read_text()))
+        target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
         written.append(target)
     return written
 
@@ -158,7 +159,8 @@ def _write_binder(root: Path, out: Path) -> None:
     requirements = (root / "binder" / "requirements.txt").read_text().rstrip("\n")
     (out / "binder").mkdir(exist_ok=True)
     (out / "binder" / "requirements.txt").write_text(
-        f"{requirements}\n# The student edition has no package source: install the book's package from its repository.\n"
+        f"{requirements}\n"
+        "# The student edition has no package source: install the book's package from its repository.\n"
         f"gradaccum[book] @ git+{match.group(1)}\n")
     shutil.copy(root / "binder" / "runtime.txt", out / "binder" / "runtime.txt")
 
@@ -167,7 +169,8 @@ def _write_binder(root: Path, out: Path) -> None:
 
 
 def _exercise_labels(nb: dict[str, Any]) -> list[str]:
-    return [label for cell in nb["cells"] if cell["cell_type"] == "markdown" for label in EXERCISE.findall(_source(cell))]
+    return [label for cell in nb["cells"] if cell["cell_type"] == "markdown"
+            for label in EXERCISE.findall(_source(cell))]
 
 
 def nbgrader_notebook(nb: dict[str, Any], points: int = 1) -> dict[str, Any]:
@@ -190,6 +193,7 @@ def nbgrader_notebook(nb: dict[str, Any], points: int = 1) -> dict[str, Any]:
         cell["source"] = answer + f"exercises.{call.group(1)}({call.group(2)})"
         cell["metadata"]["nbgrader"] = {"grade": False, "solution": True, "locked": False,
                                         "grade_id": f"{label}-answer", "schema_version": 3}
+        test: dict[str, Any]
         test = {"cell_type": "code", "execution_count": None, "outputs": [], "id": f"{label}-test",
                 "metadata": {"nbgrader": {"grade": True, "solution": False, "locked": True, "points": points,
                                           "grade_id": f"{label}-test", "schema_version": 3}},
@@ -205,7 +209,8 @@ def write_nbgrader(root: Path, out: Path) -> list[Path]:
     for path in sorted((Path(root) / "chapters").glob("*.ipynb")):
         target = Path(out) / "source" / path.stem / path.name
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(nbgrader_notebook(json.loads(path.read_text())), indent=1, ensure_ascii=False) + "\n")
+        notebook = nbgrader_notebook(json.loads(path.read_text()))
+        target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
         written.append(target)
     return written
 

@@ -52,7 +52,7 @@ def grade_number(
     if isinstance(answer, bool) or not isinstance(answer, (int, float)) and not hasattr(answer, "__float__"):
         return Feedback(False, f"expected a number, got {type(answer).__name__} {answer!r}.")
     try:
-        value = float(answer)  # type: ignore[arg-type]
+        value = float(answer)
     except (TypeError, ValueError):
         return Feedback(False, f"expected one number, got {type(answer).__name__} {answer!r}: pass a single value.")
     if not math.isfinite(value):
@@ -98,7 +98,8 @@ def grade_corrected_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feed
         expected,
         mistakes=[
             (m / k, f"m/K = {m / k:.6g} is only the first-order approximation; solve (1 − m')^K = 1 − m exactly."),
-            (1 - (1 - m) ** k, "that is the effective momentum *with* the drift; invert it instead: (1 − m')^K = 1 − m."),
+            (1 - (1 - m) ** k, "that is the effective momentum *with* the drift; invert it instead: "
+                               "(1 − m')^K = 1 − m."),
             ((1 - m) ** (1 / k), "(1 − m)^(1/K) is the weight each update *keeps*; the momentum is 1 minus that."),
             (m, "that leaves the momentum unchanged, so the running statistics still move K updates per step."),
         ],
@@ -116,7 +117,8 @@ def grade_biased_variance_ratio(answer: object, b: int = 4) -> Feedback:
             (1.0, "1 is the ratio for the *unbiased* estimate, which PyTorch stores in running_var; training "
                   "normalizes with the biased one (divisor b)."),
             (b / (b - 1), "upside down: the biased estimate is *smaller* on average, by the factor (b − 1)/b."),
-            (1 / b, "1/b is the variance of the batch *mean* in units of σ²; the question is about the batch variance."),
+            (1 / b, "1/b is the variance of the batch *mean* in units of σ²; the question is about the batch "
+                    "variance."),
         ],
         hint="Use E[Σ(xᵢ − x̄)²] = (b − 1)σ².",
     )
@@ -431,7 +433,8 @@ def grade_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float
             (one, "that is one all-reduce; no_sync saves K − 1 of them per step."),
             ((k - 1) * megabytes / 1000 / gb_per_s * 1000, "a ring all-reduce sends 2(p − 1)/p · n bytes, not n."),
             ((k - 1) * one / 2, "a ring all-reduce has two phases (reduce-scatter and all-gather): 2(p − 1)/p · n."),
-            ((k - 1) * one / 1000, "right number, wrong unit: that is in seconds; the answer is asked in milliseconds."),
+            ((k - 1) * one / 1000, "right number, wrong unit: that is in seconds; the answer is asked in "
+                                   "milliseconds."),
         ],
         rtol=5e-3,
         hint="(K − 1) · 2(p − 1)/p · n / β.",

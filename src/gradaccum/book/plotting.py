@@ -6,6 +6,7 @@ Figures have fixed sizes so that the ``<Figure size …>`` line that nbval compa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -52,7 +53,7 @@ def decorate(
     title: str = "",
     xscale: str | None = None,
     yscale: str | None = None,
-    xticks: Sequence[float] | None = None,
+    xticks: Sequence[float] | np.ndarray | None = None,
     legend: bool = True,
 ) -> Axes:
     """Label an axes in one call (after Allen Downey's ``decorate``)."""
@@ -72,7 +73,7 @@ def decorate(
 
 def heatmap(ax: Axes, grid: np.ndarray, rows: Sequence[object], cols: Sequence[object], fmt: str = "{:.2f}",
             vmin: float | None = None, vmax: float | None = None, xlabel: str = "", ylabel: str = "",
-            title: str = "", aspect: str = "auto"):
+            title: str = "", aspect: Literal["equal", "auto"] | float = "auto"):
     """An annotated heat map (first row at the bottom) in the colour-blind-safe cividis map; every cell shows its
     value, in white on the dark half of the scale. Returns the image, for a colour bar."""
     lo = float(grid.min()) if vmin is None else vmin
