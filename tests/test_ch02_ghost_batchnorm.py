@@ -250,9 +250,9 @@ def test_effect_grid_and_figures(digits):
     import matplotlib
 
     matplotlib.use("Agg")
-    grids = ch2.effect_grid((1, 2), (4, 8), digits.x_train, digits.y_train)
+    grids = ch2.method_cosine_grid((1, 2), (4, 8), digits.x_train, digits.y_train)
     assert grids["plain accumulation"].shape == (2, 2) and grids["plain accumulation"][0, 0] == pytest.approx(1.0)
-    assert len(ch2.plot_effect_grid(grids, (1, 2), (4, 8)).axes) == 4  # three panels and a colour bar
+    assert len(ch2.plot_method_cosine_grid(grids, (1, 2), (4, 8)).axes) == 4  # three panels and a colour bar
     assert tuple(ch2.plot_method_effects(2, 4, 8, digits.x_train, digits.y_train).get_size_inches()) == (9.6, 3.6)
 
 

@@ -71,7 +71,7 @@ def test_loss_grid_monotone(f32, loss_fn):
 
 def test_correct_recipe_matches_fp32(f32, loss_fn):
     model, x, y = f32
-    ref = precision.reference_update(model, loss_fn, x, y)
+    ref = precision.reference_gradient(model, loss_fn, x, y)
     r = precision.amp_window(model, loss_fn, x, y, 4)
     assert r.steps == 1 and r.error is None and agreement(ref, r.update).rel_error < 5e-3
     assert r.scales == [2.0**16] * 4 and r.final_scale == 2.0**16
@@ -87,7 +87,7 @@ def test_overflow_skips_the_whole_step(f32, loss_fn):
 
 def test_wrong_patterns(f32, loss_fn):
     model, x, y = f32
-    ref = precision.reference_update(model, loss_fn, x, y)
+    ref = precision.reference_gradient(model, loss_fn, x, y)
     assert "already been called" in precision.amp_window(model, loss_fn, x, y, 4, "unscale_per_micro").error
     moving = precision.amp_window(model, loss_fn, x, y, 4, "scale_changes_in_window")
     assert moving.scales == [2.0**16, 2.0**17, 2.0**18, 2.0**19]
@@ -102,7 +102,7 @@ def test_wrong_patterns(f32, loss_fn):
 def test_bf16_window_without_scaler(f32, loss_fn):
     model, x, y = f32
     r = precision.amp_window(model, loss_fn, x, y, 2, "no_scaler", dtype=torch.bfloat16)
-    assert agreement(precision.reference_update(model, loss_fn, x, y), r.update).cosine > 0.99
+    assert agreement(precision.reference_gradient(model, loss_fn, x, y), r.update).cosine > 0.99
 
 
 def test_accumulators():
@@ -249,7 +249,7 @@ def test_activation_gradients_refuse_tuple_outputs(digits, loss_fn, kind, name):
 
 def test_unscale_and_update_per_micro_raise_nothing_but_are_wrong(f32, loss_fn):
     model, x, y = f32
-    ref = precision.reference_update(model, loss_fn, x, y)
+    ref = precision.reference_gradient(model, loss_fn, x, y)
     clean = precision.amp_window(model, loss_fn, x, y, 4, "unscale_update_per_micro")
     assert clean.error is None and clean.steps == 1 and agreement(ref, clean.update).rel_error > 0.99
     over = precision.amp_window(model, loss_fn, x, y, 4, "unscale_update_per_micro", overflow_micro=1)

@@ -20,6 +20,7 @@ Three instruments, each independent of how the user's code imports what it calls
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _SEEDED = torch.Tag.nondeterministic_seeded
@@ -425,7 +427,6 @@ class CallRecorder:
         obj = self._self(frame)
         if obj is None:
             return
-        from torch.optim.lr_scheduler import LRScheduler
 
         if name == "__init__":
             if isinstance(obj, LRScheduler):
@@ -507,7 +508,6 @@ def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
     on the first b of them; when the first b rows of the two outputs differ (randomness replayed per sample), the
     module couples samples. Only the innermost such modules are returned, as (name, class, max difference).
     """
-    import copy
 
     work = copy.deepcopy(model)
     n = x.shape[0]

@@ -31,6 +31,7 @@ the opposite way.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -287,7 +288,6 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     """The gradient an optimizer would receive from the torch.amp recipe with accumulation and clipping:
     ``scaler.scale(loss / K).backward()`` per micro-batch, then either ``unscale_`` → clip (right) or clip →
     ``unscale_`` (wrong; ``scaler.step`` would unscale after the clip). Runs on a copy of ``model``."""
-    import copy
 
     _require_threshold(c)
     work = copy.deepcopy(model)

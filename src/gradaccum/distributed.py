@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradaccum._validate import require_k
@@ -81,7 +82,6 @@ class CommCounter:
 
 def counting_hook(state: CommCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook that counts, then does what DDP does by default (average by all-reduce)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     state.calls += 1
     state.bytes += bucket.buffer().numel() * bucket.buffer().element_size()

@@ -279,7 +279,7 @@ def _step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, model: nn.Mo
     return steps + int(moved)
 
 
-def reference_update(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def reference_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The full-precision full-batch gradient (what one correct window should apply), as a flat vector."""
 
     return full_batch_gradient(model, loss_fn, x, y)

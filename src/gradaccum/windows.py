@@ -23,6 +23,7 @@ on the model and on how long Adam has run).
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -159,7 +160,6 @@ def lr_trajectory(optimizer_steps: int, k: int, warmup: int, per_micro: bool,
     """The learning rate each *optimizer step* uses under a linear warmup of ``warmup`` steps
     (``LambdaLR``), when ``scheduler.step()`` is called per optimizer step or, wrongly, per micro-batch; and the
     warnings PyTorch raised along the way."""
-    import warnings
 
     require_k(k)
     if warmup < 1:
@@ -186,7 +186,6 @@ def scheduler_order_warnings(k: int, windows: int, optimizer_first: bool) -> lis
     ``optimizer.step()`` once per window, K·windows scheduler steps in all. With ``optimizer_first`` one optimizer
     step runs before the loop (as in a loop whose first scheduler step follows an optimizer step). PyTorch checks
     the order only at the scheduler's first ``step()``."""
-    import warnings
 
     require_k(k)
     param = nn.Parameter(torch.zeros(1))

@@ -297,13 +297,13 @@ def plot_microbatch_effect(k: int, b: int, x: torch.Tensor, y: torch.Tensor):
     return fig
 
 
-def effect_grid(ks: tuple[int, ...], bs: tuple[int, ...], x: torch.Tensor, y: torch.Tensor) -> np.ndarray:
+def bn_error_grid(ks: tuple[int, ...], bs: tuple[int, ...], x: torch.Tensor, y: torch.Tensor) -> np.ndarray:
     """BatchNorm's relative gradient error for every (K, b) in the grid; rows are K, columns b."""
     return np.array([[microbatch_effect(k, b, x, y, norms=("batch",)).rel_error["batch"] for b in bs] for k in ks])
 
 
-def plot_effect_grid(grid: np.ndarray, ks: tuple[int, ...], bs: tuple[int, ...]):
-    """Heat map of :func:`effect_grid`, each cell labelled with its value."""
+def plot_bn_error_grid(grid: np.ndarray, ks: tuple[int, ...], bs: tuple[int, ...]):
+    """Heat map of :func:`bn_error_grid`, each cell labelled with its value."""
 
     fig, (ax,) = figure(1, 6.4, 4.0)
     image = heatmap(ax, grid, ks, bs, vmin=0.0, aspect="equal", xlabel="micro-batch size b",

@@ -399,7 +399,6 @@ def format_methods(runs: list[MethodRun]) -> str:
 def plot_methods(runs: list[MethodRun]):
     """Validation accuracy of every method, with its running statistics and after PreciseBN."""
 
-
     fig, (ax,) = figure(1, 9.6, 3.8)
     pos = np.arange(len(runs))
     ax.bar(pos - 0.2, [100 * r.val_acc for r in runs], 0.4, color=PALETTE["sky"], label="running statistics")
@@ -520,7 +519,7 @@ def precise_bn_cost(split: DigitsSplit, b: int = 4, k: int = 16, repeat: int = 5
     return times["PreciseBN pass"] / times["plain step"]
 
 
-def effect_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
+def method_cosine_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
     """Gradient cosine to the full batch over a grid of K (rows) and b (columns), per method (v = b)."""
 
     grids: dict[str, list[list[float]]] = {}
@@ -534,7 +533,7 @@ def effect_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y: torch.
     return {m: np.array(v) for m, v in grids.items()}
 
 
-def plot_effect_grid(grids: dict[str, np.ndarray], ks: Sequence[int], bs: Sequence[int],
+def plot_method_cosine_grid(grids: dict[str, np.ndarray], ks: Sequence[int], bs: Sequence[int],
                      methods: Sequence[str] = ("plain accumulation", "full-batch stats", "exact full-batch stats")):
     """Heat maps of the gradient cosine to the full-batch gradient, one panel per method."""
 
@@ -548,7 +547,6 @@ def plot_effect_grid(grids: dict[str, np.ndarray], ks: Sequence[int], bs: Sequen
 
 def plot_method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor):
     """The widget's picture: statistics error and gradient cosine of each method for one (K, b, v)."""
-
 
     rows = method_effects(k, b, v, x, y)
     names = [r.method.replace(", 1 update/step", f" (v={v})") for r in rows]

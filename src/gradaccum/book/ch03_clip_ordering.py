@@ -5,6 +5,7 @@ The book layer over :mod:`gradaccum.clipping` (the torch-only tools the chapter 
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -162,8 +163,6 @@ def train_placements(split: DigitsSplit, k: int, c: float, epochs: int = 8, seed
     """Train a SmallCNN with a per-sample normalization (``norm="group"`` or ``"layer"``, so that accumulation
     is otherwise exact) with each clip placement, plus (if ``full_batch``) the full batch clipped once
     (``placement="full batch"``, K = 1), on the same batches."""
-    import functools
-
 
     _require_threshold(c)
     if norm not in ("group", "layer"):
@@ -196,10 +195,7 @@ def table_sweep(split: DigitsSplit, setups: Sequence[tuple[Literal["group", "lay
                 ) -> dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]]:
     """:func:`placement_table` for every set-up and seed: seed s takes a fresh SmallCNN initialized with seed s
     and the training batch of ``batch_size`` images number s."""
-    from torch import nn as _nn
-
-
-    loss_fn = _nn.CrossEntropyLoss()
+    loss_fn = nn.CrossEntropyLoss()
     out: dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]] = {}
     for norm, c in setups:
         for s in seeds:
@@ -266,7 +262,6 @@ def plot_placement_table(table: dict[int, dict[str, tuple[float, float]]]):
 
 def plot_training(runs: list[ClipRun], window: int = 19):
     """Training loss (moving average over one epoch of steps) for every placement."""
-
 
     colors = {"full batch": PALETTE["sky"], "once": PALETTE["black"], "scaled_micro": PALETTE["vermillion"],
               "raw_micro": PALETTE["blue"], "running": PALETTE["green"]}

@@ -9,8 +9,11 @@ is killed: a crashed or hung worker surfaces as :class:`WorkerFailed` and leaves
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
+import pickle
+import signal
 import socket
 import statistics
 import tempfile
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -84,9 +88,6 @@ def launch(task: str, world_size: int = 2, timeout: float = 60.0, **kwargs: Any)
 
         d = load_digits_split()
         kwargs["data"] = (d.x_train, d.y_train)
-    import logging
-
-    import torch.multiprocessing as mp
 
     # torch logs a warning (with a timestamp and a PID) for every worker it terminates after a failure; the
     # failure itself is reported by WorkerFailed.
@@ -143,8 +144,6 @@ def _worker_errors(error_files: list[str], exit_codes: list[int | None] | None =
     ``Connection reset``, a timeout, ...); (3) a worker killed by a signal — a negative exit code, e.g. −15 for
     SIGTERM, which ``torch.multiprocessing`` sends to the survivors once one worker has failed.
     """
-    import pickle
-    import signal
 
     found = []
     for rank, path in enumerate(error_files):
@@ -441,7 +440,6 @@ def format_timing(fit: TimingFit) -> str:
 
 def plot_timing(fit: TimingFit):
     """Measured against predicted saving per optimizer step, for every model size and K > 1."""
-
 
     fig, (ax,) = figure(1, 6.0, 4.2)
     rows = [r for r in fit.rows if r[2] > 1]

@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from gradaccum import bn_statistics
 
 
@@ -287,7 +289,6 @@ def grade_fp16_subnormal(answer: object) -> Feedback:
     The float32 mistakes lie far below the answer, so they are matched relatively, within a factor of 2 (numpy
     prints 2^-149 as 1e-45), and with no absolute tolerance (``atol=0``), which would pair them with 0.
     """
-    import torch
 
     f16, f32 = torch.finfo(torch.float16), torch.finfo(torch.float32)
     smallest = f16.smallest_normal * f16.eps

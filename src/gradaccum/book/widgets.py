@@ -10,6 +10,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import ipywidgets
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
@@ -40,6 +41,5 @@ def interactive_figure(plot_fn: Callable[..., Any], **controls: Any):
     returned widget, displayed as a cell's last value, draws ``plot_fn``'s figure with the controls' initial
     values, which is also the picture a reader of the static site sees.
     """
-    import ipywidgets  # imported here: the rest of the package works without ipywidgets
 
     return ipywidgets.interactive(show_errors(plot_fn), **controls)
