@@ -37,7 +37,7 @@ test: lint ## lint + types, then every test (unit, commands, fresh install, site
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
 # The package's tests only: no notebook, no site build, no shown command, no new virtual environment.
-unit: $(STAMP) ## the package's tests only (fast: no notebook, site, command or install test)
+unit: $(STAMP) ## the package's tests only (fast: no notebook run, site build, shown command or fresh install)
 	$(PY) -m pytest tests -p no:cacheprovider -m "not site and not commands and not install"
 
 lint: $(STAMP) ## ruff (package, tests, scripts, notebooks) and mypy (package)

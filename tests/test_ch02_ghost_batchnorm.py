@@ -331,3 +331,37 @@ def test_chapter2_claims_on_other_seeds(digits):
         const, full = runs["full-batch stats"], runs["full batch"]
         assert const.val_acc < 0.55 and const.val_acc < full.val_acc - 0.3
         assert min(const.weight_growth) > 2 * max(full.weight_growth)
+
+
+def test_ghostify_refuses_what_it_cannot_run_before_copying():
+    from torch import nn as tnn
+
+    for layer, words in ((tnn.BatchNorm3d(3), "BatchNorm3d"), (tnn.SyncBatchNorm(3), "SyncBatchNorm"),
+                         (tnn.BatchNorm2d(3, track_running_stats=False), "track_running_stats")):
+        with pytest.raises(ValueError, match=words):
+            ghost_bn.ghostify(tnn.Sequential(tnn.Conv2d(3, 3, 1), layer), 4)
+    with pytest.raises(ValueError, match="itself a BatchNorm"):
+        ghost_bn.ghostify(tnn.BatchNorm2d(3), 4)
+    ghosted = ghost_bn.ghostify(tnn.Sequential(tnn.Linear(4, 3), tnn.BatchNorm1d(3)), 4)
+    assert isinstance(ghosted[1], ghost_bn.GhostBatchNorm)
+
+
+def test_precise_bn_restores_every_module_mode_and_refuses_frozen_layers():
+    from torch import nn as tnn
+
+    torch.manual_seed(0)
+    model = tnn.Sequential(tnn.Linear(4, 6), tnn.BatchNorm1d(6), tnn.Dropout(0.5), tnn.Linear(6, 2)).double()
+    x = torch.randn(32, 4, dtype=torch.float64)
+    model.eval()
+    model[2].train()  # an odd mix: restored as it was
+    precise_bn.precise_bn(model, x, 8)
+    assert [m.training for m in model] == [False, False, True, False] and not model.training
+    expected = torch.stack([model[0](xb).mean(0) for xb in x.split(8)]).mean(0)
+    assert torch.allclose(model[1].running_mean, expected, atol=1e-12)
+    model.train()
+    model[1].eval()  # frozen statistics inside a training model
+    with pytest.raises(ValueError, match="frozen"):
+        precise_bn.precise_bn(model, x, 8)
+    for bad in (2.5, "8", True, 1, 33):
+        with pytest.raises(ValueError, match="batch_size"):
+            precise_bn.precise_bn(model, x, bad)

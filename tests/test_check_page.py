@@ -64,6 +64,7 @@ def test_the_page_is_in_the_table_of_contents_before_the_references():
     assert "check_your_loop" in files and files.index("check_your_loop") < files.index("references")
 
 
+@pytest.mark.commands
 def test_every_example_runs_and_prints_what_the_page_shows(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gradaccum._validate import require_k
@@ -68,6 +67,7 @@ from gradaccum.check_instrument import (
     flat,
     identical_draws,
 )
+from gradaccum.windows import token_loss
 
 Step = Callable[[nn.Module, Callable, torch.Tensor, torch.Tensor, int], Any]
 
@@ -333,7 +333,7 @@ def _loss_probe(loss_fn: Callable, out: torch.Tensor, y: torch.Tensor, k: int, b
     return _Probe(weights, max(residuals), tokens)
 
 
-def _validate(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: Any, clip: Any, tolerance: Any,
+def _validate_arguments(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: Any, clip: Any, tolerance: Any,
               seed: Any) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -406,7 +406,7 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
     ``seed``: seeds the per-sample randomness. ``partial``: also run ``step`` on a partial window of K − 1
     micro-batches (as the last window of an epoch) and report a gradient that is not that window's mean.
     """
-    _validate(model, loss_fn, x, y, k, step, clip, tolerance, seed)
+    _validate_arguments(model, loss_fn, x, y, k, step, clip, tolerance, seed)
     params = _trainable(model)
     float64 = params[0].dtype == torch.float64
     tol = float(tolerance) if tolerance is not None else (1e-9 if float64 else 1e-4)
@@ -552,8 +552,9 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
 
 
 def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the non-padding positions of (N, T, V) logits and (N, T) targets (padding: -100)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    """Cross-entropy over the non-padding positions of (N, T, V) logits and (N, T) targets (padding: -100): the
+    mean over tokens, :func:`gradaccum.windows.token_loss` with a loss function's two-argument signature."""
+    return token_loss(logits, target)
 
 
 class _UsageError(Exception):

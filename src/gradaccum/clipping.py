@@ -18,10 +18,10 @@ the accumulated (= full-batch) gradient. The four placements:
   clip, so the direction leans towards the last ones, and the result depends on their order; its norm is at
   most :math:`c`, and equals :math:`c` only when the final buffer :math:`r_{K-1} + g_K/K` is longer than
   :math:`c` (otherwise the last clip does nothing, and the step can be shorter than the correct one, or even
-  reversed: :data:`ERRATA_CASES`).
+  reversed: ``gradaccum.book.ch03_clip_ordering.ERRATA_CASES``).
 
 Whether (a1) and (a2) are longer or shorter than the correct step :math:`\min(\lVert g\rVert, c)` is *not*
-fixed: it depends on how the micro-gradients are aligned (:func:`errata_cases` gives one example of each
+fixed: it depends on how the micro-gradients are aligned (the book's ``errata_cases`` give one example of each
 direction). What is fixed are the upper bounds above (:func:`norm_bounds`) and two consequences: when the
 full-batch gradient is clipped (:math:`\lVert g\rVert \ge c`), (a1) is at most K times and (a2) at most
 once the correct length; with K = 2 neither is ever longer than :math:`\lVert g\rVert` (the clip is odd and
@@ -128,7 +128,7 @@ def norm_bounds(micro_grads: Sequence[torch.Tensor], c: float) -> dict[str, floa
     * ``running``: :math:`c` (its last operation is a clip; an equality only when the buffer before that clip
       is longer than :math:`c`, see :func:`running_buffer_norms`).
 
-    Lower bounds do not exist beyond 0: opposing micro-gradients cancel after clipping (:func:`errata_cases`).
+    Lower bounds do not exist beyond 0: opposing micro-gradients cancel after clipping (the book's ``errata_cases``).
     """
     _require_threshold(c)
     k = len(micro_grads)

@@ -95,7 +95,23 @@ class LoopGhostBatchNorm(nn.Module):
 
 def ghostify(model: nn.Module, virtual_batch_size: int) -> nn.Module:
     """A copy of ``model`` whose BatchNorm layers are :class:`GhostBatchNorm` with the same parameters and
-    running statistics."""
+    running statistics.
+
+    Supported: ``nn.BatchNorm1d`` on (N, C) inputs and ``nn.BatchNorm2d``, with running statistics. Refused with a
+    ``ValueError`` naming the layer, before anything is copied: ``BatchNorm3d``, ``SyncBatchNorm``, other
+    subclasses, ``track_running_stats=False``, and a model that is itself a BatchNorm layer (wrap it in a
+    container). A ``BatchNorm1d`` applied to (N, C, L) inputs is refused at its first forward pass.
+    """
+    if isinstance(model, _BatchNorm):
+        raise ValueError("the model is itself a BatchNorm layer: wrap it, e.g. nn.Sequential(layer), to ghostify it.")
+    for name, layer in model.named_modules():
+        if isinstance(layer, _BatchNorm) and not isinstance(layer, GhostBatchNorm):
+            if type(layer) not in (nn.BatchNorm1d, nn.BatchNorm2d):
+                raise ValueError(f"layer {name!r} is {type(layer).__name__}: GhostBatchNorm replaces nn.BatchNorm1d "
+                                 "and nn.BatchNorm2d only; keep this layer, or write its ghost version by hand.")
+            if not layer.track_running_stats:
+                raise ValueError(f"layer {name!r} keeps no running statistics (track_running_stats=False); "
+                                 "GhostBatchNorm needs them: construct the layer with track_running_stats=True.")
     model = copy.deepcopy(model)
     replaced = 0
     for _name, module in list(model.named_modules()):

@@ -14,12 +14,30 @@ def precise_bn(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
     Uses ``torch.optim.swa_utils.update_bn``: it resets the running statistics, sets ``momentum=None`` so that
     they become the plain average over batches, runs the model over ``x`` in batches of ``batch_size`` (the
     micro-batch size b the model was trained with, so that the statistics match training-time normalization),
-    and restores the momenta and the model's mode.
+    and restores the momenta. Like ``update_bn`` it runs the whole model in training
+    mode, dropout included; afterwards every module's own mode is restored (``update_bn`` restores only the
+    top-level module's). Refuses a BatchNorm layer in eval mode (frozen statistics:
+    recomputing them would silently undo the freeze) and one without running statistics.
     """
-    if batch_size < 2 or batch_size > x.shape[0]:
-        raise ValueError(f"batch_size must be between 2 and {x.shape[0]}, got {batch_size}.")
-    if not any(isinstance(m, _BatchNorm) for m in model.modules()):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 2 <= batch_size <= x.shape[0]:
+        raise ValueError(f"batch_size must be an int between 2 and {x.shape[0]}, got {batch_size!r}.")
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+    if not layers:
         raise ValueError("the model has no BatchNorm layer; PreciseBN has nothing to recompute.")
+    for name, layer in layers:
+        if not layer.track_running_stats:
+            raise ValueError(f"BatchNorm layer {name or '(the model)'!r} keeps no running statistics "
+                             "(track_running_stats=False): there is nothing to recompute; remove it from the model "
+                             "passed to precise_bn or construct it with track_running_stats=True.")
+        if not layer.training and model.training:
+            raise ValueError(f"BatchNorm layer {name or '(the model)'!r} is in eval mode while the model trains "
+                             "(frozen statistics): PreciseBN would overwrite them. Recompute on a sub-module "
+                             "without it, or unfreeze it first.")
+    modes = {m: m.training for m in model.modules()}
     usable = x.shape[0] - x.shape[0] % batch_size
-    with torch.no_grad():
-        torch.optim.swa_utils.update_bn(list(x[:usable].split(batch_size)), model)
+    try:
+        with torch.no_grad():
+            torch.optim.swa_utils.update_bn(list(x[:usable].split(batch_size)), model)
+    finally:
+        for module, training in modes.items():
+            module.train(training)

@@ -1,0 +1,164 @@
+"""A real browser on the built site: headless Chromium (Debian's ``chromium`` + ``chromium-driver``) driven by
+selenium, on pages served from a loopback HTTP server, with every other host unreachable (the site must work
+offline). Used by tests/test_browser.py; ``python tests/browser.py SITE_DIR`` prints the same report by hand."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import shutil
+import socketserver
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Raw TeX left in the visible text means MathJax did not run (or a formula failed to parse).
+RAW_TEX = ("\\(", "\\)", "\\[", "\\]", "$$", "\\begin{", "\\frac", "\\texttt")
+
+PAGE_PROBE = """
+const widgets = [...document.querySelectorAll('.jupyter-widgets, .widget-interact')];
+const tooWide = [...document.querySelectorAll('main *')].filter(e => {
+    const r = e.getBoundingClientRect();
+    return r.width > 0 && r.right > document.documentElement.clientWidth + 1 && !e.closest('.highlight, pre, '
+        + '.table-wrapper, .pst-scrollable-table-container, .output, .cell_output, mjx-container, .MathJax');
+}).map(e => e.tagName + '.' + [...e.classList].join('.') + ': ' + (e.textContent || '').slice(0, 60));
+return {
+    text: document.body.innerText,
+    widgets: widgets.map(w => w.getBoundingClientRect().height),
+    widgetErrors: [...document.querySelectorAll('.jupyter-widgets-error, .widget-error')].length,
+    mathjax: document.querySelectorAll('mjx-container').length,
+    scrollWidth: document.documentElement.scrollWidth,
+    clientWidth: document.documentElement.clientWidth,
+    tooWide: tooWide.slice(0, 5),
+    links: [...document.querySelectorAll('a[href]')].map(a => a.href),
+    ids: [...document.querySelectorAll('[id]')].map(e => e.id),
+};
+"""
+
+
+@dataclass
+class PageReport:
+    path: str
+    console_errors: list[str] = field(default_factory=list)
+    raw_tex: list[str] = field(default_factory=list)
+    widget_heights: list[float] = field(default_factory=list)
+    widget_errors: int = 0
+    formulas: int = 0
+    overflow_px: int = 0
+    too_wide: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+
+
+def chromium_available() -> bool:
+    return bool(shutil.which("chromium") or shutil.which("chromium-browser")) and bool(shutil.which("chromedriver"))
+
+
+@contextmanager
+def serve(root: Path) -> Iterator[str]:
+    """Serve ``root`` on 127.0.0.1 at a free port; yields the base URL."""
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(root))
+    with socketserver.TCPServer(("127.0.0.1", 0), handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}/"
+        finally:
+            server.shutdown()
+
+
+@contextmanager
+def browser(width: int, height: int) -> Iterator[object]:
+    """Headless Chromium at ``width``×``height`` CSS pixels, console captured, every host but 127.0.0.1 unreachable."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or ""
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                f"--window-size={width},{height}", "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+                "--force-device-scale-factor=1", "--hide-scrollbars"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    driver.set_window_size(width, height)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_settled(driver, timeout: float = 20.0) -> None:
+    """Wait for the page's load event, MathJax's first typeset and the widget manager's rendering."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    script = ("return document.readyState === 'complete' && (!window.MathJax || !MathJax.startup || "
+              "MathJax.startup.promise === undefined || window.__mjDone === true);")
+    driver.execute_script("if (window.MathJax && MathJax.startup && MathJax.startup.promise) "
+                          "{ MathJax.startup.promise.then(() => { window.__mjDone = true; }); }")
+    while time.monotonic() < deadline:
+        if driver.execute_script(script):
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)  # the widget manager renders after load
+
+
+def inspect_page(driver, url: str, path: str, screenshot: Path | None = None) -> PageReport:
+    driver.get(url)
+    wait_settled(driver)
+    data = driver.execute_script(PAGE_PROBE)
+    report = PageReport(path)
+    report.console_errors = [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+    text = data["text"]
+    report.raw_tex = [text[max(0, i - 30):i + 30] for d in RAW_TEX for i in _find_all(text, d)][:10]
+    report.widget_heights = data["widgets"]
+    report.widget_errors = data["widgetErrors"]
+    report.formulas = data["mathjax"]
+    report.overflow_px = max(0, data["scrollWidth"] - data["clientWidth"])
+    report.too_wide = data["tooWide"]
+    report.links = data["links"]
+    report.ids = data["ids"]
+    if screenshot is not None:
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(screenshot))
+    return report
+
+
+def _find_all(text: str, needle: str) -> list[int]:
+    out, start = [], 0
+    while (i := text.find(needle, start)) >= 0:
+        out.append(i)
+        start = i + 1
+    return out
+
+
+def pages(site: Path) -> list[str]:
+    """Every HTML page of the built site, relative to its root (Sphinx's search and index pages excepted)."""
+    skip = {"search.html", "genindex.html"}
+    return sorted(str(p.relative_to(site)) for p in site.rglob("*.html")
+                  if p.name not in skip and "_static" not in p.parts and "_sources" not in p.parts)
+
+
+def main(argv: list[str]) -> int:
+    site = Path(argv[0])
+    width = int(argv[1]) if len(argv) > 1 else 1280
+    with serve(site) as base, browser(width, 900) as driver:
+        for path in pages(site):
+            r = inspect_page(driver, base + path, path)
+            print(json.dumps({"page": path, "console": r.console_errors[:3], "raw_tex": r.raw_tex[:3],
+                              "widgets": r.widget_heights, "formulas": r.formulas, "overflow": r.overflow_px,
+                              "too_wide": r.too_wide[:3]}, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,96 @@
+"""The site as a reader sees it: every page of the built site in headless Chromium, offline, at a desktop and a
+phone width. Console clean, every formula typeset, every widget drawn, nothing wider than the screen, every internal
+link and anchor resolving. Screenshots of the first chapter at both widths go to _build/screenshots/.
+
+Needs Debian's ``chromium`` and ``chromium-driver`` (``.ci/run`` installs them); under ``CI=true`` a missing
+browser fails the test instead of skipping it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import urldefrag, urlparse
+
+import pytest
+from browser import PageReport, browser, chromium_available, inspect_page, pages, serve
+from layout import ROOT
+
+pytestmark = [pytest.mark.site, pytest.mark.browser]
+
+WIDTHS = {"desktop": (1280, 900), "mobile": (390, 844)}
+SCREENSHOTS = ROOT / "_build" / "screenshots"
+SHOT_PAGE = "chapters/01_microbatch_statistics.html"
+
+
+@pytest.fixture(scope="module", params=sorted(WIDTHS))
+def reports(request, built_site: Path) -> tuple[str, dict[str, PageReport], str]:
+    if not chromium_available():
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but chromium/chromedriver are missing: .ci/run installs them with apt-get")
+        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
+    width, height = WIDTHS[request.param]
+    out: dict[str, PageReport] = {}
+    with serve(built_site) as base, browser(width, height) as driver:
+        for path in pages(built_site):
+            shot = SCREENSHOTS / f"{Path(path).stem}-{request.param}.png" if path == SHOT_PAGE else None
+            out[path] = inspect_page(driver, base + path, path, screenshot=shot)
+    return request.param, out, base
+
+
+def test_every_page_is_seen(reports, built_site):
+    _, out, _ = reports
+    assert len(out) >= 10 and SHOT_PAGE in out and "references.html" in out
+
+
+def test_console_is_clean(reports):
+    width, out, _ = reports
+    errors = {p: r.console_errors for p, r in out.items() if r.console_errors}
+    assert not errors, f"{width}: {errors}"
+
+
+def test_math_is_typeset_offline(reports):
+    width, out, _ = reports
+    raw = {p: r.raw_tex for p, r in out.items() if r.raw_tex}
+    assert not raw, f"{width}: raw TeX left in the text (MathJax did not run or failed): {raw}"
+    assert all(out[p].formulas > 20 for p in out if p.startswith("chapters/")), "every chapter has typeset math"
+
+
+def test_every_widget_is_drawn(reports):
+    width, out, _ = reports
+    for path, r in out.items():
+        if path.startswith("chapters/"):
+            assert r.widget_heights and min(r.widget_heights) > 10 and r.widget_errors == 0, (width, path, r)
+
+
+def test_nothing_is_wider_than_the_screen(reports):
+    width, out, _ = reports
+    wide = {p: (r.overflow_px, r.too_wide[:3]) for p, r in out.items() if r.overflow_px > 0}
+    assert not wide, f"{width}: the page scrolls sideways: {wide}"
+
+
+def test_internal_links_and_anchors_resolve(reports):
+    _, out, base = reports
+    ids = {p: set(r.ids) for p, r in out.items()}
+    broken = []
+    for path, r in out.items():
+        for href in r.links:
+            if not href.startswith(base):
+                continue
+            url, anchor = urldefrag(href)
+            target = urlparse(url).path.lstrip("/") or "index.html"
+            if target.endswith("/"):
+                target += "index.html"
+            if target.startswith(("_static/", "_sources/", "_images/", "_downloads/")) or target in (
+                    "search.html", "genindex.html"):
+                continue
+            if target not in ids:
+                broken.append(f"{path} → {href}")
+            elif anchor and anchor not in ids[target]:
+                broken.append(f"{path} → {target}#{anchor}")
+    assert not broken, broken[:20]
+
+
+def test_screenshots_are_saved(reports):
+    width, _, _ = reports
+    shot = SCREENSHOTS / f"{Path(SHOT_PAGE).stem}-{width}.png"
+    assert shot.exists() and shot.stat().st_size > 20_000
