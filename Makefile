@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+SITE_STAMP := $(VENV)/.site-installed
 
 .PHONY: help install book test unit lint nbval nbval-loaded outputs budgets gpu-check binder-check student nbgrader clean
 
@@ -17,16 +18,22 @@ help: ## this list
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Re-install only when the requirements or the package metadata change.
-$(STAMP): requirements.txt pyproject.toml | $(PY)
+# The site's build needs only requirements-site.txt (no torch): the site is built from stored outputs.
+$(SITE_STAMP): requirements-site.txt | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-site.txt
+	touch $(SITE_STAMP)
+
+# Everything (tests, execution, the package): re-installed only when the requirements or the package change.
+$(STAMP): requirements.txt requirements-site.txt pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
-	touch $(STAMP)
+	touch $(STAMP) $(SITE_STAMP)
 
 install: $(STAMP) ## create .venv and install the pinned stack and the package (editable)
 
-book: $(STAMP) ## build the site from the stored outputs into _build/html (no execution)
+book: $(SITE_STAMP) ## build the site from the stored outputs into _build/html (installs no torch)
 	$(VENV)/bin/jupyter-book build . --all -n -W --keep-going
 	@echo "The site is in $(CURDIR)/_build/html (open _build/html/index.html)"
 
@@ -63,7 +70,8 @@ budgets: $(STAMP) ## time and peak memory of every chapter (nothing written)
 
 # The student edition: solutions removed, exercise outputs cleared; notebooks and a site without solutions.
 student: $(STAMP) ## the student edition: notebooks and site without solutions
-	$(PY) -m gradaccum.book.course student --out _build/student/book
+	$(PY) -m gradaccum.book.course student --out _build/student/book \
+		$(if $(STUDENT_REPO),--repository $(STUDENT_REPO)) $(if $(STUDENT_BRANCH),--branch $(STUDENT_BRANCH))
 	$(VENV)/bin/jupyter-book build _build/student/book --path-output _build/student --all -n -W --keep-going
 	@echo "Student notebooks: $(CURDIR)/_build/student/book/chapters; student site: $(CURDIR)/_build/student/_build/html"
 

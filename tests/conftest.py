@@ -1,5 +1,6 @@
 """Shared fixtures: one thread (as in the chapters), float64 digits loaded once, the site built once."""
 
+import os
 import re
 import subprocess
 import sys
@@ -28,14 +29,33 @@ def loss_fn():
     return torch.nn.CrossEntropyLoss()
 
 
-@pytest.fixture(scope="session")
-def built_site(tmp_path_factory):
-    """The site built from the stored outputs, as `make book` builds it (no warnings allowed)."""
-    out = tmp_path_factory.mktemp("site")
+def _build(source: Path, out: Path, blocked: Path) -> Path:
+    for name in ("torch", "gradaccum", "sklearn"):
+        (blocked / name).mkdir(exist_ok=True)
+        (blocked / name / "__init__.py").write_text(f"raise ImportError('the site build must not import {name}')\n")
+    env = {**os.environ, "PYTHONPATH": str(blocked)}
     jb = Path(sys.executable).with_name("jupyter-book")
-    proc = subprocess.run([str(jb), "build", str(ROOT), "--path-output", str(out), "-n", "-W", "--keep-going"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([str(jb), "build", str(source), "--path-output", str(out), "-n", "-W", "--keep-going"],
+                          capture_output=True, text=True, timeout=300, env=env)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert not re.search(r"\bWARNING\b", log), log[-4000:]
     return out / "_build" / "html"
+
+
+@pytest.fixture(scope="session")
+def built_student_site(tmp_path_factory):
+    """The student edition's site, built the same way."""
+    from gradaccum.book import course
+
+    book = tmp_path_factory.mktemp("student") / "book"
+    course.write_student_edition(ROOT, book)
+    return _build(book, tmp_path_factory.mktemp("student-site"), tmp_path_factory.mktemp("blocked"))
+
+
+@pytest.fixture(scope="session")
+def built_site(tmp_path_factory):
+    """The site built from the stored outputs, as `make book` builds it (no warnings allowed), with torch and the
+    book's package made unimportable: `make book` installs neither (requirements-site.txt), so the build must not
+    need them."""
+    return _build(ROOT, tmp_path_factory.mktemp("site"), tmp_path_factory.mktemp("blocked"))

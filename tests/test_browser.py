@@ -1,6 +1,7 @@
 """The site as a reader sees it: every page of the built site in headless Chromium, offline, at a desktop and a
 phone width. Console clean, every formula typeset, every widget drawn, nothing wider than the screen, every internal
-link and anchor resolving. Screenshots of the first chapter at both widths go to _build/screenshots/.
+link and anchor resolving; the book and its student edition. Screenshots of the first chapter at both widths go to
+_build/screenshots/.
 
 Needs Debian's ``chromium`` and ``chromium-driver`` (``.ci/run`` installs them); under ``CI=true`` a missing
 browser fails the test instead of skipping it."""
@@ -22,24 +23,27 @@ SCREENSHOTS = ROOT / "_build" / "screenshots"
 SHOT_PAGE = "chapters/01_microbatch_statistics.html"
 
 
-@pytest.fixture(scope="module", params=sorted(WIDTHS))
-def reports(request, built_site: Path) -> tuple[str, dict[str, PageReport], str]:
+@pytest.fixture(scope="module", params=[(e, w) for e in ("book", "student") for w in sorted(WIDTHS)],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def reports(request) -> tuple[str, dict[str, PageReport], str]:
     if not chromium_available():
         if os.environ.get("CI") == "true":
             pytest.fail("CI=true but chromium/chromedriver are missing: .ci/run installs them with apt-get")
         pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
-    width, height = WIDTHS[request.param]
+    edition, name = request.param
+    site = request.getfixturevalue("built_site" if edition == "book" else "built_student_site")
+    width, height = WIDTHS[name]
     out: dict[str, PageReport] = {}
-    with serve(built_site) as base, browser(width, height) as driver:
-        for path in pages(built_site):
-            shot = SCREENSHOTS / f"{Path(path).stem}-{request.param}.png" if path == SHOT_PAGE else None
+    with serve(site) as base, browser(width, height) as driver:
+        for path in pages(site):
+            shot = SCREENSHOTS / f"{edition}-{Path(path).stem}-{name}.png" if path == SHOT_PAGE else None
             out[path] = inspect_page(driver, base + path, path, screenshot=shot)
-    return request.param, out, base
+    return f"{edition}-{name}", out, base
 
 
-def test_every_page_is_seen(reports, built_site):
+def test_every_page_is_seen(reports):
     _, out, _ = reports
-    assert len(out) >= 10 and SHOT_PAGE in out and "references.html" in out
+    assert len(out) >= 9 and SHOT_PAGE in out and "references.html" in out
 
 
 def test_console_is_clean(reports):
@@ -92,5 +96,5 @@ def test_internal_links_and_anchors_resolve(reports):
 
 def test_screenshots_are_saved(reports):
     width, _, _ = reports
-    shot = SCREENSHOTS / f"{Path(SHOT_PAGE).stem}-{width}.png"
+    shot = SCREENSHOTS / f"{width.split('-')[0]}-{Path(SHOT_PAGE).stem}-{width.split('-')[1]}.png"
     assert shot.exists() and shot.stat().st_size > 20_000

@@ -187,6 +187,14 @@ RUNS = {
         r"wrote \d+ notebooks",
         "--out a temporary folder instead of _build/student/book",
     ),
+    "student-edition-elsewhere": Run(
+        ("make student STUDENT_REPO=https://github.com/you/course-student STUDENT_BRANCH=main",),
+        ("{py}", "-m", "gradaccum.book.course", "student", "--out", "{tmp}/student", "--repository",
+         "https://github.com/you/course-student", "--branch", "main"),
+        r"wrote \d+ notebooks",
+        "the CLI call `make student` makes with those variables (its site build is test_course's), into a "
+        "temporary folder",
+    ),
     "nbgrader": Run(
         ("python -m gradaccum.book.course nbgrader",),
         ("{py}", "-m", "gradaccum.book.course", "nbgrader", "--out", "{tmp}/nbgrader"),
@@ -222,6 +230,10 @@ MAKE_TARGETS = {
 
 #: Shown commands no test runs, and why.
 NOT_RUN = {
+    "python scripts/vendor_assets.py [--check]": (
+        "downloads from the npm registry; tests/test_vendor.py checks the committed files against the pinned "
+        "manifest it writes, offline"
+    ),
     'pip install "gradaccum @ git+https://github.com/gradaccum/gradient-accumulation-correctly"': (
         "needs the network to reach the repository; tests/test_core_torch_only.py::"
         "test_fresh_environment_with_only_torch installs the same package from a copy of this repository into a "

@@ -87,7 +87,13 @@ def test_student_site_has_no_solutions(edition, tmp_path):
         words = plain(re.sub(r"<[^>]+>|&[a-z#0-9]+;", " ", page))
         for fragment in snippets(load(stem)):
             assert fragment not in words, fragment
-    assert "student edition" in (html / "intro.html").read_text()
+    intro = (html / "intro.html").read_text()
+    assert "student edition" in intro and "folded away" not in intro and "make test" not in intro
+    main_repo = "github.com/gradaccum/gradient-accumulation-correctly/"
+    for page in [html / "intro.html", *(html / "chapters").glob("*.html")]:
+        text = page.read_text()
+        assert course.STUDENT_REPOSITORY.split("//")[1] in text, f"{page.name}: no button points at the student repo"
+        assert main_repo not in text.replace("gradient-accumulation-correctly-student", ""), page.name
 
 
 def test_student_edition_runs_on_binder_on_its_own(edition):

@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from layout import CHAPTERS, load, source
+from layout import CHAPTERS, ROOT, load, source
 
 pytestmark = pytest.mark.site
 
@@ -44,3 +44,17 @@ def test_intro_and_references(site):
     assert "equivalence theorem" in intro.lower() and "Symptom" in intro
     refs = (site / "references.html").read_text()
     assert "Ioffe" in refs and "Wu" in refs and "Goyal" in refs
+
+
+def test_site_requirements_hold_no_torch_and_binder_gets_the_cpu_build():
+    """`make book` installs requirements-site.txt only; Binder installs torch's CPU build at the book's version."""
+    site = [line for line in (ROOT / "requirements-site.txt").read_text().splitlines() if not line.startswith("#")]
+    assert not [line for line in site if "torch" in line] and any(line.startswith("jupyter-book") for line in site)
+    full = (ROOT / "requirements.txt").read_text()
+    assert "-r requirements-site.txt" in full
+    pinned = re.search(r"^torch==(\S+)$", full, flags=re.M).group(1)
+    binder = (ROOT / "binder" / "requirements.txt").read_text()
+    assert f"torch=={pinned}+cpu" in binder and "--extra-index-url https://download.pytorch.org/whl/cpu" in binder
+    for line in binder.splitlines():
+        if re.match(r"^[a-z-]+[<>=]", line) and not line.startswith("torch"):
+            assert line in full, f"binder/requirements.txt and requirements.txt disagree on {line}"

@@ -106,9 +106,49 @@ def student_notebook(nb: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _student_config(text: str) -> str:
-    return re.sub(r'^title:\s*"?([^"\n]*)"?', lambda m: f'title: "{m.group(1)} (student edition)"', text, count=1,
+#: Where the student edition is published (its own repository or branch, without solutions). Its launch buttons
+#: (Binder, Colab, Live Code) and repository button point here, never at the book's repository with the
+#: solutions. Set it with ``make student STUDENT_REPO=<url> STUDENT_BRANCH=<branch>`` (or ``--repository``/
+#: ``--branch``); instructor.md documents it.
+STUDENT_REPOSITORY = "https://github.com/gradaccum/gradient-accumulation-correctly-student"
+STUDENT_BRANCH = "main"
+
+#: What the student edition's introduction says about itself, in place of the full edition's sentence on solutions.
+STUDENT_INTRO_NOTE = (
+    "- **Exercises** close every chapter. This is the **student edition**: the solutions are not in it (your\n"
+    "  instructor has them), and the exercises with a numeric answer come with a checker that explains what a\n"
+    "  wrong answer got wrong.\n"
+)
+
+
+def _student_config(text: str, repository: str = STUDENT_REPOSITORY, branch: str = STUDENT_BRANCH) -> str:
+    """The student site's configuration: its title says what it is, and every button points at ``repository``."""
+    if not re.fullmatch(r"https://\S+", repository) or not re.fullmatch(r"[\w./-]+", branch):
+        raise ValueError(f"the student repository must be an https URL and the branch a plain name, got "
+                         f"{repository!r} and {branch!r}.")
+    text = re.sub(r'^title:\s*"?([^"\n]*)"?', lambda m: f'title: "{m.group(1)} (student edition)"', text, count=1,
                   flags=re.M)
+    text, n = re.subn(r"^(repository:\s*\n\s+url:\s*)\S+(\s*\n\s+branch:\s*)\S+", rf"\g<1>{repository}\g<2>{branch}",
+                      text, count=1, flags=re.M)
+    if n != 1:
+        raise ValueError("_config.yml has no repository url and branch to point at the student repository.")
+    return text
+
+
+def _student_intro(text: str, package_url: str = "") -> str:
+    """The introduction with its sentence on solutions replaced by what the student edition is, and its line on
+    running the book's Makefile (which the student edition does not carry) by how to install the package."""
+    run_locally = ("- **Run a chapter locally**: install the book's package with\n"
+                   f"  `pip install \"gradaccum[book] @ git+{package_url}\"` and open the chapter in Jupyter.\n")
+    text, n = re.subn(r"^- \*\*Run everything locally\*\*.*?(?=^- |^\S|\Z)", run_locally, text, count=1,
+                      flags=re.M | re.S)
+    if n != 1:
+        raise ValueError("intro.md has no '- **Run everything locally**' item to replace.")
+    new, n = re.subn(r"^- \*\*Exercises\*\* close every chapter;.*?(?=^- |^\S|\Z)", STUDENT_INTRO_NOTE, text,
+                     count=1, flags=re.M | re.S)
+    if n != 1:
+        raise ValueError("intro.md has no '- **Exercises** close every chapter; ...' item to replace.")
+    return new
 
 
 def _student_toc(text: str) -> str:
@@ -117,8 +157,10 @@ def _student_toc(text: str) -> str:
     return "".join(p for p in parts if "caption: For instructors" not in p)
 
 
-def write_student_edition(root: Path, out: Path) -> list[Path]:
-    """Write the student edition of the book in ``root`` to ``out`` (chapters and the files the site needs)."""
+def write_student_edition(root: Path, out: Path, repository: str = STUDENT_REPOSITORY,
+                          branch: str = STUDENT_BRANCH) -> list[Path]:
+    """Write the student edition of the book in ``root`` to ``out`` (chapters and the files the site needs), its
+    buttons pointing at ``repository`` on ``branch``."""
     root, out = Path(root), Path(out)
     if out.exists():
         shutil.rmtree(out)
@@ -126,7 +168,9 @@ def write_student_edition(root: Path, out: Path) -> list[Path]:
     for name in BOOK_FILES:
         text = (root / name).read_text()
         if name == "_config.yml":
-            text = _student_config(text)
+            text = _student_config(text, repository, branch)
+        elif name == "intro.md":
+            text = _student_intro(text, _book_repository(root))
         elif name == "_toc.yml":
             text = _student_toc(text)
         (out / name).write_text(text)
@@ -140,6 +184,8 @@ def write_student_edition(root: Path, out: Path) -> list[Path]:
             target.write_text(STUDENT_STUBS[page])
         else:
             shutil.copy(root / f"{page}.md", target)
+    for folder in ("_vendor", "_ext"):  # the site's own assets and extension (the config names them)
+        shutil.copytree(root / folder, out / folder, ignore=shutil.ignore_patterns("__pycache__"))
     _write_binder(root, out)
     written = []
     for path in sorted((root / "chapters").glob("*.ipynb")):
@@ -148,6 +194,13 @@ def write_student_edition(root: Path, out: Path) -> list[Path]:
         target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
         written.append(target)
     return written
+
+
+def _book_repository(root: Path) -> str:
+    match = re.search(r"^repository:\s*\n\s+url:\s*(\S+)", (root / "_config.yml").read_text(), flags=re.M)
+    if match is None:
+        raise ValueError("_config.yml has no repository url to install gradaccum from.")
+    return match.group(1)
 
 
 def _write_binder(root: Path, out: Path) -> None:
@@ -221,11 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", choices=["student", "nbgrader"])
     parser.add_argument("--root", type=Path, default=Path("."), help="the book's repository (default: .)")
     parser.add_argument("--out", type=Path, help="output folder (default _build/student or _build/nbgrader)")
+    parser.add_argument("--repository", default=STUDENT_REPOSITORY, help="where the student edition is published")
+    parser.add_argument("--branch", default=STUDENT_BRANCH, help="its branch")
     args = parser.parse_args(argv)
     if not (args.root / "chapters").is_dir():
         parser.error(f"{args.root} has no chapters/ folder; run from the book's repository or pass --root.")
     if args.what == "student":
-        paths = write_student_edition(args.root, args.out or args.root / "_build" / "student" / "book")
+        paths = write_student_edition(args.root, args.out or args.root / "_build" / "student" / "book",
+                                      args.repository, args.branch)
     else:
         paths = write_nbgrader(args.root, args.out or args.root / "_build" / "nbgrader")
     print(f"wrote {len(paths)} notebooks under {paths[0].parents[1] if paths else args.out}")
