@@ -42,3 +42,23 @@ def test_false_positive_and_detection_figures(digits):
     families = {case[0] for case in CASES}
     assert (len(correct), len(planted), len(families)) == (29, 69, 6)
     assert flagged == [] and len(named) == len(planted) == 69
+
+
+def test_the_exact_full_batch_scheme_passes_the_checker_without_notes():
+    """A loop built on gradaccum.fullbatch_bn is the full-batch step, for full and partial windows; the RNG state
+    the scheme restores internally is not a seed the loop sets (review finding)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from gradaccum.fullbatch_bn import full_batch_stats_backward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 3)).double()
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
+
+    def exact(model, loss_fn, xs, ys, k):
+        full_batch_stats_backward(model, loss_fn, xs, ys, k, exact=True)
+
+    report = C.check(model, F.cross_entropy, x, y, 4, step=exact)
+    assert report.ok and not report.findings, report

@@ -230,6 +230,7 @@ MAKE_TARGETS = {
 
 #: Shown commands no test runs, and why.
 NOT_RUN = {
+    "python scripts/vendor_assets.py": "downloads from the npm registry (see the next entry)",
     "python scripts/vendor_assets.py [--check]": (
         "downloads from the npm registry; tests/test_vendor.py checks the committed files against the pinned "
         "manifest it writes, offline"

@@ -536,6 +536,13 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
     error = rel(ideal, run.applied)
     if error <= tol:
         return None
+    # a loop that gives batch-coupled layers the statistics of the whole window (e.g. the exact full-batch
+    # BatchNorm scheme) is right when it equals the partial window's own full-batch gradient
+    whole = _references(model, loss_fn, xp, yp, m, seed)
+    if whole.error is None:
+        target = clip_vec(whole.full, clip, kind, norm_type) if clip is not None else whole.full
+        if rel(target, run.applied) <= tol:
+            return None
     w, residual, _ = fit_weights(basis, run.applied)
     s = float(run.applied @ ideal) / float(ideal @ ideal) if float(ideal.norm()) > 0 else float("nan")
     thr = max(1e-6 if wtol < 1e-6 else 1e-2, tol)

@@ -21,6 +21,7 @@ Three instruments, each independent of how the user's code imports what it calls
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -333,6 +334,18 @@ class Event:
 
 _CLIP_NAMES = {"clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "_clip_grads_with_norm_"}
 _SEED_NAMES = {"manual_seed", "seed", "set_rng_state", "manual_seed_all"}
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _from_the_toolkit(frame: Any, depth: int = 8) -> bool:
+    """Whether a seeding call comes from gradaccum's own tools (e.g. the exact full-batch BatchNorm scheme restores
+    the RNG state to replay dropout masks): not a seed the reader's loop sets."""
+    while frame is not None and depth:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if filename.startswith(_PACKAGE) and os.sep + "book" + os.sep not in filename[len(_PACKAGE) - 1:]:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
 _NAMES = {"step", "__init__", "zero_grad", "scale", "unscale_", "update", "__enter__"} | _CLIP_NAMES | _SEED_NAMES
 
 
@@ -390,7 +403,7 @@ class CallRecorder:
                     self._return(frame)
             elif event == "c_call":
                 name = getattr(arg, "__name__", None)
-                if name in _SEED_NAMES and not self._depth.get("seed"):
+                if name in _SEED_NAMES and not self._depth.get("seed") and not _from_the_toolkit(frame):
                     owner = getattr(arg, "__self__", None)
                     if isinstance(owner, torch.Generator) or type(owner).__name__ == "RandomState":
                         self._event("seed", fn=f"{type(owner).__name__}.{name}")
@@ -420,7 +433,7 @@ class CallRecorder:
             obj = self._self(frame)
             is_rng = (filename.endswith(("torch/random.py", "cuda/random.py", "torch/cuda/random.py"))
                       or (name == "seed" and obj is not None and type(obj).__module__ == "random"))
-            if is_rng:
+            if is_rng and not _from_the_toolkit(frame.f_back):
                 if self._push(frame, "seed"):
                     self._event("seed", fn=name)
             return
