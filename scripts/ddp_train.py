@@ -1,6 +1,6 @@
 """Train the digits CNN with DDP and gradient accumulation, with and without no_sync, under torchrun.
 
-The same training function as chapter 5 (`gradaccum.book.ch05_no_sync.train_ddp`), on whatever torchrun gives it:
+The same training function as chapter 5 (`gradaccum.book.ddp_workers.train_ddp`), on whatever torchrun gives it:
 NCCL and one GPU per process when CUDA is available, gloo on the CPU otherwise.
 
     torchrun --nproc_per_node=2 scripts/ddp_train.py --k 4 --b 8 --steps 5      # 2 CPU processes
@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradaccum.book.ch05_no_sync import train_ddp
+from gradaccum.book.ddp_workers import train_ddp
 from gradaccum.distributed import micro_batch_that_fits
 
 #: The micro-batch size used when --b is not given and it fits.

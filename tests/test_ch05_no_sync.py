@@ -9,7 +9,7 @@ import torch
 from gradaccum import distributed
 from gradaccum.accumulate import agreement, full_batch_gradient
 from gradaccum.book import ch05_no_sync as ch5
-from gradaccum.book import exercises
+from gradaccum.book import ddp_workers, exercises
 from gradaccum.book.models import make_cnn
 
 
@@ -68,7 +68,7 @@ def test_micro_batch_that_fits():
 
 def test_shard_that_does_not_fit_says_what_to_do(digits):
     with pytest.raises(ValueError, match="lower the micro-batch size b, K or the steps"):
-        ch5._shard(7, 8, 320, torch.float64, (digits.x_train, digits.y_train))
+        ddp_workers._shard(7, 8, 320, torch.float64, (digits.x_train, digits.y_train))
 
 
 def test_ring_and_saving_exercises():
@@ -190,8 +190,8 @@ def test_figures():
 def test_worker_errors_name_an_exit_without_a_traceback():
     """A worker that dies by os._exit leaves no traceback: its exit code is the root cause, before a peer's
     lost connection."""
-    assert ch5._worker_errors(["", ""], [None, 3]) == ["rank 1: process exited with exit code 3"]
-    assert ch5._worker_errors(["", ""], [0, None]) == []
+    assert ddp_workers._worker_errors(["", ""], [None, 3]) == ["rank 1: process exited with exit code 3"]
+    assert ddp_workers._worker_errors(["", ""], [0, None]) == []
 
 
 def test_worker_errors_list_ranks_killed_by_a_signal_last(tmp_path):
@@ -199,7 +199,7 @@ def test_worker_errors_list_ranks_killed_by_a_signal_last(tmp_path):
     listed after the root cause even when their rank number is lower."""
     import pickle
 
-    assert ch5._worker_errors(["", "", ""], [-15, 3, -15]) == [
+    assert ddp_workers._worker_errors(["", "", ""], [-15, 3, -15]) == [
         "rank 1: process exited with exit code 3",
         "rank 0: killed by SIGTERM (exit code -15), a consequence of the failure above",
         "rank 2: killed by SIGTERM (exit code -15), a consequence of the failure above",
@@ -208,7 +208,7 @@ def test_worker_errors_list_ranks_killed_by_a_signal_last(tmp_path):
     error_file.write_bytes(pickle.dumps("Traceback ...\nValueError: 2 ranks × 800 images exceed the 1221"))
     lost = tmp_path / "rank2.err"
     lost.write_bytes(pickle.dumps("Traceback ...\nRuntimeError: [gloo] Connection closed by peer"))
-    lines = ch5._worker_errors(["", str(error_file), str(lost)], [-15, 1, 1])
+    lines = ddp_workers._worker_errors(["", str(error_file), str(lost)], [-15, 1, 1])
     assert lines[0].startswith("rank 1: ValueError") and lines[1].startswith("rank 2: RuntimeError: [gloo]")
     assert lines[2].startswith("rank 0: killed by SIGTERM")
 

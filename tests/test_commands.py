@@ -300,7 +300,7 @@ def _tiny_notebook(path: Path) -> None:
 
 
 def _free_port() -> int:
-    from gradaccum.book.ch05_no_sync import free_port
+    from gradaccum.book.ddp_workers import free_port
 
     return free_port()
 
@@ -360,7 +360,7 @@ def test_explicit_defaults_are_the_defaults():
 
 
 def test_two_node_world_fits_the_data(digits):
-    from gradaccum.book.ch05_no_sync import _shard
+    from gradaccum.book.ddp_workers import _shard
 
     script = _ddp_train()
     args = script.parser().parse_args([])

@@ -6,13 +6,14 @@ The same architecture with ``norm="batch"``, ``"group"``, ``"layer"`` or ``"none
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from gradaccum.book.data import Vocab
+if TYPE_CHECKING:  # models must not load scikit-learn (the DDP workers import this module)
+    from gradaccum.book.data import Vocab
+from torch import nn
 
 NormKind = Literal["batch", "group", "layer", "none"]
 
