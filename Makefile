@@ -39,7 +39,7 @@ book: $(SITE_STAMP) ## build the site from the stored outputs into _build/html (
 
 # Lint and types, then every test once: package tests, shown commands, a fresh torch-only install, the site and
 # strict nbval (every output compared cell by cell; the lax mode is never used). Each chapter runs once.
-test: lint ## lint + types, then every test (unit, commands, fresh install, site, strict nbval on every chapter)
+test: lint ## lint + types, then every test (unit, commands, fresh install, site + browser, strict nbval)
 	$(PY) -m pytest tests chapters --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 

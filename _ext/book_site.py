@@ -43,6 +43,7 @@ def author_year(entry: Any) -> str:
     if not names:
         names = [re.sub(r"[{}\\]", "", entry.fields.get("organization", entry.fields.get("title", entry.key)))]
         names = [" ".join(names[0].split()[:3])]
+    names = [re.sub(r"\\(.)", r"\1", n) for n in names]  # TeX escapes (\#, \&) read as the character
     who = names[0] if len(names) == 1 else (f"{names[0]} and {names[1]}" if len(names) == 2 else f"{names[0]} et al.")
     return f"{who} {entry.fields.get('year', 'n.d.')}"
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 #: Raw TeX left in the visible text means MathJax did not run (or a formula failed to parse).
-RAW_TEX = ("\\(", "\\)", "\\[", "\\]", "$$", "\\begin{", "\\frac", "\\texttt")
+RAW_TEX = ("\\(", "\\)", "\\[", "\\]", "$$", "\\begin{", "\\frac", "\\texttt", "\\#", "\\&")
 
 PAGE_PROBE = """
 const widgets = [...document.querySelectorAll('.jupyter-widgets, .widget-interact')];

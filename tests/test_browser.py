@@ -18,7 +18,7 @@ from layout import ROOT
 
 pytestmark = [pytest.mark.site, pytest.mark.browser]
 
-WIDTHS = {"desktop": (1280, 900), "mobile": (390, 844)}
+WIDTHS = {"desktop": (1280, 900), "mobile": (390, 844), "narrow": (320, 640)}
 SCREENSHOTS = ROOT / "_build" / "screenshots"
 SHOT_PAGE = "chapters/01_microbatch_statistics.html"
 
