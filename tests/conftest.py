@@ -1,6 +1,5 @@
 """Shared fixtures: one thread (as in the chapters), float64 digits loaded once, the site built once."""
 
-import os
 import re
 import subprocess
 import sys
@@ -8,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from layout import ROOT
+from layout import ROOT, shadow_packages
 
 from gradaccum.book.data import load_digits_split
 from gradaccum.runtime import setup
@@ -30,10 +29,7 @@ def loss_fn():
 
 
 def _build(source: Path, out: Path, blocked: Path) -> Path:
-    for name in ("torch", "gradaccum", "sklearn"):
-        (blocked / name).mkdir(exist_ok=True)
-        (blocked / name / "__init__.py").write_text(f"raise ImportError('the site build must not import {name}')\n")
-    env = {**os.environ, "PYTHONPATH": str(blocked)}
+    env = shadow_packages(blocked, ("torch", "gradaccum", "sklearn"), "the site build must not import ")
     jb = Path(sys.executable).with_name("jupyter-book")
     proc = subprocess.run([str(jb), "build", str(source), "--path-output", str(out), "-n", "-W", "--keep-going"],
                           capture_output=True, text=True, timeout=300, env=env)

@@ -52,3 +52,15 @@ def source(cell: dict) -> str:
 
 def tags(cell: dict) -> list[str]:
     return cell.get("metadata", {}).get("tags", [])
+
+
+def shadow_packages(folder: Path, names: tuple[str, ...], message: str) -> dict[str, str]:
+    """Packages in ``folder`` that raise ``ImportError(message + name)`` when imported, and the environment that
+    puts them first on the path: a library made unavailable without uninstalling it (``importlib.util.find_spec``
+    still finds it, which torch's optional-import probes need)."""
+    import os
+
+    for name in names:
+        (folder / name).mkdir(exist_ok=True)
+        (folder / name / "__init__.py").write_text(f"raise ImportError({message + name!r})\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from layout import ROOT
+from layout import ROOT, shadow_packages
 
 CORE = sorted(
     p.stem for p in (ROOT / "src" / "gradaccum").glob("*.py") if p.stem != "__init__" and not p.stem.startswith("_")
@@ -63,10 +63,7 @@ def _blocked_run(tmp_path: Path, code: str) -> subprocess.CompletedProcess:
     """Run ``code`` where scikit-learn, matplotlib and ipywidgets are shadowed by packages that refuse to import
     (torch asks ``importlib.util.find_spec`` about optional libraries, so a finder that raises would break torch,
     not test the core)."""
-    for name in BLOCKED:
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('blocked for this test: {name}')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env = shadow_packages(tmp_path, BLOCKED, "blocked for this test: ")
     return subprocess.run([sys.executable, "-c", BLOCK_BOOK + code], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env=env)
 

@@ -206,15 +206,12 @@ def _book_repository(root: Path) -> str:
 def _write_binder(root: Path, out: Path) -> None:
     """Binder files for the student edition published on its own: the book's runtime requirements plus the
     ``gradaccum`` package installed from the book's repository (the student edition carries no package source)."""
-    match = re.search(r"^repository:\s*\n\s+url:\s*(\S+)", (root / "_config.yml").read_text(), flags=re.M)
-    if match is None:
-        raise ValueError("_config.yml has no repository url to install gradaccum from.")
     requirements = (root / "binder" / "requirements.txt").read_text().rstrip("\n")
     (out / "binder").mkdir(exist_ok=True)
     (out / "binder" / "requirements.txt").write_text(
         f"{requirements}\n"
         "# The student edition has no package source: install the book's package from its repository.\n"
-        f"gradaccum[book] @ git+{match.group(1)}\n")
+        f"gradaccum[book] @ git+{_book_repository(root)}\n")
     shutil.copy(root / "binder" / "runtime.txt", out / "binder" / "runtime.txt")
 
 
