@@ -5,9 +5,9 @@
 * The bibliography's labels read like the author–year citations in the text ("Hoffer et al. 2017", not
   "[HHS17]"), and titles keep the capitals they are written with ("Ethernet", not "ethernet").
 * A few rules of CSS keep long inline code and URLs inside the column on a phone.
-* ipywidgets' controls call MathJax 2's ``MathJax.Hub.Queue`` to typeset their labels; the site runs MathJax 3,
-  which has no ``Hub`` (jupyter-widgets/ipywidgets#3829). A two-line bridge maps the call to MathJax 3's
-  ``typesetPromise``, so labels are typeset and the console stays clean.
+* The notebooks store their widgets' state (so Jupyter shows them before a kernel runs), but the site shows each
+  widget's kernel-free HTML form instead (gradaccum.book.widgets.Explorer); the state, which no page script reads,
+  is not copied into the pages.
 """
 
 from __future__ import annotations
@@ -22,13 +22,7 @@ from pybtex.style.formatting.unsrt import Style as UnsrtStyle
 from pybtex.style.labels import BaseLabelStyle
 from pybtex.style.template import field, sentence
 
-MATHJAX2_BRIDGE = (
-    "window.addEventListener('load', function () {"
-    " if (window.MathJax && !window.MathJax.Hub) {"
-    "  window.MathJax.Hub = {Queue: function () {"
-    "   if (window.MathJax.typesetPromise) { window.MathJax.typesetPromise(); } }};"
-    " } });"
-)
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
 def _last_names(entry: Any) -> list[str]:
@@ -86,8 +80,9 @@ def _dedupe_scripts(app: Any, pagename: str, templatename: str, context: dict, d
     kept = []
     for script in scripts:
         filename = getattr(script, "filename", script) or ""  # an inline script is filename None or ""
-        key = (str(filename), str(getattr(script, "attributes", {}).get("body", "")))
-        if key in seen:
+        attributes = getattr(script, "attributes", {})
+        key = (str(filename), str(attributes.get("body", "")))
+        if key in seen or attributes.get("type") == WIDGET_STATE:
             continue
         seen.add(key)
         kept.append(script)
@@ -104,5 +99,4 @@ def setup(app: Any) -> dict[str, Any]:
     app.connect("config-inited", _add_static)
     app.connect("html-page-context", _dedupe_scripts, priority=900)
     app.add_css_file("book.css")
-    app.add_js_file(None, body=MATHJAX2_BRIDGE)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

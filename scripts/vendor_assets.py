@@ -1,8 +1,9 @@
 """Fetch the site's front-end assets from the npm registry into _vendor/ (served as the site's _static/),
 pinned and verified.
 
-The site must work offline (or behind a firewall, or when a CDN is down): MathJax 3 renders the formulas and the
-Jupyter widgets HTML manager renders the widgets' stored state, both served from the site's own _static/ folder.
+The site must work offline (or behind a firewall, or when a CDN is down): MathJax 3 renders the formulas from the
+site's own _static/ folder. (The widgets need no front-end package: each is plain HTML and a few lines of script,
+gradaccum.book.widgets.Explorer.)
 Each package is pinned to a version and to the registry's sha512 integrity; only the files the pages use are
 extracted, with the package's licence. The result is committed (tests/test_vendor.py checks every file against
 VENDORED.json), so building the book needs no network; run this only to change a version.
@@ -33,13 +34,6 @@ PACKAGES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "3.2.2",
         "sha512-Bt+SSVU8eBG27zChVewOicYs7Xsdt40qm4+UpHyX7k0/O9NliPc+x77k1/FEsPsjKPZGJvtRZM1vO+geW0OhGw==",
         ("LICENSE", "es5/tex-chtml-full.js", "es5/output/chtml/fonts/woff-v2/"),
-    ),
-    "@jupyter-widgets/html-manager": (
-        "1.0.14",
-        "sha512-wglgQQ+VMj+MBKkTttdeoMtOah/H2A1w5GU1OAVXmDQqZYTK6C+oHZjQMxcNezIpiqUjC1YHKOo5XdP3ENvBng==",
-        # embed.js's stylesheet loads Font Awesome from beside it: the woff2 faces every browser takes first
-        ("LICENSE", "dist/embed.js", "dist/1551f4f60c37af51121f.woff2", "dist/d878b0a6a1144760244f.woff2",
-         "dist/7a3337626410ca2f4071.woff2"),
     ),
 }
 

@@ -20,7 +20,7 @@ from pathlib import Path
 RAW_TEX = ("\\(", "\\)", "\\[", "\\]", "$$", "\\begin{", "\\frac", "\\texttt", "\\#", "\\&")
 
 PAGE_PROBE = """
-const widgets = [...document.querySelectorAll('.jupyter-widgets, .widget-interact')];
+const widgets = [...document.querySelectorAll('.jupyter-widgets, .widget-interact, .ga-explorer')];
 const tooWide = [...document.querySelectorAll('main *')].filter(e => {
     const r = e.getBoundingClientRect();
     return r.width > 0 && r.right > document.documentElement.clientWidth + 1 && !e.closest('.highlight, pre, '
@@ -52,6 +52,7 @@ class PageReport:
     too_wide: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
+    explorers: list[dict] = field(default_factory=list)
 
 
 def chromium_available() -> bool:
@@ -127,10 +128,49 @@ def inspect_page(driver, url: str, path: str, screenshot: Path | None = None) ->
     report.too_wide = data["tooWide"]
     report.links = data["links"]
     report.ids = data["ids"]
+    report.explorers = move_every_control(driver)
     if screenshot is not None:
         screenshot.parent.mkdir(parents=True, exist_ok=True)
+        driver.execute_script("window.scrollTo(0, 0);")
         driver.save_screenshot(str(screenshot))
     return report
+
+
+PICTURE = """
+const root = arguments[0], img = root.querySelector('img'), msg = root.querySelector('.ga-explorer-message');
+return (img.hidden ? '' : img.src) + '|' + (msg.hidden ? '' : msg.textContent);
+"""
+
+
+def move_every_control(driver) -> list[dict]:
+    """Move each control of every kernel-free explorer (``.ga-explorer``) one step as a reader would (an arrow
+    key on a slider, a choice in a menu), record whether the picture changed, and move it back."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    out = []
+    for root in driver.find_elements(By.CSS_SELECTOR, ".ga-explorer"):
+        first = driver.execute_script(PICTURE, root)
+        moves = []
+        for el in root.find_elements(By.CSS_SELECTOR, "[data-param]"):
+            driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", el)
+            if el.tag_name == "select":
+                menu = Select(el)
+                start = int(menu.first_selected_option.get_attribute("value"))
+                menu.select_by_index((start + 1) % len(menu.options))
+                moves.append(driver.execute_script(PICTURE, root) != first)
+                menu.select_by_index(start)
+            else:
+                at_end = int(el.get_attribute("value")) == int(el.get_attribute("max"))
+                forward, back = (Keys.ARROW_LEFT, Keys.ARROW_RIGHT) if at_end else (Keys.ARROW_RIGHT, Keys.ARROW_LEFT)
+                el.send_keys(forward)
+                moves.append(driver.execute_script(PICTURE, root) != first)
+                el.send_keys(back)
+        out.append({"height": root.rect["height"], "moves": moves,
+                    "restored": driver.execute_script(PICTURE, root) == first,
+                    "ready": root.get_attribute("data-ready") == "1"})
+    return out
 
 
 def _find_all(text: str, needle: str) -> list[int]:

@@ -66,6 +66,17 @@ def test_every_widget_is_drawn(reports):
             assert r.widget_heights and min(r.widget_heights) > 10 and r.widget_errors == 0, (width, path, r)
 
 
+def test_moving_a_control_changes_the_figure_without_a_kernel(reports):
+    width, out, _ = reports
+    for path, r in out.items():
+        if path.startswith("chapters/"):
+            assert r.explorers, f"{width}: {path} has no kernel-free explorer"
+            for e in r.explorers:
+                assert e["ready"] and e["height"] > 100, (width, path, e)
+                assert e["moves"] and all(e["moves"]), f"{width}: {path}: a control that changes nothing: {e}"
+                assert e["restored"], (width, path, e)
+
+
 def test_nothing_is_wider_than_the_screen(reports):
     width, out, _ = reports
     wide = {p: (r.overflow_px, r.too_wide[:3]) for p, r in out.items() if r.overflow_px > 0}

@@ -150,10 +150,11 @@ def test_figures_have_fixed_sizes(digits):
 
 def test_exercise_solutions_numbers():
     """Every number the chapter-1 exercise solutions state."""
-    assert (1 - 0.1) ** 8 == pytest.approx(0.430, abs=5e-4) and bn_statistics.effective_momentum(
-        0.1, 8
-    ) == pytest.approx(0.570, abs=5e-4)
-    assert bn_statistics.corrected_momentum(0.1, 8) == pytest.approx(0.013084, abs=5e-7) and 0.1 / 8 == 0.0125
+    assert (1 - 0.05) ** 6 == pytest.approx(0.735, abs=5e-4) and bn_statistics.effective_momentum(
+        0.05, 6
+    ) == pytest.approx(0.265, abs=5e-4)
+    assert bn_statistics.corrected_momentum(0.05, 6) == pytest.approx(0.0085124, abs=5e-8)
+    assert 0.05 / 6 == pytest.approx(0.0083333, abs=5e-8)
     assert bn_statistics.biased_variance_factor(4) == 0.75
     assert bn_statistics.eval_train_mean_abs_ratio(4) == pytest.approx(0.92, abs=0.005)
     assert bn_statistics.eval_train_mean_abs_ratio(2) == pytest.approx(0.80, abs=0.005)

@@ -6,10 +6,10 @@ from gradaccum.book import exercises as ex
 @pytest.mark.parametrize(
     "checker, right",
     [
-        (ex.grade_effective_momentum, 1 - 0.9**8),
-        (ex.grade_effective_momentum, 0.570),  # the value the solution states
-        (ex.grade_corrected_momentum, 1 - 0.9 ** (1 / 8)),
-        (ex.grade_corrected_momentum, 0.013084),  # five significant digits, as asked
+        (ex.grade_effective_momentum, 1 - 0.95**6),
+        (ex.grade_effective_momentum, 0.265),  # the value the solution states
+        (ex.grade_corrected_momentum, 1 - 0.95 ** (1 / 6)),
+        (ex.grade_corrected_momentum, 0.0085124),  # five significant digits, as asked
         (ex.grade_biased_variance_ratio, 0.75),
         (ex.grade_ghost_virtual_size, 4),
         (ex.grade_exact_sweeps, 4),
@@ -40,15 +40,15 @@ def test_right_answers_pass(checker, right):
 @pytest.mark.parametrize(
     "checker, wrong, phrase",
     [
-        (ex.grade_effective_momentum, 0.1, "every forward pass"),
-        (ex.grade_effective_momentum, 0.8, "added the K momenta"),
-        (ex.grade_effective_momentum, 0.9**8, "old* running value"),
-        (ex.grade_effective_momentum, 0.43, "(1 − m)^K rounded"),  # the slip, rounded as a reader writes it
-        (ex.grade_effective_momentum, 0.0125, "correct* the drift"),
-        (ex.grade_corrected_momentum, 0.0125, "first-order"),
-        (ex.grade_corrected_momentum, 1 - 0.9**8, "invert it"),
-        (ex.grade_corrected_momentum, 0.9 ** (1 / 8), "keeps"),
-        (ex.grade_corrected_momentum, 0.1, "unchanged"),
+        (ex.grade_effective_momentum, 0.05, "every forward pass"),
+        (ex.grade_effective_momentum, 0.3, "added the K momenta"),
+        (ex.grade_effective_momentum, 0.95**6, "old* running value"),
+        (ex.grade_effective_momentum, 0.74, "(1 − m)^K rounded"),  # the slip, rounded as a reader writes it
+        (ex.grade_effective_momentum, 0.05 / 6, "correct* the drift"),
+        (ex.grade_corrected_momentum, 0.05 / 6, "first-order"),
+        (ex.grade_corrected_momentum, 1 - 0.95**6, "invert it"),
+        (ex.grade_corrected_momentum, 0.95 ** (1 / 6), "keeps"),
+        (ex.grade_corrected_momentum, 0.05, "unchanged"),
         (ex.grade_biased_variance_ratio, 1.0, "unbiased"),
         (ex.grade_biased_variance_ratio, 4 / 3, "upside down"),
         (ex.grade_biased_variance_ratio, 0.25, "batch *mean*"),
@@ -107,7 +107,7 @@ def test_unrecognized_wrong_answer_gets_a_hint():
     "answer, phrase",
     [
         (None, "no answer yet"),
-        ("0.57", "expected a number"),
+        ("0.265", "expected a number"),
         (float("nan"), "not a finite"),
         (True, "expected a number"),
     ],

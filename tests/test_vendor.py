@@ -31,5 +31,5 @@ def test_manifest_matches_the_pins_and_every_package_ships_its_licence():
 def test_the_site_config_uses_the_vendored_copies():
     config = (ROOT / "_config.yml").read_text()
     assert "mathjax_path: mathjax/es5/tex-chtml-full.js" in config and "html_static_path: [_vendor]" in config
-    assert "html-manager/dist/embed.js" in config
+    assert "nb_ipywidgets_js: {}" in config, "no widget manager (and no CDN default) on the site"
     assert (VENDOR / "mathjax" / "es5" / "tex-chtml-full.js").exists()

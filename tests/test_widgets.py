@@ -51,3 +51,75 @@ def test_interactive_figure_wraps_the_function(capsys):
     assert calls[0] == 2 and 0 in calls
     out = capsys.readouterr().out
     assert "⚠ K must be at least 1" in out and "Traceback" not in out
+
+
+def _bars(k, label="x"):
+    import matplotlib.pyplot as plt
+
+    if k < 1:
+        raise ValueError(f"K must be at least 1, got {k}; move the slider to 1 or more")
+    fig, ax = plt.subplots(figsize=(2, 1.5))
+    ax.bar([label], [k])
+    return fig
+
+
+def test_explorer_precomputes_every_grid_point_with_the_live_function():
+    import base64
+    import json
+    import re
+
+    import matplotlib.pyplot as plt
+    from ipywidgets import Dropdown, IntSlider
+
+    from gradaccum.book.widgets import explorer, render_frame
+
+    plt.close("all")
+    e = explorer(_bars, grid={"k": [0, 1, 3], "label": ["a", "b"]}, alt="bars",
+                 k=IntSlider(1, min=0, max=5, description="K"), label=Dropdown(options=["a", "b", "c"], value="a"))
+    assert sorted(e.frames) == ["0-0", "0-1", "1-0", "1-1", "2-0", "2-1"]
+    assert e.frames["0-1"].message == "K must be at least 1, got 0; move the slider to 1 or more"
+    assert e.frames["0-1"].src is None and e.frames["2-1"].message is None
+    png = base64.b64decode(e.frames["1-0"].src.split(",", 1)[1])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert e.frames["1-0"] == render_frame(_bars, {"k": 1, "label": "a"})  # the live picture at the grid point
+    assert e.frames["1-0"] != e.frames["2-0"] and e.frames["1-0"] != e.frames["1-1"]
+    assert plt.get_fignums() == [], "frames are closed, none displayed"
+    page = e.html()
+    assert page.count('type="range"') == 1 and page.count("<select") == 1 and page.count("<option") == 2
+    assert 'value="1"><output' in page and e.frames["1-0"].src in page.split("<script")[0]  # initial = (k=1, a)
+    data = json.loads(re.search(r'class="ga-explorer-data">(.*?)</script>', page).group(1))
+    assert data["labels"] == [["0", "1", "3"], ["a", "b"]] and data["names"] == ["K", "label"]
+    assert data["frames"]["0-0"] == {"message": e.frames["0-0"].message}
+    bundle = e._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle and bundle["text/html"] == page
+    again = explorer(_bars, grid={"k": [0, 1, 3], "label": ["a", "b"]}, alt="bars",
+                     k=IntSlider(1, min=0, max=5, description="K"), label=Dropdown(options=["a", "b"], value="a"))
+    assert again.html() == page, "the stored HTML is deterministic"
+
+
+def test_explorer_refuses_a_grid_that_misses_the_initial_picture():
+    from ipywidgets import IntSlider
+
+    from gradaccum.book.widgets import explorer
+
+    with pytest.raises(ValueError, match="initial k = 2 is not on its grid"):
+        explorer(_bars, grid={"k": [1, 3]}, alt="bars", k=IntSlider(2))
+    with pytest.raises(ValueError, match="not controls"):
+        explorer(_bars, grid={"K": [1, 3]}, alt="bars", k=IntSlider(1))
+
+
+def test_explorer_fixes_the_controls_off_the_grid_and_passes_other_errors():
+    from ipywidgets import Dropdown, IntSlider
+
+    from gradaccum.book.widgets import explorer
+
+    e = explorer(_bars, grid={"k": [1, 2]}, alt="bars", k=IntSlider(1), label=Dropdown(options=["z"], value="z"))
+    assert sorted(e.frames) == ["0", "1"] and e.html().count("data-param=") == 1
+
+    def broken(k):
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError):
+        explorer(broken, grid={"k": [1]}, alt="x", k=IntSlider(1))
+    with pytest.raises(TypeError, match="must return a matplotlib Figure"):
+        explorer(lambda k: None, grid={"k": [1]}, alt="x", k=IntSlider(1))

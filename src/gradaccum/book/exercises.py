@@ -71,7 +71,7 @@ def grade_number(
 # --------------------------------------------------------------------------------------- chapter 1
 
 
-def grade_effective_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feedback:
+def grade_effective_momentum(answer: object, m: float = 0.05, k: int = 6) -> Feedback:
     """Exercise: the momentum per optimizer step of running statistics updated once per micro-batch."""
     expected = bn_statistics.effective_momentum(m, k)
     return grade_number(
@@ -92,7 +92,7 @@ def grade_effective_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feed
     )
 
 
-def grade_corrected_momentum(answer: object, m: float = 0.1, k: int = 8) -> Feedback:
+def grade_corrected_momentum(answer: object, m: float = 0.05, k: int = 6) -> Feedback:
     """Exercise: the per-micro-batch momentum whose K updates decay the old value like one update with m."""
     expected = bn_statistics.corrected_momentum(m, k)
     return grade_number(
