@@ -130,7 +130,7 @@ def test_run_fingerprint_small(digits):
     table = ch1.summarize_fingerprint(runs)
     assert set(table) == {("batch", 64), ("batch", 8), ("group", 8)}
     assert table["group", 8]["gap"] == 0.0
-    text = ch1.format_fingerprint(table)
+    text = repr(ch1.format_fingerprint(table))
     assert text.count("\n") == 3 and "group" in text
     with pytest.raises(ValueError, match="does not divide"):
         ch1.run_fingerprint(digits, {"batch": (6,)}, seeds=(0,), epochs=1)

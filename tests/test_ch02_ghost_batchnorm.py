@@ -193,7 +193,7 @@ def test_train_methods_small(digits):
     assert len(by["full batch"].weight_growth) == 3 and by["GroupNorm"].weight_growth == ()
     assert by["GroupNorm"].val_acc_precise != by["GroupNorm"].val_acc_precise  # NaN: nothing to recompute
     assert all(r.steps == 19 for r in runs)
-    text = ch2.format_methods(runs)
+    text = repr(ch2.format_methods(runs))
     assert "after PreciseBN" in text and "GroupNorm" in text
     with pytest.raises(ValueError, match="unknown method"):
         ch2.train_methods(digits, 8, epochs=1, methods=("magic",))
@@ -217,7 +217,7 @@ def test_study_table_and_format(digits):
         ("momentum-corrected", 8, "cosine", 0),
         ("plain accumulation", 2, "cosine", 0),
     }
-    assert "→" in ch2.format_study(runs) and "cosine" in ch2.format_study(runs)
+    assert "→" in repr(ch2.format_study(runs)) and "cosine" in repr(ch2.format_study(runs))
     with pytest.raises(ValueError, match="two runs"):
         ch2.study_table(runs + runs[:1])
 

@@ -169,7 +169,7 @@ def test_analyse_timing_on_synthetic_measurements():
     assert fit.link.bandwidth == pytest.approx(1e9, rel=1e-6)
     (row,) = [r for r in fit.rows if r[2] == 4]
     assert row[6] == pytest.approx(row[5], rel=1e-6)  # a perfect model predicts the saving exactly
-    assert "bandwidth" in ch5.format_timing(fit)
+    assert "bandwidth" in repr(ch5.format_timing(fit))
     # with pairs, the saving is the median of the paired differences, not the difference of the medians
     result["pairs"] = {(64, 1): [(1.0, 1.0)] * 3, (64, 4): [(2.0, 1.0), (1.5, 1.4), (9.0, 1.0)]}
     (row,) = [r for r in ch5.analyse_timing(result, p=2).rows if r[2] == 4]

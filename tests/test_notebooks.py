@@ -146,3 +146,16 @@ def test_widget_ids_are_stable(stem):
     state = nb["metadata"]["widgets"][module.WIDGET_STATE]["state"]
     references = set(re.findall(r"IPY_MODEL_([0-9a-f]{32})", json.dumps(state)))
     assert references <= set(state), "every widget a widget refers to is stored"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_tabular_results_are_tables_not_aligned_text(stem):
+    """A printed block whose lines are split into three or more space-aligned columns is a table in disguise: on
+    the page it cannot wrap, align or scroll. Display a gradaccum.book.tables.Table instead (HTML on the page,
+    aligned text for nbval)."""
+    for c in code_cells(load(stem)):
+        for out in c.get("outputs", []):
+            if out["output_type"] == "stream":
+                lines = "".join(out["text"]).split("\n")
+                columns = [line for line in lines if len(re.findall(r"\S {2,}\S", line)) >= 2]
+                assert len(columns) < 4, f"a text table in: {source(c)[:200]}"

@@ -34,6 +34,7 @@ from gradaccum.book.plotting import (
     figure,
     heatmap,
 )
+from gradaccum.book.tables import Table
 
 
 def normalized_feature_sizes(b: int, draws: int = 20000, seed: int = 0) -> tuple[float, float, float]:
@@ -201,13 +202,12 @@ def summarize_fingerprint(runs: list[FingerprintRun]) -> dict[tuple[str, int], d
     return table
 
 
-def format_fingerprint(table: dict[tuple[str, int], dict[str, float]], batch_size: int = 64) -> str:
-    """The summary as a fixed-width text table, percentages to one decimal."""
-    lines = [f"{'norm':<6} {'b':>3} {'K':>3}  {'val acc (mean, min–max)':<24} {'train-mode − eval (mean)':>24}"]
-    for (norm, b), s in table.items():
-        acc = f"{100 * s['acc']:5.1f}% ({100 * s['acc_min']:.1f}–{100 * s['acc_max']:.1f})"
-        lines.append(f"{norm:<6} {b:>3} {batch_size // b:>3}  {acc:<24} {100 * s['gap']:>+23.1f}%")
-    return "\n".join(lines)
+def format_fingerprint(table: dict[tuple[str, int], dict[str, float]], batch_size: int = 64) -> Table:
+    """The summary as a table, percentages to one decimal."""
+    rows = [[norm, b, batch_size // b,
+             f"{100 * s['acc']:.1f}% ({100 * s['acc_min']:.1f}–{100 * s['acc_max']:.1f})", f"{100 * s['gap']:+.1f}%"]
+            for (norm, b), s in table.items()]
+    return Table(["norm", "b", "K", "val acc (mean, min–max)", "train-mode − eval (mean)"], rows)
 
 
 def plot_moment_spread(spreads: list[MomentSpread], n: int):

@@ -30,6 +30,7 @@ from gradaccum.bn_statistics import corrected_momentum, layer_inputs, set_bn_mom
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import NormKind, make_cnn
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
+from gradaccum.book.tables import Table
 from gradaccum.fullbatch_bn import (
     full_batch_statistics,
     full_batch_stats_backward,
@@ -366,34 +367,30 @@ def study_table(runs: Sequence[MethodRun]) -> dict[tuple[str, int, str, int], Me
     return table
 
 
-def format_study(runs: Sequence[MethodRun]) -> str:
+def format_study(runs: Sequence[MethodRun]) -> Table:
     """Validation accuracy per seed and schedule: each column as "running stats → after PreciseBN"."""
     table = study_table(runs)
     columns = list(dict.fromkeys((m, k) for m, k, _, _ in table))
     heads = {("full batch", 1): "full batch"}
-    lines = [f"{'schedule':<9}{'seed':>5}" + "".join(
-        f"{heads.get(c, c[0].replace('accumulation', 'accum.').replace('momentum-', 'mom.-') + f' K={c[1]}'):>22}"
-        for c in columns)]
-    for schedule in dict.fromkeys(s for _, _, s, _ in table):
-        for seed in dict.fromkeys(s for _, _, _, s in table):
-            cells = []
-            for m, k in columns:
-                r = table[m, k, schedule, seed]
-                cells.append(f"{100 * r.val_acc:.1f} → {100 * r.val_acc_precise:.1f}%")
-            lines.append(f"{schedule:<9}{seed:>5}" + "".join(f"{c:>22}" for c in cells))
-    return "\n".join(lines)
+    names = [heads.get(c, c[0].replace("accumulation", "accum.").replace("momentum-", "mom.-") + f" K={c[1]}")
+             for c in columns]
+    rows = [[schedule, seed] + [f"{100 * table[m, k, schedule, seed].val_acc:.1f} → "
+                                f"{100 * table[m, k, schedule, seed].val_acc_precise:.1f}%" for m, k in columns]
+            for schedule in dict.fromkeys(s for _, _, s, _ in table)
+            for seed in dict.fromkeys(s for _, _, _, s in table)]
+    return Table(["schedule", "seed", *names], rows)
 
 
-def format_methods(runs: list[MethodRun]) -> str:
+def format_methods(runs: list[MethodRun]) -> Table:
     """The side-by-side table: validation accuracy per method with its running statistics and after
     PreciseBN, and the growth of the weights that feed BatchNorm layers."""
-    lines = [f"{'method':<26}{'K':>3}{'BN n':>5}{'val acc':>9}{'after PreciseBN':>17}{'pre-BN weight growth':>23}"]
+    rows = []
     for r in runs:
         precise = "—" if r.val_acc_precise != r.val_acc_precise else f"{100 * r.val_acc_precise:.1f}%"
         growth = "—" if not r.weight_growth else f"{min(r.weight_growth):.1f}–{max(r.weight_growth):.1f}×"
         group = f"{r.b}" if r.weight_growth else "—"  # GroupNorm/LayerNorm: per-sample statistics
-        lines.append(f"{r.method:<26}{r.k:>3}{group:>5}{100 * r.val_acc:>8.1f}%{precise:>17}{growth:>23}")
-    return "\n".join(lines)
+        rows.append([r.method, r.k, group, f"{100 * r.val_acc:.1f}%", precise, growth])
+    return Table(["method", "K", "BN n", "val acc", "after PreciseBN", "pre-BN weight growth"], rows)
 
 
 def plot_methods(runs: list[MethodRun]):

@@ -20,6 +20,7 @@ from gradaccum.accumulate import LossFn, train
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import make_cnn
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
+from gradaccum.book.tables import Table
 from gradaccum.clipping import (
     LABELS,
     PLACEMENTS,
@@ -58,13 +59,13 @@ def errata_cases(dtype: torch.dtype = torch.float64) -> dict[str, Comparison]:
     return out
 
 
-def format_errata_cases(cases: dict[str, Comparison]) -> str:
-    lines = [f"{'case':<30} {'K':>2} {'c':>4}  {'step norm':>10} {'correct':>8} {'ratio':>8} {'cos':>6}"]
+def format_errata_cases(cases: dict[str, Comparison]) -> Table:
+    rows = []
     for name, r in cases.items():
         k, c = len(ERRATA_CASES[name][1]), ERRATA_CASES[name][2]
-        cos = "   n/a" if math.isnan(r.cosine) else f"{r.cosine:>6.2f}"  # a zero step has no direction
-        lines.append(f"{name:<30} {k:>2} {c:>4g}  {r.norm:>10.3g} {r.correct:>8.4g} {r.ratio:>8.3g} {cos}")
-    return "\n".join(lines)
+        cos = "n/a" if math.isnan(r.cosine) else f"{r.cosine:.2f}"  # a zero step has no direction
+        rows.append([name, k, f"{c:g}", f"{r.norm:.3g}", f"{r.correct:.4g}", f"{r.ratio:.3g}", cos])
+    return Table(["case", "K", "c", "step norm", "correct", "ratio", "cos"], rows)
 
 
 def synthetic_micro_gradients(k: int, alignment: float, norm: float = 1.0, dim: int = 256,
@@ -140,13 +141,13 @@ def placement_table(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
     return table
 
 
-def format_placement_table(table: dict[int, dict[str, tuple[float, float]]], size: str = "norm") -> str:
-    head = f"{'K':>3} {'agreement':>10}  " + "".join(f"{p:>22}" for p in PLACEMENTS)
-    lines = [f"{'':>16}" + "".join(f"{f'{size}/c   cos':>22}" for _ in PLACEMENTS), head]
-    for k, row in table.items():
-        lines.append(f"{k:>3} {row['agreement'][0]:>10.3f}  " +
-                     "".join(f"{row[p][0]:>14.3f} {row[p][1]:>6.3f} " for p in PLACEMENTS))
-    return "\n".join(lines)
+def format_placement_table(table: dict[int, dict[str, tuple[float, float]]], size: str = "norm") -> Table:
+    """Per K: the micro-gradients' agreement, then each placement's step size over c and cosine to the correct
+    step (one column group per placement)."""
+    rows = [[k, f"{row['agreement'][0]:.3f}"] + [f"{row[p][i]:.3f}" for p in PLACEMENTS for i in (0, 1)]
+            for k, row in table.items()]
+    return Table(["K", "agreement"] + [f"{size}/c", "cos"] * len(PLACEMENTS), rows,
+                 groups=[("", 2)] + [(p, 2) for p in PLACEMENTS])
 
 
 @dataclass(frozen=True)
@@ -218,29 +219,25 @@ def train_sweep(split: DigitsSplit, k: int = 8, epochs: int = 2,
     return out
 
 
-def format_table_sweep(tables: dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]]) -> str:
-    """One line per (normalization, c, seed): the unclipped ‖g‖/c, (a1) and (a2) as ‖step‖/c and (b)'s cosine to
+def format_table_sweep(tables: dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]]) -> Table:
+    """One row per (normalization, c, seed): the unclipped ‖g‖/c, (a1) and (a2) as ‖step‖/c and (b)'s cosine to
     the correct step, at the smallest and the largest K > 1 of the tables."""
     first = next(iter(tables.values()))
     ks = [k for k in first if k > 1]
     lo, hi = ks[0], ks[-1]
-    lines = [f"{'norm':<6} {'c':>4} {'seed':>4} {'‖g‖/c':>6}   {'(a1) ‖step‖/c':>15}   "
-             f"{'(a2) ‖step‖/c':>15}   {'(b) cosine':>13}",
-             f"{'':<23}" + f"   {f'K={lo}':>7}{f'K={hi}':>8}" * 3]
-    for (norm, c, s), tab in tables.items():
-        lines.append(f"{norm:<6} {c:>4g} {s:>4} {tab[lo]['full'][0]:>6.2f}   "
-                     f"{tab[lo]['scaled_micro'][0]:>7.2f}{tab[hi]['scaled_micro'][0]:>8.2f}   "
-                     f"{tab[lo]['raw_micro'][0]:>7.3f}{tab[hi]['raw_micro'][0]:>8.3f}   "
-                     f"{tab[lo]['running'][1]:>7.3f}{tab[hi]['running'][1]:>8.3f}")
-    return "\n".join(lines)
+    rows = [[norm, f"{c:g}", s, f"{tab[lo]['full'][0]:.2f}",
+             f"{tab[lo]['scaled_micro'][0]:.2f}", f"{tab[hi]['scaled_micro'][0]:.2f}",
+             f"{tab[lo]['raw_micro'][0]:.3f}", f"{tab[hi]['raw_micro'][0]:.3f}",
+             f"{tab[lo]['running'][1]:.3f}", f"{tab[hi]['running'][1]:.3f}"]
+            for (norm, c, s), tab in tables.items()]
+    return Table(["norm", "c", "seed", "‖g‖/c"] + [f"K={lo}", f"K={hi}"] * 3, rows,
+                 groups=[("", 4), ("(a1) ‖step‖/c", 2), ("(a2) ‖step‖/c", 2), ("(b) cosine", 2)])
 
 
-def format_train_sweep(losses: dict[tuple[str, float, int], dict[str, float]]) -> str:
-    """One line per (normalization, c, seed): last-epoch training loss of every placement."""
-    lines = [f"{'norm':<6} {'c':>4} {'seed':>4}  " + "".join(f"{LABELS[p].split(' ')[0]:>8}" for p in PLACEMENTS)]
-    for (norm, c, s), row in losses.items():
-        lines.append(f"{norm:<6} {c:>4g} {s:>4}  " + "".join(f"{row[p]:>8.4f}" for p in PLACEMENTS))
-    return "\n".join(lines)
+def format_train_sweep(losses: dict[tuple[str, float, int], dict[str, float]]) -> Table:
+    """One row per (normalization, c, seed): last-epoch training loss of every placement."""
+    rows = [[norm, f"{c:g}", s] + [f"{row[p]:.4f}" for p in PLACEMENTS] for (norm, c, s), row in losses.items()]
+    return Table(["norm", "c", "seed"] + [LABELS[p].split(" ")[0] for p in PLACEMENTS], rows)
 
 
 def plot_placement_table(table: dict[int, dict[str, tuple[float, float]]]):

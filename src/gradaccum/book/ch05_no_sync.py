@@ -19,6 +19,7 @@ import numpy as np
 # re-exported: the chapter calls ch5.launch, ch5.train_ddp, ...; the workers import ddp_workers alone
 from gradaccum.book.ddp_workers import DATA_TASKS, DDP_VARIANTS, TASKS, WorkerFailed, free_port, launch, train_ddp  # noqa: F401
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
+from gradaccum.book.tables import Table
 from gradaccum.distributed import (
     PRESETS,
     Interconnect,
@@ -102,15 +103,13 @@ def analyse_timing(result: dict[str, Any], p: int) -> TimingFit:
     return TimingFit(link, copy_bw, rows)
 
 
-def format_timing(fit: TimingFit) -> str:
-    lines = [f"gloo on loopback: latency α ≈ {format_seconds(fit.link.latency)}, bandwidth β ≈ "
-             f"{fit.link.bandwidth / 1e9:.2f} GB/s; copy ≈ {fit.copy_bandwidth / 1e9:.1f} GB/s",
-             f"{'params':>9} {'K':>3} {'sync':>10} {'no_sync':>10} {'saved':>10} {'predicted':>10} {'ratio':>6}"]
-    for _, params, k, sync, nosync, meas, pred in fit.rows:
-        ratio = f"{pred / meas:6.2f}" if k > 1 and meas > 0 else f"{'':>6}"
-        lines.append(f"{params:>9,} {k:>3} {format_seconds(sync):>10} {format_seconds(nosync):>10}"
-                     f" {format_seconds(meas):>10} {format_seconds(pred) if k > 1 else '0':>10} {ratio}")
-    return "\n".join(lines)
+def format_timing(fit: TimingFit) -> Table:
+    caption = (f"gloo on loopback: latency α ≈ {format_seconds(fit.link.latency)}, bandwidth β ≈ "
+               f"{fit.link.bandwidth / 1e9:.2f} GB/s; copy ≈ {fit.copy_bandwidth / 1e9:.1f} GB/s")
+    rows = [[f"{params:,}", k, format_seconds(sync), format_seconds(nosync), format_seconds(meas),
+             format_seconds(pred) if k > 1 else "0", f"{pred / meas:.2f}" if k > 1 and meas > 0 else ""]
+            for _, params, k, sync, nosync, meas, pred in fit.rows]
+    return Table(["params", "K", "sync", "no_sync", "saved", "predicted", "ratio"], rows, caption=caption)
 
 
 def plot_timing(fit: TimingFit):
