@@ -141,3 +141,41 @@ def test_instructor_page_lists_every_exercise_and_its_checker():
             elif course.is_exercise_cell(cell):
                 assert course.CHECK_CALL.search(src).group(1) in listed[label], label
     assert "instructor" in (ROOT / "_toc.yml").read_text()
+
+
+def _visible_text(nb) -> str:
+    """What a student reads in a chapter besides its exercise cells: the text and the stored outputs (figures as
+    data URIs left out; code is left out too, where numbers such as format widths are not statements)."""
+    parts = []
+    for cell in nb["cells"]:
+        if course.is_exercise_cell(cell):
+            continue
+        if cell["cell_type"] == "markdown":
+            parts.append(course._source(cell))
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            for key in ("text/plain", "text/html", "text/markdown"):
+                parts.append("".join(data.get(key, "")))
+            parts.append("".join(out.get("text", "")))
+    return re.sub(r"data:image/[a-z]+;base64,[A-Za-z0-9+/=]+", "", "\n".join(parts))
+
+
+@pytest.mark.parametrize("stem", sorted(CHAPTERS))
+def test_no_auto_checked_answer_is_printed_or_stated(stem):
+    """No output, text or code the student edition keeps gives away an auto-checked answer: the exercises are
+    not look-ups."""
+    from gradaccum.book import exercises
+
+    student = course.student_notebook(load(stem))
+    text = _visible_text(student)
+    calls = [c for cell in student["cells"] if course.is_exercise_cell(cell) for c in course.checker_calls(
+        course._source(cell))]
+    assert calls
+    leaks = []
+    for name, kwargs in calls:
+        expected, _ = exercises.expected_answer(getattr(exercises, name), **kwargs)
+        for form in course.answer_forms(expected):
+            for m in re.finditer(rf"(?<![\d.]){re.escape(form)}(?![\d])", text):
+                context = text[max(0, m.start() - 60):m.end() + 20]
+                leaks.append(f"{name}{kwargs} = {expected!r} shown as {form!r}: …{context}…")
+    assert not leaks, "\n".join(leaks[:10])

@@ -18,17 +18,16 @@ from gradaccum.book import exercises as ex
         (ex.grade_clip_raw_micro, 0.0),
         (ex.grade_scaler_clip_order, 1 / 65536),
         (ex.grade_scaler_clip_order, 1.53e-5),
-        (ex.grade_effective_scale, 8192),
-        (ex.grade_fp16_subnormal, 5.96e-8),
-        (ex.grade_fp16_subnormal, 2**-24),
-        (ex.grade_backoff_scale, 32768),
-        (ex.grade_fp16_subnormal, 6.0e-8),  # two significant digits, as asked (0.66% off)
+        (ex.grade_effective_scale, 2048),
+        (ex.grade_smallest_positive, 1.95e-3),  # three significant digits, as asked
+        (ex.grade_smallest_positive, 2**-9),
+        (ex.grade_backoff_scale, 4096),
         (ex.grade_backoff_steps, 0),
         (ex.grade_allreduce_calls, 24),
         (ex.grade_ring_bytes, 175),
         (ex.grade_window_token_loss, 40 / 110),
         (ex.grade_warmup_end, 125),
-        (ex.grade_partial_scale, 0.375),
+        (ex.grade_partial_scale, 0.1875),
         (ex.grade_nosync_saving, 122.5),
     ],
 )
@@ -43,7 +42,7 @@ def test_right_answers_pass(checker, right):
         (ex.grade_effective_momentum, 0.05, "every forward pass"),
         (ex.grade_effective_momentum, 0.3, "added the K momenta"),
         (ex.grade_effective_momentum, 0.95**6, "old* running value"),
-        (ex.grade_effective_momentum, 0.74, "(1 − m)^K rounded"),  # the slip, rounded as a reader writes it
+        (ex.grade_effective_momentum, 0.74, "old* running value"),  # the slip, rounded as a reader writes it
         (ex.grade_effective_momentum, 0.05 / 6, "correct* the drift"),
         (ex.grade_corrected_momentum, 0.05 / 6, "first-order"),
         (ex.grade_corrected_momentum, 1 - 0.95**6, "invert it"),
@@ -68,12 +67,13 @@ def test_right_answers_pass(checker, right):
         (ex.grade_scaler_clip_order, 4.0, "does act"),
         (ex.grade_scaler_clip_order, 65536.0, "divides by S"),
         (ex.grade_effective_scale, 65536, "divided by K"),
-        (ex.grade_effective_scale, 65536 * 8, "not multiplied"),
-        (ex.grade_fp16_subnormal, 2**-14, "*normal*"),
-        (ex.grade_fp16_subnormal, 2**-10, "epsilon"),
-        (ex.grade_fp16_subnormal, 2**-25, "rounds to 0"),
-        (ex.grade_backoff_scale, 65536, "backoff"),
-        (ex.grade_backoff_scale, 65536 * 0.5**8, "once per window"),
+        (ex.grade_effective_scale, 65536 * 32, "not multiplied"),
+        (ex.grade_smallest_positive, 2**-6, "*normal*"),
+        (ex.grade_smallest_positive, 2**-3, "epsilon"),
+        (ex.grade_smallest_positive, 2**-10, "rounds to 0"),
+        (ex.grade_smallest_positive, 2**-24, "float16's smallest number"),
+        (ex.grade_backoff_scale, 8192, "backoff"),
+        (ex.grade_backoff_scale, 8192 * 0.5**8, "once per window"),
         (ex.grade_backoff_steps, 7, "steps per micro-batch"),
         (ex.grade_backoff_steps, 1, "skips"),
         (ex.grade_allreduce_calls, 8, "*bucket*"),
@@ -83,8 +83,8 @@ def test_right_answers_pass(checker, right):
         (ex.grade_window_token_loss, 0.65, "mean of the micro-batch means"),
         (ex.grade_warmup_end, 1000, "should end"),
         (ex.grade_warmup_end, 8000, "*faster*"),
-        (ex.grade_partial_scale, 8 / 3, "upside down"),
-        (ex.grade_partial_scale, 0.625, "*missing*"),
+        (ex.grade_partial_scale, 16 / 3, "upside down"),
+        (ex.grade_partial_scale, 13 / 16, "*missing*"),
         (ex.grade_nosync_saving, 140, "K − 1"),
         (ex.grade_nosync_saving, 17.5, "one all-reduce"),
         (ex.grade_nosync_saving, 70, "2(p − 1)/p"),
@@ -141,13 +141,17 @@ def test_batch_coupled():
     assert "no answer yet" in ex.grade_batch_coupled(None).message
 
 
-def test_fp16_subnormal_solution_is_computed():
-    """ex-ch4-subnormal: the checker's value is torch's smallest positive float16, and half of it rounds to 0."""
+def test_smallest_positive_solution_is_computed():
+    """ex-ch4-subnormal: the checker's value is torch's smallest positive float8_e4m3fn (bit pattern 0x01), 2^-9,
+    and half of it rounds to 0; for float16 the same rule gives 2^-24."""
     import torch
 
-    smallest = float(torch.tensor([1], dtype=torch.int16).view(torch.float16))  # bit pattern 0x0001
-    assert smallest > 0 and float(torch.tensor(smallest / 2, dtype=torch.float16)) == 0
-    assert ex.grade_fp16_subnormal(smallest) and abs(smallest - 5.96e-8) < 0.005e-8
+    smallest = float(torch.tensor([1], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+    assert smallest == 2**-9 and float(torch.tensor(smallest / 2).to(torch.float8_e4m3fn).float()) == 0
+    assert ex.grade_smallest_positive(smallest) and abs(smallest - 1.95e-3) < 0.005e-3
+    assert ex.grade_smallest_positive(2**-24, dtype="float16")
+    with pytest.raises(ValueError, match="not a torch floating-point dtype"):
+        ex.grade_smallest_positive(0.1, dtype="int8")
 
 
 def test_window_token_exercise_solution():
@@ -193,13 +197,12 @@ def test_checkers_accept_what_torch_computes_and_refuse_arrays_politely():
     "wrong, phrase",
     [
         (0, "not positive"),
-        (1e-45, "2^-149"),
-        (2.0**-149, "2^-149"),
-        (1.18e-38, "smallest normal number"),
+        (2.0**-24, "float16's smallest number"),
+        (5.96e-8, "float16's smallest number"),
         (3e-9, "is not right"),
     ],
 )
-def test_fp16_subnormal_tiny_answers_get_true_feedback(wrong, phrase):
-    """Answers far below 1e-12 must not all be read as 'float32's smallest normal number'."""
-    fb = ex.grade_fp16_subnormal(wrong)
+def test_smallest_positive_tiny_answers_get_true_feedback(wrong, phrase):
+    """Answers far below the right one get the slip they come from, or a plain 'not right'."""
+    fb = ex.grade_smallest_positive(wrong)
     assert not fb and phrase in fb.message

@@ -42,6 +42,31 @@ def _source(cell: dict[str, Any]) -> str:
     return "".join(src) if isinstance(src, list) else src
 
 
+def checker_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """Each ``exercises.grade_x(answer, k=v, ...)`` call in ``text``: the checker's name and its (literal) keyword
+    arguments."""
+    calls = []
+    for name, args in CHECK_CALL.findall(text):
+        call = ast.parse(f"f({args})", mode="eval").body
+        assert isinstance(call, ast.Call)
+        calls.append((name, {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}))
+    return calls
+
+
+def answer_forms(value: object) -> list[str]:
+    """How a page could print an auto-checked answer: integers of two or more digits as written (with and without
+    thousands separators), other numbers to 2–5 significant digits in plain and exponent notation. Sets and
+    one-digit integers return no form (too common to police)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return []
+    if float(value).is_integer():
+        return [] if abs(value) < 10 else sorted({f"{int(value)}", f"{int(value):,}"})
+    forms = set()
+    for digits in range(2, 6):
+        forms |= {f"{value:.{digits}g}", f"{value:.{digits - 1}e}"}
+    return sorted(forms)
+
+
 def is_exercise_cell(cell: dict[str, Any]) -> bool:
     """A code cell that calls a checker from gradaccum.book.exercises."""
     return cell.get("cell_type") == "code" and bool(CHECK_CALL.search(_source(cell)))

@@ -8,7 +8,7 @@ displays as one line starting with ✓ or ✗ and is truthy when the answer is r
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,37 +35,97 @@ class Feedback:
 NO_ANSWER = "no answer yet: assign your answer to `answer` and run this cell again."
 
 
+def round_significant(x: float, digits: int) -> float:
+    """``x`` rounded to ``digits`` significant digits (0 stays 0)."""
+    return float(f"{x:.{digits - 1}e}")
+
+
+def agrees(value: float, target: float, digits: int, atol: float = 1e-12) -> bool:
+    """Whether ``value`` agrees with ``target`` to ``digits`` significant digits: it lies within half a unit of
+    the last of them (so ``target`` rounded to ``digits`` digits always agrees), or within ``atol``."""
+    if target == 0 or not math.isfinite(target):
+        return abs(value - target) <= atol
+    half_unit = 0.5 * 10.0 ** (math.floor(math.log10(abs(target))) - digits + 1)
+    return abs(value - target) <= max(half_unit * 1.001, atol)  # 0.1% slack: float32 answers at a rounding tie
+
+
+#: While not None, :func:`grade_number` records what it would grade against instead of grading: the expected
+#: value, the digits and the listed mistakes (see :func:`expected_answer`).
+_RECORD: list[tuple[float, int, list[tuple[float, str]]]] | None = None
+
+
 def grade_number(
     answer: object,
     expected: float,
     mistakes: Iterable[tuple[float, str] | tuple[float, str, float]] = (),
-    rtol: float = 1e-3,
+    digits: int = 3,
     hint: str = "",
     atol: float = 1e-12,
 ) -> Feedback:
-    """Compare a numeric ``answer`` with ``expected`` (relative tolerance ``rtol``, absolute ``atol``).
+    """Compare a numeric ``answer`` with ``expected`` to ``digits`` significant digits (:func:`agrees`; the
+    exercise states the precision). Numbers, numpy and torch scalars are all accepted.
 
     ``mistakes`` pairs the value a known slip produces with the explanation of that slip (and, optionally, its
-    own relative tolerance); the first one the answer matches, within that tolerance or ``atol``, is reported.
+    own relative tolerance); an answer that agrees with one of them to ``digits`` digits, or equals it rounded to
+    two, gets that explanation. An answer that equals ``expected`` rounded to fewer digits than asked is told so.
     Otherwise the message gives ``hint``.
     """
+    if _RECORD is not None:
+        mistakes = list(mistakes)
+        _RECORD.append((expected, digits, [(m[0], m[1]) for m in mistakes]))
+        return Feedback(False, "recorded")
     if answer is None:
         return Feedback(False, NO_ANSWER)
-    if isinstance(answer, bool) or not isinstance(answer, (int, float)) and not hasattr(answer, "__float__"):
+    if isinstance(answer, (bool, str)) or not hasattr(answer, "__float__"):
         return Feedback(False, f"expected a number, got {type(answer).__name__} {answer!r}.")
     try:
-        value = float(answer)
+        value = float(answer)  # tensors and arrays of more than one element raise
     except (TypeError, ValueError):
         return Feedback(False, f"expected one number, got {type(answer).__name__} {answer!r}: pass a single value.")
     if not math.isfinite(value):
         return Feedback(False, f"{value} is not a finite number.")
-    if math.isclose(value, expected, rel_tol=rtol, abs_tol=atol):
-        return Feedback(True, f"correct: {expected:.6g}.")
+    if agrees(value, expected, digits, atol):
+        return Feedback(True, f"correct: {round_significant(expected, digits):.{digits}g} (to {digits} "
+                              "significant digits).")
     for wrong, why, *own_rtol in mistakes:
-        tol = own_rtol[0] if own_rtol else rtol
-        if not math.isclose(wrong, expected, rel_tol=rtol) and math.isclose(value, wrong, rel_tol=tol, abs_tol=atol):
+        if agrees(wrong, expected, digits, atol):
+            continue  # a "mistake" that equals the answer cannot be one
+        if own_rtol:
+            hit = math.isclose(value, wrong, rel_tol=own_rtol[0], abs_tol=atol)
+        else:
+            hit = agrees(value, wrong, digits, atol) or (wrong != 0 and value == round_significant(wrong, 2))
+        if hit:
             return Feedback(False, why)
+    for fewer in range(digits - 1, 0, -1):
+        if expected != 0 and value == round_significant(expected, fewer):
+            return Feedback(False, f"{value:g} agrees with the answer to {fewer} significant "
+                                   f"digit{'s' if fewer > 1 else ''}; the exercise asks for {digits}: keep more "
+                                   "digits (and do not round intermediate results).")
     return Feedback(False, f"{value:.6g} is not right. {hint}".rstrip())
+
+
+def grading_plan(grader: Callable[..., Feedback], **kwargs: object) -> tuple[float, int, list[tuple[float, str]]]:
+    """What a numeric ``grader`` compares with for the exercise ``kwargs`` describe: the expected value (computed
+    by the grader itself), the significant digits it checks and its typical mistakes ``(value, explanation)``."""
+    global _RECORD
+    _RECORD = []
+    try:
+        grader(0.0, **kwargs)
+        recorded = _RECORD
+    finally:
+        _RECORD = None
+    if len(recorded) != 1:
+        raise ValueError(f"{getattr(grader, '__name__', grader)} does not grade one number.")
+    return recorded[0]
+
+
+def expected_answer(grader: Callable[..., Feedback], **kwargs: object) -> tuple[object, int | None]:
+    """The answer ``grader`` accepts for the exercise ``kwargs`` describe, and the significant digits it checks
+    (None for a non-numeric answer). Used for the instructors' solution cells (nbgrader) and by the tests."""
+    if grader is grade_batch_coupled:
+        return {name for name, (couples, _) in LAYER_FACTS.items() if couples}, None
+    expected, digits, _ = grading_plan(grader, **kwargs)
+    return expected, digits
 
 
 # --------------------------------------------------------------------------------------- chapter 1
@@ -83,8 +143,6 @@ def grade_effective_momentum(answer: object, m: float = 0.05, k: int = 6) -> Fee
             (k * m, "you added the K momenta. Updates compound: each one keeps a share (1 − m) of the old value, "
                     "so after K updates the old value keeps (1 − m)^K."),
             ((1 - m) ** k, "(1 − m)^K is the weight the *old* running value keeps; the momentum is 1 minus that."),
-            (round((1 - m) ** k, 2), "that is (1 − m)^K rounded: the weight the *old* running value keeps; the "
-                                     "momentum is 1 minus that."),
             (m / k, "m/K is (about) the per-micro-batch momentum that would *correct* the drift; the question "
                     "asks what momentum results when m is used K times."),
         ],
@@ -106,6 +164,7 @@ def grade_corrected_momentum(answer: object, m: float = 0.05, k: int = 6) -> Fee
             (m, "that leaves the momentum unchanged, so the running statistics still move K updates per step."),
         ],
         hint="Require that K updates with m' keep the same weight on the old value as one update with m.",
+        digits=5,
     )
 
 
@@ -260,7 +319,6 @@ def grade_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1
             (c * scale, "unscaling divides by S; it does not multiply."),
             (norm / scale, "after the clip the scaled gradient has norm c, not 4·S/S."),
         ],
-        rtol=5e-3,  # three significant figures are enough
         hint="Follow the norm: scaled gradient S·4 → clipped to c → divided by S.",
     )
 
@@ -268,7 +326,7 @@ def grade_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1
 # --------------------------------------------------------------------------------------- chapter 4
 
 
-def grade_effective_scale(answer: object, scale: float = 65536.0, k: int = 8) -> Feedback:
+def grade_effective_scale(answer: object, scale: float = 65536.0, k: int = 32) -> Feedback:
     """Exercise: the factor every gradient inside micro-batch k's backward pass carries (S/K)."""
     return grade_number(
         answer,
@@ -282,34 +340,31 @@ def grade_effective_scale(answer: object, scale: float = 65536.0, k: int = 8) ->
     )
 
 
-def grade_fp16_subnormal(answer: object) -> Feedback:
-    """Exercise: the smallest positive float16 number, smallest normal × epsilon = 2^-24 ≈ 5.96e-8 (from
-    ``torch.finfo``), asked to two significant digits: accepted within 1% (6.0e-8 is 0.66% off).
-
-    The float32 mistakes lie far below the answer, so they are matched relatively, within a factor of 2 (numpy
-    prints 2^-149 as 1e-45), and with no absolute tolerance (``atol=0``), which would pair them with 0.
-    """
-
-    f16, f32 = torch.finfo(torch.float16), torch.finfo(torch.float32)
-    smallest = f16.smallest_normal * f16.eps
-    return grade_number(
-        answer,
-        smallest,
-        mistakes=[
-            (0.0, "0 is not positive: the question asks for the smallest number above 0."),
-            (f32.smallest_normal, "that is float32's (and bfloat16's) smallest normal number, not float16's.", 0.5),
-            (f32.smallest_normal * f32.eps, "that is float32's smallest subnormal (2^-149), not float16's.", 0.5),
-            (f16.smallest_normal, "2^-14 is the smallest *normal* float16; subnormals go 10 bits further down."),
-            (f16.eps, "2^-10 is float16's machine epsilon (the spacing just above 1), not its smallest number."),
-            (smallest / 2, "2^-25 is half the smallest subnormal: a tie between 0 and 2^-24, which rounds to 0."),
-        ],
-        rtol=1e-2,
-        atol=0.0,
-        hint="Smallest normal times machine epsilon; give two significant digits (or the exact power of two).",
-    )
+def grade_smallest_positive(answer: object, dtype: str = "float8_e4m3fn") -> Feedback:
+    """Exercise: the smallest positive number of the floating-point format ``dtype`` (a torch dtype name): its
+    smallest normal number times its machine epsilon, the last subnormal (from ``torch.finfo``); three
+    significant digits."""
+    if not isinstance(getattr(torch, dtype, None), torch.dtype) or not getattr(torch, dtype).is_floating_point:
+        raise ValueError(f"{dtype!r} is not a torch floating-point dtype; use e.g. 'float16' or 'float8_e4m3fn'.")
+    info, f16 = torch.finfo(getattr(torch, dtype)), torch.finfo(torch.float16)
+    smallest = info.smallest_normal * info.eps
+    bits = round(-math.log2(info.eps))
+    mistakes: list[tuple[float, str] | tuple[float, str, float]] = [
+        (0.0, "0 is not positive: the question asks for the smallest number above 0."),
+        (info.smallest_normal, f"that is the smallest *normal* number; the subnormals below it go {bits} bits "
+                               "further down."),
+        (info.eps, "that is machine epsilon (the spacing just above 1), not the smallest number."),
+        (smallest / 2, "that is half the smallest subnormal: a tie between 0 and it, which rounds to 0."),
+    ]
+    if dtype != "float16":
+        mistakes.append((f16.smallest_normal * f16.eps, "that is float16's smallest number (2^-24); this format has "
+                                                        "its own exponent range and mantissa bits."))
+    return grade_number(answer, smallest, mistakes=mistakes,
+                        hint="Smallest normal number times machine epsilon; give three significant digits (or the "
+                             "exact power of two).")
 
 
-def grade_backoff_scale(answer: object, scale: float = 65536.0, backoff: float = 0.5) -> Feedback:
+def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 0.5) -> Feedback:
     """Exercise: the loss scale after a window in which one micro-batch overflowed (correct recipe)."""
     return grade_number(
         answer,
@@ -370,7 +425,6 @@ def grade_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Fe
             (2 * (p - 1) * megabytes, "each round sends a 1/p chunk, not the whole buffer."),
             (2 * megabytes, "“almost 2n” is the limit for many ranks; with p ranks it is exactly 2(p − 1)/p · n."),
         ],
-        rtol=5e-3,
         hint="2(p − 1) rounds, each sending one chunk of n/p.",
     )
 
@@ -408,7 +462,7 @@ def grade_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback
     )
 
 
-def grade_partial_scale(answer: object, present: int = 3, k: int = 8) -> Feedback:
+def grade_partial_scale(answer: object, present: int = 3, k: int = 16) -> Feedback:
     """Exercise: the factor by which a last window of ``present`` micro-batches is too small when divided by K."""
     return grade_number(
         answer,
@@ -437,6 +491,5 @@ def grade_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float
             ((k - 1) * one / 1000, "right number, wrong unit: that is in seconds; the answer is asked in "
                                    "milliseconds."),
         ],
-        rtol=5e-3,
         hint="(K − 1) · 2(p − 1)/p · n / β.",
     )

@@ -143,7 +143,8 @@ class Explorer:
         self.initial = [self.values[i].index(initial[n]) for i, n in enumerate(self.names)]
         self.alt = alt
         self.descriptions = [getattr(controls[n], "description", "") or n for n in self.names]
-        digest = hashlib.sha1(repr((getattr(plot_fn, "__qualname__", ""), self.names, self.values)).encode())
+        digest = hashlib.sha1(repr((getattr(plot_fn, "__qualname__", ""), self.names, self.values, alt,
+                                    sorted(self.frames.items()))).encode())  # two explorers on a page differ
         self.id = "ga-explorer-" + digest.hexdigest()[:10]
         self.widget = interactive_figure(plot_fn, **controls)
 
