@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make book   create .venv if missing, install everything, build the site into _build/html
-#   make test   the same set-up, then every test: unit tests, strict nbval on every chapter, the site check
+#   make test   the same set-up, then every test: unit tests, strict nbval on every chapter, the site and browser
+#               checks, nbgrader on every chapter's exercises
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SITE_STAMP := $(VENV)/.site-installed
 
-.PHONY: help install book test unit lint nbval nbval-loaded outputs budgets gpu-check binder-check student nbgrader clean
+.PHONY: help install book test unit lint nbval nbval-loaded outputs budgets gpu-check binder-check student kernel nbgrader clean
 
 # `make help` prints every target with the text after its `##`.
 help: ## this list
@@ -45,7 +46,7 @@ test: lint ## lint + types, then every test (unit, commands, fresh install, site
 
 # The package's tests only: no notebook, no site build, no shown command, no new virtual environment.
 unit: $(STAMP) ## the package's tests only (fast: no notebook run, site build, shown command or fresh install)
-	$(PY) -m pytest tests -p no:cacheprovider -m "not site and not commands and not install"
+	$(PY) -m pytest tests -p no:cacheprovider -m "not site and not commands and not install and not nbgrader"
 
 lint: $(STAMP) ## ruff (package, tests, scripts, notebooks) and mypy (package)
 	$(VENV)/bin/ruff check src tests scripts benchmarks chapters
@@ -75,9 +76,14 @@ student: $(STAMP) ## the student edition: notebooks and site without solutions
 	$(VENV)/bin/jupyter-book build _build/student/book --path-output _build/student --all -n -W --keep-going
 	@echo "Student notebooks: $(CURDIR)/_build/student/book/chapters; student site: $(CURDIR)/_build/student/_build/html"
 
-# nbgrader source notebooks (one assignment per chapter) under _build/nbgrader/source.
-nbgrader: $(STAMP) ## nbgrader source notebooks under _build/nbgrader
+# The book's environment as a Jupyter kernel named gradaccum: the kernel the course's notebooks grade with.
+kernel: $(STAMP) ## install the book's environment as the Jupyter kernel "gradaccum" (the grading kernel)
+	$(PY) -m ipykernel install --sys-prefix --name gradaccum --display-name "Python 3 (Gradient Accumulation, Correctly)"
+
+# An nbgrader course folder (config + one assignment per chapter) under _build/nbgrader.
+nbgrader: kernel ## nbgrader course folder under _build/nbgrader (source notebooks, config), grading kernel installed
 	$(PY) -m gradaccum.book.course nbgrader --out _build/nbgrader
+	@echo "Course folder: $(CURDIR)/_build/nbgrader (run nbgrader there with $(VENV)/bin on PATH)"
 
 # Run every chapter on a CUDA GPU; where there is none, on the CPU, and it says so. Uses the project's .venv when
 # there is one (a GPU machine without Jupyter can use any Python with torch: make gpu-check PYTHON=python3).

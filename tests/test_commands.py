@@ -206,6 +206,12 @@ RUNS = {
 #: Shown commands that another test file runs exactly: command → "file::test".
 ELSEWHERE = {
     "python -m gradaccum.check --demo": "tests/test_check.py::test_command_line_demo",
+    # instructor.md's grading session: tests/test_nbgrader.py runs each step in the course folder it writes, for
+    # every chapter (chapter 3 among them)
+    "nbgrader validate source/03_clip_ordering/03_clip_ordering.ipynb": "tests/test_nbgrader.py::graded",
+    "nbgrader generate_assignment 03_clip_ordering": "tests/test_nbgrader.py::graded",
+    "nbgrader autograde 03_clip_ordering --create": "tests/test_nbgrader.py::graded",
+    "nbgrader generate_feedback 03_clip_ordering": "tests/test_nbgrader.py::graded",
 }
 
 #: `make` targets: what covers each. A target runs the tools above (or pytest) over the whole book; the tests
@@ -225,7 +231,10 @@ MAKE_TARGETS = {
     "gpu-check": "scripts/gpu_check.py over every chapter: the script runs here (gpu-check); the chapters' code "
     "on a CPU is strict nbval's; on a GPU only `make gpu-check` itself, by hand",
     "student": "tests/test_course.py writes the student edition and builds its site; the CLI runs here",
-    "nbgrader": "tests/test_course.py::test_nbgrader_layout writes it; the CLI runs here",
+    "nbgrader": "tests/test_nbgrader.py writes the course with the same CLI and runs nbgrader on it end to end "
+    "(validate, generate_assignment, autograde, generate_feedback) with the kernel installed as `make kernel` does",
+    "kernel": "tests/test_nbgrader.py installs the same kernelspec (ipykernel install --name gradaccum) into a "
+    "temporary prefix instead of the environment, and grades every chapter with it",
 }
 
 #: Shown commands no test runs, and why.
@@ -277,7 +286,11 @@ def test_coverage_lists_are_not_stale():
     for command, test in ELSEWHERE.items():
         path, name = test.split("::")
         source = (ROOT / path).read_text()
-        assert f"def {name}(" in source and all(f'"{word}"' in source for word in command.split()[1:]), test
+        # the test spells the command's words, or runs it from a template per chapter ("... {stem} ...")
+        templates = [t.replace("{stem}", stem) for t in re.findall(r'"([^"\n]*\{stem\}[^"\n]*)"', source)
+                     for stem in re.findall(r"\b\d\d_[a-z_]+\b", command)[:1]]
+        assert f"def {name}(" in source and (all(f'"{word}"' in source for word in command.split()[1:])
+                                             or command in templates), test
 
 
 def _tiny_notebook(path: Path) -> None:

@@ -103,14 +103,22 @@ def test_student_edition_runs_on_binder_on_its_own(edition):
 
 
 def test_nbgrader_conversion_grades_with_the_checkers():
+    """Chapter 1 as an nbgrader source: answer cells hold the right answer between solution markers (computed by
+    the checker), each is followed by a locked 1-point test, and exercises asking for an argument get a manually
+    graded cell holding the book's model solution."""
     nb = course.nbgrader_notebook(load("01_microbatch_statistics"))
-    answers = [c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
-    tests = [c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("grade")]
-    assert len(answers) == len(tests) == 4
+    meta = [c["metadata"].get("nbgrader", {}) for c in nb["cells"]]
+    answers = [c for c, m in zip(nb["cells"], meta) if m.get("solution") and c["cell_type"] == "code"]
+    tests = [c for c, m in zip(nb["cells"], meta) if m.get("grade") and c["cell_type"] == "code"]
+    arguments = [c for c, m in zip(nb["cells"], meta) if m.get("grade") and c["cell_type"] == "markdown"]
+    assert len(answers) == len(tests) == 4 and len(arguments) == 3
+    assert nb["metadata"]["kernelspec"]["name"] == course.KERNEL["name"]
     for answer_cell, test_cell in zip(answers, tests):
-        meta = test_cell["metadata"]["nbgrader"]
-        assert meta["locked"] and meta["points"] == 1 and meta["grade_id"].endswith("-test")
+        test_meta = test_cell["metadata"]["nbgrader"]
+        assert test_meta["locked"] and test_meta["points"] == 1 and "-test-" in test_meta["grade_id"]
         assert answer_cell["metadata"]["nbgrader"]["grade_id"].startswith("ex-ch1-")
+        assert re.search(r"### BEGIN SOLUTION\nanswer = .+\n### END SOLUTION\nexercises\.grade_", answer_cell["source"])
+    assert all("### BEGIN SOLUTION" in a["source"] and a["metadata"]["nbgrader"]["points"] == 2 for a in arguments)
     from gradaccum.book import exercises
 
     first_test = tests[0]["source"]
@@ -119,11 +127,15 @@ def test_nbgrader_conversion_grades_with_the_checkers():
     namespace["answer"] = 0.3
     with pytest.raises(AssertionError, match="you added the K momenta"):
         exec(first_test, namespace)
+    exec(answers[0]["source"].replace("exercises.", "_ = exercises."), namespace)  # the stored solution is right
+    exec(first_test, namespace)
 
 
 def test_nbgrader_layout(tmp_path):
     paths = course.write_nbgrader(ROOT, tmp_path)
     assert [p.parent.name for p in paths] == STEMS and all(p.parent.parent.name == "source" for p in paths)
+    config = (tmp_path / "nbgrader_config.py").read_text()
+    assert course.CODE_STUB in config and "c.CourseDirectory.course_id" in config
 
 
 def test_instructor_page_lists_every_exercise_and_its_checker():

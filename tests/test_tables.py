@@ -27,10 +27,25 @@ def test_group_header_and_escaping():
     "columns, rows, groups, phrase",
     [
         (["a", "b"], [["1"]], (), "row 0 has 1 cells for 2 columns"),
-        (["a"], [[0.1]], (), "format it"),
+        (["a"], [[0.1]], (), "format numbers yourself"),
         (["a", "b"], [["1", "2"]], [("x", 3)], "add up to 3"),
     ],
 )
 def test_bad_tables_are_refused_with_what_to_do(columns, rows, groups, phrase):
     with pytest.raises(ValueError, match=phrase):
         Table(columns, rows, groups=groups)
+
+
+def test_placeholders_do_not_unalign_a_numeric_column_and_only_text_or_integers_go_in():
+    import numpy as np
+
+    t = Table(["v", "w"], [["0.1", "—"], ["n/a", "2.5×"], ["3", "—"]])
+    assert t.numeric == [True, True]
+    for bad in (np.float32(0.1), None, True, np.array([0.1])):
+        with pytest.raises(ValueError, match="give text or an integer"):
+            Table(["a"], [[bad]])
+    with pytest.raises(ValueError, match="give a list of cells"):
+        Table(["a", "b"], ["xy"])
+    with pytest.raises(ValueError, match="at least one column"):
+        Table(["a", "b"], [["1", "2"]], groups=[("x", 3), ("y", -1)])
+    assert Table(["a", "b"], [["1", "2"]], groups=(g for g in [("x", 2)])).groups == [("x", 2)]

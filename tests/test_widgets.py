@@ -123,3 +123,30 @@ def test_explorer_fixes_the_controls_off_the_grid_and_passes_other_errors():
         explorer(broken, grid={"k": [1]}, alt="x", k=IntSlider(1))
     with pytest.raises(TypeError, match="must return a matplotlib Figure"):
         explorer(lambda k: None, grid={"k": [1]}, alt="x", k=IntSlider(1))
+
+
+def test_explorer_survives_hostile_text_and_refuses_impossible_grids():
+    import matplotlib.pyplot as plt
+    from ipywidgets import Dropdown, IntSlider
+
+    from gradaccum.book.widgets import explorer
+
+    def hostile(k):
+        if k == 2:
+            plt.figure()  # begun, then the error: it must not be left open
+            raise ValueError("a <!--<script> b </script><b>x</b>")
+        return _bars(k)
+
+    plt.close("all")
+    e = explorer(hostile, grid={"k": [1, 2]}, alt="x", k=IntSlider(1, min=1, max=3))
+    page = e.html()
+    data = page.split('class="ga-explorer-data">')[1].split("</script>")[0]
+    assert "<" not in data and plt.get_fignums() == []
+    with pytest.raises(ValueError, match="outside what its control allows"):
+        explorer(_bars, grid={"k": [1, 100]}, alt="x", k=IntSlider(1, min=1, max=5))
+    with pytest.raises(ValueError, match="outside what its control allows"):
+        explorer(_bars, grid={"k": [1], "label": ["a", "zzz"]}, alt="x", k=IntSlider(1),
+                 label=Dropdown(options=["a", "b"], value="a"))
+    with pytest.raises(ValueError, match="not an abbreviation"):
+        explorer(_bars, grid={"k": [1, 2]}, alt="x", k=(1, 5))
+    assert "⚠ " in explorer(hostile, grid={"k": [2]}, alt="x", k=IntSlider(2, min=1, max=3)).html()

@@ -243,46 +243,117 @@ def _write_binder(root: Path, out: Path) -> None:
 # ------------------------------------------------------------------------------------------------ nbgrader
 
 
-def _exercise_labels(nb: dict[str, Any]) -> list[str]:
-    return [label for cell in nb["cells"] if cell["cell_type"] == "markdown"
-            for label in EXERCISE.findall(_source(cell))]
+#: The kernel the course's notebooks name: the book's environment, installed with ``make kernel``. Grading with a
+#: kernel that lacks torch and gradaccum fails every cell and gives every student 0 — so the notebooks name this one.
+KERNEL = {"name": "gradaccum", "display_name": "Python 3 (Gradient Accumulation, Correctly)", "language": "python"}
+
+#: What a student finds in an answer cell after ``nbgrader generate_assignment`` (ClearSolutions' code stub).
+CODE_STUB = "answer = None  # YOUR ANSWER HERE"
+
+#: nbgrader_config.py of the course folder ``write_nbgrader`` writes.
+NBGRADER_CONFIG = f"""c = get_config()  # noqa: F821 (nbgrader's config loader defines it)
+c.CourseDirectory.course_id = "gradient-accumulation-correctly"
+c.ClearSolutions.code_stub = {{"python": {CODE_STUB!r}}}
+c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
+c.Execute.timeout = 600
+"""
+
+SOLUTION_FOR = re.compile(r"```\{solution\}\s*(\S+)[^\n]*\n(?::[^\n]*\n)*(.*?)\n```", re.S)
+ROLE = re.compile(r"\{(?:ref|numref|doc|cite|cite:p|cite:t|eq)\}`([^`]*)`")
 
 
-def nbgrader_notebook(nb: dict[str, Any], points: int = 1) -> dict[str, Any]:
-    """The student notebook with nbgrader metadata: exercise cells become solution cells, each followed by a
-    locked test cell ``assert exercises.check_...(answer)`` worth ``points``."""
-    out = student_notebook(nb)
-    cells, label = [], "exercise"
-    for cell in out["cells"]:
-        if cell["cell_type"] == "markdown":
-            found = EXERCISE.findall(_source(cell))
-            label = found[-1] if found else label
-            cells.append(cell)
+#: The book's MathJax macros (_config.yml), spelled out for Jupyter's renderer.
+MACROS = {"\\E": "\\mathbb{E}", "\\Var": "\\operatorname{Var}"}
+
+
+def _plain_markdown(text: str) -> str:
+    """MyST roles as plain text and the book's TeX macros spelled out, for Jupyter's renderer."""
+    text = ROLE.sub(lambda m: m.group(1).split("<")[0].strip(), text)
+    for macro, expansion in MACROS.items():
+        text = re.sub(re.escape(macro) + r"(?![A-Za-z])", expansion.replace("\\", "\\\\"), text)
+    return text
+
+
+def _answer_hint(cell_source: str) -> str:
+    """The chapter's instruction on the ``answer = None  # ...`` line, as a comment line."""
+    match = re.search(r"^answer\s*=\s*None\s*(#.*)$", cell_source, flags=re.M)
+    return match.group(1) if match else "# your answer"
+
+
+def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argument_points: int = 2
+                      ) -> dict[str, Any]:
+    """A chapter's exercises as an nbgrader *source* notebook: the chapter's set-up cell, then per exercise its text,
+    for each checker an answer cell (the right answer between ``### BEGIN SOLUTION`` / ``### END SOLUTION``, so that
+    ``generate_assignment`` keeps the instruction and the checker call and puts :data:`CODE_STUB` in its place) and a
+    locked test cell worth ``points`` that asserts the checker accepts the answer, and — where the exercise asks for
+    more than its checkers check (an argument, a prediction, an explanation) — a manually graded answer cell worth
+    ``argument_points`` holding the book's model solution. The notebook names the book's kernel (:data:`KERNEL`)."""
+    from gradaccum.book import exercises
+
+    cells: list[dict[str, Any]] = []
+
+    def add(cell_type: str, text: str, meta: dict[str, Any] | None = None) -> None:
+        cell: dict[str, Any] = {"cell_type": cell_type, "id": f"cell-{len(cells)}", "metadata": {}, "source": text}
+        if meta is not None:
+            cell["metadata"]["nbgrader"] = {"schema_version": 3, **meta}
+        if cell_type == "code":
+            cell.update(execution_count=None, outputs=[])
+        cells.append(cell)
+
+    setup = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    heading = title or next((_source(c).splitlines()[0].lstrip("# ") for c in nb["cells"]
+                             if c["cell_type"] == "markdown" and _source(c).startswith("# ")), "Exercises")
+    add("markdown", f"# Exercises: {heading}\n\nRun the set-up cell first. Put your answer where a cell says "
+                    "`YOUR ANSWER HERE` and run the cell: the checker below it says whether the answer is right and, "
+                    "if not, what is wrong. The locked cells grade your answers.")
+    add("code", _source(setup))
+    solutions = {label: body.strip() for cell in nb["cells"] if cell["cell_type"] == "markdown"
+                 for label, body in SOLUTION_FOR.findall(_source(cell))}
+    number = 0
+    for i, cell in enumerate(nb["cells"]):
+        found = EXERCISE.search(_source(cell)) if cell["cell_type"] == "markdown" else None
+        if not found:
             continue
-        if not is_exercise_cell(cell):
-            cells.append(cell)
-            continue
-        call = CHECK_CALL.search(_source(cell))
-        assert call is not None
-        answer = CHECK_CALL.sub("", _source(cell)).rstrip() + "\n"
-        cell["source"] = answer + f"exercises.{call.group(1)}({call.group(2)})"
-        cell["metadata"]["nbgrader"] = {"grade": False, "solution": True, "locked": False,
-                                        "grade_id": f"{label}-answer", "schema_version": 3}
-        test: dict[str, Any]
-        test = {"cell_type": "code", "execution_count": None, "outputs": [], "id": f"{label}-test",
-                "metadata": {"nbgrader": {"grade": True, "solution": False, "locked": True, "points": points,
-                                          "grade_id": f"{label}-test", "schema_version": 3}},
-                "source": f"feedback = exercises.{call.group(1)}({call.group(2)})\nassert feedback, str(feedback)"}
-        cells += [cell, test]
-    out["cells"] = cells
-    return out
+        number += 1
+        label = found.group(1)
+        body = re.sub(r"^```\{exercise\}[^\n]*\n(?::[^\n]*\n)*", "", _source(cell).strip()).removesuffix("```")
+        add("markdown", f"## Exercise {number} ({label})\n\n{_plain_markdown(inline_includes(body.strip()))}")
+        checks = []
+        for following in nb["cells"][i + 1:]:
+            if not is_exercise_cell(following):
+                break
+            checks.append(following)
+        n_calls = 0
+        for check in checks:
+            for name, kwargs in checker_calls(_source(check)):
+                n_calls += 1
+                expected, _ = exercises.expected_answer(getattr(exercises, name), **kwargs)
+                args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+                add("code", f"{_answer_hint(_source(check))}\n### BEGIN SOLUTION\nanswer = {expected!r}\n"
+                            f"### END SOLUTION\nexercises.{name}(answer{args})",
+                    {"grade": False, "solution": True, "locked": False, "grade_id": f"{label}-answer-{n_calls}"})
+                add("code", f"feedback = exercises.{name}(answer{args})\nassert feedback, str(feedback)",
+                    {"grade": True, "solution": False, "locked": True, "points": points,
+                     "grade_id": f"{label}-test-{n_calls}"})
+        if n_calls == 0 or body.count("?") > n_calls:
+            model = _plain_markdown(inline_includes(solutions.get(label, "(see the book's solution)")))
+            part = "the parts the checker does not check" if n_calls else "graded by your instructor"
+            add("markdown", f"**Your argument** ({part}):\n\n### BEGIN SOLUTION\n{model}\n### END SOLUTION",
+                {"grade": True, "solution": True, "locked": False, "points": argument_points,
+                 "grade_id": f"{label}-argument"})
+    return {"cells": cells, "metadata": {"kernelspec": dict(KERNEL), "language_info": {"name": "python"}},
+            "nbformat": 4, "nbformat_minor": 5}
 
 
 def write_nbgrader(root: Path, out: Path) -> list[Path]:
-    """nbgrader source notebooks (``source/<assignment>/<chapter>.ipynb`` layout) for every chapter."""
+    """An nbgrader course folder: ``nbgrader_config.py`` and, per chapter, the source notebook of its exercises
+    (``source/<chapter>/<chapter>.ipynb``)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "nbgrader_config.py").write_text(NBGRADER_CONFIG)
     written = []
     for path in sorted((Path(root) / "chapters").glob("*.ipynb")):
-        target = Path(out) / "source" / path.stem / path.name
+        target = out / "source" / path.stem / path.name
         target.parent.mkdir(parents=True, exist_ok=True)
         notebook = nbgrader_notebook(json.loads(path.read_text()))
         target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")

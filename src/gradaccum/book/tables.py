@@ -8,12 +8,14 @@ the text and the HTML form), so a bare float is refused.
 from __future__ import annotations
 
 import html
+import numbers
 import re
 from collections.abc import Sequence
 
 #: A cell that starts like a number ("0.375", "-1.9%", "< 1e-12", "2^16", "97.6% (96.4–98.3)") is numeric; a
-#: column of numeric (or empty) cells is right-aligned.
-_NUMERIC = re.compile(r"^([<>≈]\s*)?[-+−]?(\d|\.\d)|^$")
+#: column of numeric cells (placeholders such as "—" or "n/a" aside) is right-aligned.
+_NUMERIC = re.compile(r"^([<>≈~]\s*)?[-+−]?(\d|\.\d)")
+_PLACEHOLDERS = {"", "—", "–", "-", "n/a", "nan", "inf", "-inf", "∞"}
 
 
 class Table:
@@ -32,20 +34,27 @@ class Table:
             if len(row) != len(self.columns):
                 raise ValueError(f"row {i} has {len(row)} cells for {len(self.columns)} columns; give one cell "
                                  "per column.")
+            if isinstance(row, str):
+                raise ValueError(f"row {i} is the string {row!r}: give a list of cells.")
             cells = []
             for cell in row:
-                if isinstance(cell, float):
-                    raise ValueError(f"row {i} holds the float {cell!r}: format it (e.g. f'{{x:.3f}}') so the "
-                                     "printed precision is fixed.")
+                if isinstance(cell, bool) or not isinstance(cell, (str, numbers.Integral)):
+                    raise ValueError(f"row {i} holds {type(cell).__name__} {cell!r}: give text or an integer; format "
+                                     "numbers yourself (e.g. f'{x:.3f}') so the printed precision is fixed.")
                 cells.append(str(cell))
             self.rows.append(cells)
+        groups = list(groups)
+        if any(span < 1 for _, span in groups):
+            raise ValueError("every column group spans at least one column.")
         if groups and sum(span for _, span in groups) != len(self.columns):
             raise ValueError(f"the group spans add up to {sum(s for _, s in groups)}, not to the "
                              f"{len(self.columns)} columns.")
         self.groups = list(groups)
         self.caption = caption
-        self.numeric = [any(r[j] for r in self.rows) and all(_NUMERIC.match(r[j].strip()) for r in self.rows)
-                        for j in range(len(self.columns))]
+        self.numeric = []
+        for j in range(len(self.columns)):
+            cells = [r[j].strip() for r in self.rows if r[j].strip().lower() not in _PLACEHOLDERS]
+            self.numeric.append(bool(cells) and all(_NUMERIC.match(c) for c in cells))
 
     def __repr__(self) -> str:
         widths = [max([len(c)] + [len(r[j]) for r in self.rows]) for j, c in enumerate(self.columns)]

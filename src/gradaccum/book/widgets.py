@@ -29,9 +29,12 @@ def show_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
+        before = set(plt.get_fignums())
         try:
             result = fn(*args, **kwargs)
         except ValueError as err:
+            for number in set(plt.get_fignums()) - before:  # no half-drawn figure beside the message
+                plt.close(number)
             print(f"⚠ {err}")
             return None
         if isinstance(result, Figure):
@@ -56,7 +59,9 @@ def interactive_figure(plot_fn: Callable[..., Any], **controls: Any):
 #: The explorer's front end: sliders (or menus) over the precomputed grid swap the figure; an impossible
 #: combination shows its ``ValueError`` message instead. Plain DOM, no library, no kernel, no network.
 _EXPLORER_JS = """(function () {
-  var root = document.getElementById("%(id)s");
+  var script = document.currentScript;
+  var root = script && script.parentNode && script.parentNode.classList.contains("ga-explorer")
+    ? script.parentNode : document.getElementById("%(id)s");
   if (!root || root.getAttribute("data-ready")) { return; }
   root.setAttribute("data-ready", "1");
   var data = JSON.parse(root.querySelector("script.ga-explorer-data").textContent);
@@ -66,6 +71,7 @@ _EXPLORER_JS = """(function () {
     var parts = inputs.map(function (el, n) {
       var label = data.labels[n][+el.value], out = root.querySelector("output[for='" + el.id + "']");
       if (out) { out.textContent = label; }
+      el.setAttribute("aria-valuetext", data.names[n] + " = " + label);
       return data.names[n] + " = " + label;
     });
     var frame = data.frames[inputs.map(function (el) { return el.value; }).join("-")];
@@ -94,9 +100,12 @@ def render_frame(plot_fn: Callable[..., Any], params: Mapping[str, Any], dpi: in
     """Call ``plot_fn(**params)`` and return its figure as a small PNG (an adaptive 64-colour palette), or the
     message of the ``ValueError`` it raised. The figure is closed; nothing is displayed."""
 
+    before = set(plt.get_fignums())
     try:
         fig = plot_fn(**params)
     except ValueError as err:
+        for number in set(plt.get_fignums()) - before:  # a figure begun before the error is not left open
+            plt.close(number)
         return Frame(message=str(err))
     if not isinstance(fig, Figure):
         raise TypeError(f"{getattr(plot_fn, '__name__', plot_fn)!r} must return a matplotlib Figure, "
@@ -111,7 +120,30 @@ def render_frame(plot_fn: Callable[..., Any], params: Mapping[str, Any], dpi: in
 
 
 def _grid_label(value: Any) -> str:
-    return value if isinstance(value, str) else f"{value:g}"
+    """A grid value as the page shows it: strings as they are, floats to 12 significant digits, others by str."""
+    if isinstance(value, float):
+        return f"{value:.12g}"
+    return value if isinstance(value, str) else str(value)
+
+
+def _check_on_control(name: str, control: Any, values: Sequence[Any]) -> None:
+    """Every grid value must be one the live control can take, so the static page offers no picture the live
+    widget cannot show."""
+    if not isinstance(control, ipywidgets.ValueWidget):
+        raise ValueError(f"control {name!r} is {control!r}: pass an ipywidgets control (IntSlider, FloatSlider, "
+                         "Dropdown, ...), not an abbreviation, so the static and the live widget agree.")
+    options = getattr(control, "options", None)
+    if options is not None:
+        allowed = [o[1] if isinstance(o, tuple) else o for o in options]
+        bad = [v for v in values if v not in allowed]
+    else:
+        low, high = getattr(control, "min", None), getattr(control, "max", None)
+        if isinstance(control, ipywidgets.FloatLogSlider):  # its min and max are exponents
+            low, high = control.base**control.min, control.base**control.max
+        bad = [v for v in values if low is not None and not low <= v <= high]
+    if bad:
+        raise ValueError(f"grid values {bad} of {name!r} are outside what its control allows; use values the "
+                         "live widget can take.")
 
 
 class Explorer:
@@ -131,6 +163,7 @@ class Explorer:
         if unknown:
             raise ValueError(f"grid names {sorted(unknown)} are not controls; use some of {sorted(controls)}.")
         for name, values in grid.items():
+            _check_on_control(name, controls[name], values)
             if initial[name] not in values:
                 raise ValueError(f"the initial {name} = {initial[name]!r} is not on its grid {list(values)}; "
                                  "add it so the static picture matches the live one.")
@@ -160,13 +193,15 @@ class Explorer:
                                   "</option>" for i, v in enumerate(values))
                 control = f'<select id="{cid}" data-param="{n}">{options}</select>'
             else:
+                shown = html.escape(_grid_label(values[start]))
                 control = (f'<input type="range" id="{cid}" data-param="{n}" min="0" max="{len(values) - 1}" '
-                           f'step="1" value="{start}"><output for="{cid}">{_grid_label(values[start])}</output>')
+                           f'step="1" value="{start}"><output for="{cid}">{shown}</output>')
             controls.append(f'<div class="ga-explorer-control">{label}{control}</div>')
         data = {"names": list(self.descriptions), "labels": [[_grid_label(v) for v in vs] for vs in self.values],
                 "alt": self.alt, "frames": {k: {"src": f.src} if f.src else {"message": f.message}
                                             for k, f in self.frames.items()}}
-        payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")  # no early </script>
+        # no "<" at all in the script element: neither an early </script> nor <!-- can end it
+        payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
         first = self.frames["-".join(map(str, self.initial))]
         grid_text = "; ".join(f"{d} ∈ {{{', '.join(_grid_label(v) for v in vs)}}}"
                               for d, vs in zip(self.descriptions, self.values))
@@ -176,7 +211,7 @@ class Explorer:
                 f'alt="{html.escape(self.alt)}" src="{first.src or ""}"'
                 f'{" hidden" if first.src is None else ""}>'
                 f'<p class="ga-explorer-message"{"" if first.message else " hidden"}>'
-                f'{html.escape(first.message or "")}</p>'
+                f'{"⚠ " + html.escape(first.message) if first.message else ""}</p>'
                 f'<p class="ga-explorer-note">Precomputed for {html.escape(grid_text)}. '
                 "Run the notebook (Binder, Colab) to compute any value.</p>"
                 f'<script type="application/json" class="ga-explorer-data">'

@@ -1,0 +1,130 @@
+"""nbgrader end to end, on every chapter, as an instructor runs it: ``python -m gradaccum.book.course nbgrader``
+writes the course; ``nbgrader validate`` passes the source; ``generate_assignment`` releases it with the
+instructions and checker calls kept and no answer left; a right and a wrong submission are autograded in the
+book's kernel; the right one gets full marks, the wrong one 0 on every auto-graded item, and its feedback carries
+the checker's explanation of the mistake.
+
+Runs with the book's environment as the grading kernel (a kernelspec named ``gradaccum`` installed into a
+temporary prefix, as ``make kernel`` installs it into the environment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from layout import CHAPTERS, ROOT
+
+from gradaccum.book import course, exercises
+
+pytestmark = pytest.mark.nbgrader
+nbgrader = pytest.importorskip("nbgrader")
+
+STEMS = sorted(CHAPTERS)
+
+#: instructor.md's grading session, per chapter, as the fixture runs it (in the course folder it writes; autograde
+#: and generate_feedback also get --force so that the test can be rerun in place).
+SESSION = (
+    "nbgrader validate source/{stem}/{stem}.ipynb",
+    "nbgrader generate_assignment {stem}",
+    "nbgrader autograde {stem} --create",
+    "nbgrader generate_feedback {stem}",
+)
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str]) -> str:
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def _wrong(name: str, kwargs: dict) -> object:
+    """A typical mistake for the checker (its first listed one), or a wrong set."""
+    if name == "grade_batch_coupled":
+        return {"BatchNorm2d", "Dropout"}
+    expected, digits, mistakes = exercises.grading_plan(getattr(exercises, name), **kwargs)
+    return next(w for w, _ in mistakes if not exercises.agrees(w, expected, digits))
+
+
+def _submit(release: Path, target: Path, right: bool) -> list[str]:
+    """Fill the released notebook's answer cells (right answers or typical mistakes) and argument cells; return
+    the explanation the checker gives for each wrong answer."""
+    nb = json.loads(release.read_text())
+    explanations = []
+    for cell in nb["cells"]:
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if course.CODE_STUB in src:
+            (name, kwargs), = course.checker_calls(src)
+            value = exercises.expected_answer(getattr(exercises, name), **kwargs)[0] if right else _wrong(name, kwargs)
+            if not right:
+                explanations.append(getattr(exercises, name)(value, **kwargs).message)
+            cell["source"] = src.replace(course.CODE_STUB, f"answer = {value!r}")
+        elif cell["cell_type"] == "markdown" and "YOUR ANSWER HERE" in src:
+            cell["source"] = src.replace("YOUR ANSWER HERE", "The statistics of a micro-batch are not the batch's.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(nb))
+    return explanations
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course")
+    prefix = tmp_path_factory.mktemp("kernel")
+    env = dict(os.environ, JUPYTER_PATH=str(prefix / "share" / "jupyter"),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    _run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(prefix), "--name", course.KERNEL["name"]],
+         root, env)
+    _run([sys.executable, "-m", "gradaccum.book.course", "nbgrader", "--root", str(ROOT), "--out", str(root)],
+         root, env)
+    logs, explanations = {}, {}
+    validate, generate, autograde, feedback = (shlex.split(t) for t in SESSION)
+    for stem in STEMS:
+        fill = [[word.format(stem=stem) for word in step] for step in (validate, generate, autograde, feedback)]
+        logs[stem, "validate"] = _run(fill[0], root, env)
+        _run(fill[1], root, env)
+        release = root / "release" / stem / f"{stem}.ipynb"
+        _submit(release, root / "submitted" / "right" / stem / f"{stem}.ipynb", right=True)
+        explanations[stem] = _submit(release, root / "submitted" / "wrong" / stem / f"{stem}.ipynb", right=False)
+        _run([*fill[2], "--force"], root, env)
+        _run([*fill[3], "--force"], root, env)
+    return root, logs, explanations
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_source_validates_and_release_keeps_instructions_not_answers(graded, stem):
+    root, logs, _ = graded
+    assert "Success! Your notebook passes all the tests." in logs[stem, "validate"]
+    source = json.loads((root / "source" / stem / f"{stem}.ipynb").read_text())
+    assert source["metadata"]["kernelspec"]["name"] == "gradaccum"
+    released = (root / "release" / stem / f"{stem}.ipynb").read_text()
+    assert "BEGIN SOLUTION" not in released and "END SOLUTION" not in released
+    cells = json.loads(released)["cells"]
+    answers = ["".join(c["source"]) for c in cells if c["metadata"].get("nbgrader", {}).get("grade_id", "").count(
+        "-answer-")]
+    assert answers and all(course.CODE_STUB in a and "exercises.grade_" in a and a.startswith("# ") for a in answers)
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_right_submission_full_marks_wrong_submission_zero_with_feedback(graded, stem):
+    root, _, explanations = graded
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
+        for student in ("right", "wrong"):
+            nb = gb.find_submission_notebook(stem, stem, student)
+            auto = [g for g in nb.grades if g.auto_score is not None and not g.cell.name.endswith("-argument")]
+            assert auto, (stem, student)
+            for grade in auto:
+                expected = grade.max_score if student == "right" else 0
+                assert grade.auto_score == expected, (stem, student, grade.cell.name, grade.auto_score)
+            manual = [g for g in nb.grades if g.cell.name.endswith("-argument")]
+            assert all(g.auto_score is None and g.needs_manual_grade for g in manual), (stem, student)
+    feedback = (root / "feedback" / "wrong" / stem / f"{stem}.html").read_text()
+    text = re.sub(r"<[^>]+>", "", feedback).replace("&#39;", "'").replace("&quot;", '"').replace("&amp;", "&")
+    for why in explanations[stem]:
+        assert why.split(":")[0][:40] in text, (stem, why)
