@@ -98,7 +98,7 @@ def browser(width: int, height: int) -> Iterator[object]:
 
 
 def wait_settled(driver, timeout: float = 20.0) -> None:
-    """Wait for the page's load event, MathJax's first typeset and the widget manager's rendering."""
+    """Wait for the page's load event and MathJax's first typeset."""
     import time
 
     deadline = time.monotonic() + timeout
@@ -110,7 +110,7 @@ def wait_settled(driver, timeout: float = 20.0) -> None:
         if driver.execute_script(script):
             break
         time.sleep(0.2)
-    time.sleep(1.0)  # the widget manager renders after load
+    time.sleep(0.2)  # the explorers' inline scripts have run by load; a moment for MathJax's last layout
 
 
 def inspect_page(driver, url: str, path: str, screenshot: Path | None = None) -> PageReport:

@@ -365,3 +365,14 @@ def test_precise_bn_restores_every_module_mode_and_refuses_frozen_layers():
     for bad in (2.5, "8", True, 1, 33):
         with pytest.raises(ValueError, match="batch_size"):
             precise_bn.precise_bn(model, x, bad)
+
+
+def test_training_in_two_processes_gives_the_runs_one_after_the_other(digits):
+    """ch2.train_many with two spawned workers: the same runs, to the bit, as sequential training."""
+    jobs = ch2.study_jobs(seeds=(0, 1), schedules=("constant",), k=4, k_small=2, epochs=1)
+    one = ch2.train_many(digits, jobs, workers=1)
+    two = ch2.train_many(digits, jobs, workers=2)
+    assert [[(r.method, r.k, r.seed, r.val_acc, r.val_acc_precise, r.weight_growth) for r in part] for part in one] == [
+        [(r.method, r.k, r.seed, r.val_acc, r.val_acc_precise, r.weight_growth) for r in part] for part in two]
+    with pytest.raises(ValueError, match="workers must be a positive int"):
+        ch2.train_many(digits, jobs, workers=0)

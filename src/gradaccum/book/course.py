@@ -301,12 +301,14 @@ def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argu
         cells.append(cell)
 
     setup = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    install = _source(setup).split("\nimport matplotlib")[0].split("\nimport gradaccum")[0].rstrip()
     heading = title or next((_source(c).splitlines()[0].lstrip("# ") for c in nb["cells"]
                              if c["cell_type"] == "markdown" and _source(c).startswith("# ")), "Exercises")
     add("markdown", f"# Exercises: {heading}\n\nRun the set-up cell first. Put your answer where a cell says "
                     "`YOUR ANSWER HERE` and run the cell: the checker below it says whether the answer is right and, "
                     "if not, what is wrong. The locked cells grade your answers.")
-    add("code", _source(setup))
+    # the chapter's set-up without its data and models: the exercises need the checkers only (fast to grade)
+    add("code", f"{install}\n\nimport gradaccum\nfrom gradaccum.book import exercises\n\ngradaccum.setup(seed=0)")
     solutions = {label: body.strip() for cell in nb["cells"] if cell["cell_type"] == "markdown"
                  for label, body in SOLUTION_FOR.findall(_source(cell))}
     number = 0
