@@ -133,6 +133,10 @@ def inspect_page(driver, url: str, path: str, screenshot: Path | None = None) ->
         screenshot.parent.mkdir(parents=True, exist_ok=True)
         driver.execute_script("window.scrollTo(0, 0);")
         driver.save_screenshot(str(screenshot))
+        # and the page's first kernel-free explorer, as a reader finds it
+        if driver.execute_script("const e = document.querySelector('.ga-explorer'); if (!e) return false; "
+                                 "e.scrollIntoView({block: 'start'}); window.scrollBy(0, -70); return true;"):
+            driver.save_screenshot(str(screenshot.with_name(screenshot.stem + "-explorer.png")))
     return report
 
 

@@ -109,3 +109,4 @@ def test_screenshots_are_saved(reports):
     width, _, _ = reports
     shot = SCREENSHOTS / f"{width.split('-')[0]}-{Path(SHOT_PAGE).stem}-{width.split('-')[1]}.png"
     assert shot.exists() and shot.stat().st_size > 20_000
+    assert shot.with_name(shot.stem + "-explorer.png").stat().st_size > 20_000
