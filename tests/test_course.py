@@ -119,6 +119,8 @@ def test_nbgrader_conversion_grades_with_the_checkers():
         assert answer_cell["metadata"]["nbgrader"]["grade_id"].startswith("ex-ch1-")
         assert re.search(r"### BEGIN SOLUTION\nanswer = .+\n### END SOLUTION\nexercises\.grade_", answer_cell["source"])
     assert all("### BEGIN SOLUTION" in a["source"] and a["metadata"]["nbgrader"]["points"] == 2 for a in arguments)
+    assert all("### BEGIN HIDDEN TESTS\nassert " in t["source"] and "exercises" not in t["source"].split("HIDDEN")[1]
+               for t in tests), "hidden tests compare with the answer written out"
     from gradaccum.book import exercises
 
     first_test = tests[0]["source"]

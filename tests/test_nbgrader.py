@@ -2,7 +2,8 @@
 writes the course; ``nbgrader validate`` passes the source; ``generate_assignment`` releases it with the
 instructions and checker calls kept and no answer left; a right and a wrong submission are autograded in the
 book's kernel; the right one gets full marks, the wrong one 0 on every auto-graded item, and its feedback carries
-the checker's explanation of the mistake.
+the checker's explanation of the mistake. A third student (first chapter only) gives wrong answers and rebinds
+``exercises`` so that every checker says yes: the hidden tests still give 0.
 
 Runs with the book's environment as the grading kernel (a kernelspec named ``gradaccum`` installed into a
 temporary prefix, as ``make kernel`` installs it into the environment)."""
@@ -51,7 +52,11 @@ def _wrong(name: str, kwargs: dict) -> object:
     return next(w for w, _ in mistakes if not exercises.agrees(w, expected, digits))
 
 
-def _submit(release: Path, target: Path, right: bool) -> list[str]:
+#: A student who makes every checker say yes from their own answer cell: the hidden tests must still fail them.
+CHEAT = "class _Pass:\n    def __getattr__(self, name):\n        return lambda *a, **k: True\n\n\nexercises = _Pass()\n"
+
+
+def _submit(release: Path, target: Path, right: bool, cheat: bool = False) -> list[str]:
     """Fill the released notebook's answer cells (right answers or typical mistakes) and argument cells; return
     the explanation the checker gives for each wrong answer."""
     nb = json.loads(release.read_text())
@@ -64,6 +69,8 @@ def _submit(release: Path, target: Path, right: bool) -> list[str]:
             if not right:
                 explanations.append(getattr(exercises, name)(value, **kwargs).message)
             cell["source"] = src.replace(course.CODE_STUB, f"answer = {value!r}")
+            if cheat:
+                cell["source"] = CHEAT + cell["source"]
         elif cell["cell_type"] == "markdown" and "YOUR ANSWER HERE" in src:
             cell["source"] = src.replace("YOUR ANSWER HERE", "The statistics of a micro-batch are not the batch's.")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +97,8 @@ def graded(tmp_path_factory):
         release = root / "release" / stem / f"{stem}.ipynb"
         _submit(release, root / "submitted" / "right" / stem / f"{stem}.ipynb", right=True)
         explanations[stem] = _submit(release, root / "submitted" / "wrong" / stem / f"{stem}.ipynb", right=False)
+        if stem == STEMS[0]:
+            _submit(release, root / "submitted" / "cheat" / stem / f"{stem}.ipynb", right=False, cheat=True)
         _run([*fill[2], "--force"], root, env)
         _run([*fill[3], "--force"], root, env)
     return root, logs, explanations
@@ -115,7 +124,7 @@ def test_right_submission_full_marks_wrong_submission_zero_with_feedback(graded,
     from nbgrader.api import Gradebook
 
     with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
-        for student in ("right", "wrong"):
+        for student in ("right", "wrong", "cheat") if stem == STEMS[0] else ("right", "wrong"):
             nb = gb.find_submission_notebook(stem, stem, student)
             auto = [g for g in nb.grades if g.auto_score is not None and not g.cell.name.endswith("-argument")]
             assert auto, (stem, student)

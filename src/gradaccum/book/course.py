@@ -17,6 +17,7 @@ import argparse
 import ast
 import copy
 import json
+import math
 import re
 import shutil
 import sys
@@ -280,6 +281,19 @@ def _answer_hint(cell_source: str) -> str:
     return match.group(1) if match else "# your answer"
 
 
+def _hidden_test(expected: object, digits: int | None) -> str:
+    """nbgrader hidden tests (stripped from the release) that compare ``answer`` with the expected value written
+    out, with no call into the package: a student who rebinds ``exercises`` or patches the checkers in the
+    kernel still fails them."""
+    if digits is None:
+        check = f"assert set(answer) == {expected!r}"
+    else:
+        value = float(expected)  # type: ignore[arg-type]
+        tol = 1e-12 if value == 0 else 0.5 * 10.0 ** (math.floor(math.log10(abs(value))) - digits + 1) * 1.001
+        check = f"assert abs(float(answer) - {value!r}) <= {tol!r}"
+    return f"### BEGIN HIDDEN TESTS\n{check}\n### END HIDDEN TESTS"
+
+
 def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argument_points: int = 2
                       ) -> dict[str, Any]:
     """A chapter's exercises as an nbgrader *source* notebook: the chapter's set-up cell, then per exercise its text,
@@ -304,9 +318,10 @@ def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argu
     install = _source(setup).split("\nimport matplotlib")[0].split("\nimport gradaccum")[0].rstrip()
     heading = title or next((_source(c).splitlines()[0].lstrip("# ") for c in nb["cells"]
                              if c["cell_type"] == "markdown" and _source(c).startswith("# ")), "Exercises")
-    add("markdown", f"# Exercises: {heading}\n\nRun the set-up cell first. Put your answer where a cell says "
-                    "`YOUR ANSWER HERE` and run the cell: the checker below it says whether the answer is right and, "
-                    "if not, what is wrong. The locked cells grade your answers.")
+    add("markdown", f"# Exercises: {heading}\n\nWork with the chapter open beside this notebook: where an exercise "
+                    "says *above*, it means the chapter. Run the set-up cell first. Put your answer where a cell says "
+                    "`YOUR ANSWER HERE` and run that cell: the checker call in it says whether the answer is right "
+                    "and, if not, what is wrong. The locked cells grade your answers.")
     # the chapter's set-up without its data and models: the exercises need the checkers only (fast to grade)
     add("code", f"{install}\n\nimport gradaccum\nfrom gradaccum.book import exercises\n\ngradaccum.setup(seed=0)")
     solutions = {label: body.strip() for cell in nb["cells"] if cell["cell_type"] == "markdown"
@@ -329,12 +344,13 @@ def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argu
         for check in checks:
             for name, kwargs in checker_calls(_source(check)):
                 n_calls += 1
-                expected, _ = exercises.expected_answer(getattr(exercises, name), **kwargs)
+                expected, digits = exercises.expected_answer(getattr(exercises, name), **kwargs)
                 args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
                 add("code", f"{_answer_hint(_source(check))}\n### BEGIN SOLUTION\nanswer = {expected!r}\n"
                             f"### END SOLUTION\nexercises.{name}(answer{args})",
                     {"grade": False, "solution": True, "locked": False, "grade_id": f"{label}-answer-{n_calls}"})
-                add("code", f"feedback = exercises.{name}(answer{args})\nassert feedback, str(feedback)",
+                add("code", f"feedback = exercises.{name}(answer{args})\nassert feedback, str(feedback)\n"
+                            f"{_hidden_test(expected, digits)}",
                     {"grade": True, "solution": False, "locked": True, "points": points,
                      "grade_id": f"{label}-test-{n_calls}"})
         if n_calls == 0 or body.count("?") > n_calls:

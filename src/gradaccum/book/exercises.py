@@ -85,6 +85,8 @@ def grade_number(
     if not math.isfinite(value):
         return Feedback(False, f"{value} is not a finite number.")
     if agrees(value, expected, digits, atol):
+        if float(expected).is_integer() and abs(expected) < 1e15:
+            return Feedback(True, f"correct: {int(expected)}.")
         return Feedback(True, f"correct: {round_significant(expected, digits):.{digits}g} (to {digits} "
                               "significant digits).")
     for wrong, why, *own_rtol in mistakes:
@@ -327,7 +329,7 @@ def grade_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1
 
 
 def grade_effective_scale(answer: object, scale: float = 65536.0, k: int = 32) -> Feedback:
-    """Exercise: the factor every gradient inside micro-batch k's backward pass carries (S/K)."""
+    """Exercise: the factor every gradient inside micro-batch k's backward pass carries."""
     return grade_number(
         answer,
         scale / k,
@@ -380,7 +382,7 @@ def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 
 
 def grade_backoff_steps(answer: object, k: int = 8) -> Feedback:
     """Exercise: the optimizer steps taken in a window of K micro-batches in which one overflowed (correct
-    recipe): 0, the whole step is skipped."""
+    recipe)."""
     return grade_number(
         answer,
         0.0,
@@ -468,7 +470,8 @@ def grade_partial_scale(answer: object, present: int = 3, k: int = 16) -> Feedba
         answer,
         present / k,
         mistakes=[
-            (k / present, "upside down: dividing by K instead of by the micro-batches present makes it *smaller*."),
+            (k / present, "upside down: that is how many times smaller the gradient is; the question asks for the "
+                          "fraction that remains."),
             (1.0, "the last window holds fewer than K micro-batches but is still divided by K."),
             ((k - present) / k, "that is the share that is *missing*; the question asks for the factor that remains."),
         ],
