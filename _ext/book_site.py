@@ -1,7 +1,8 @@
 """Local Sphinx extension of the book's site: each script once, and the site's own assets instead of CDNs.
 
-* sphinx-thebe adds its configuration script once per build phase: with Jupyter Book 1 that is twice, and the
-  second ``const THEBE_JS_URL`` is a SyntaxError in every page's console. Scripts are de-duplicated per page.
+* Scripts are de-duplicated per page (sphinx-thebe's configuration came twice, a SyntaxError in every console),
+  and sphinx-thebe's scripts are dropped: the book has no Live Code button, and its configuration names a CDN
+  URL (unpkg) that an offline reader must never need.
 * The bibliography's labels read like the author–year citations in the text ("Hoffer et al. 2017", not
   "[HHS17]"), and titles keep the capitals they are written with ("Ethernet", not "ethernet").
 * A few rules of CSS keep long inline code and URLs inside the column on a phone.
@@ -72,6 +73,12 @@ class AuthorYearStyle(UnsrtStyle):
 register_plugin("pybtex.style.formatting", "authoryear", AuthorYearStyle)
 
 
+def _is_thebe(filename: str, body: str) -> bool:
+    """sphinx-thebe's scripts: the book has no Live Code button (thebe would load from a CDN), so a page needs
+    neither its loader nor the configuration that names the CDN URL."""
+    return filename.endswith("sphinx-thebe.js") or "THEBE_JS_URL" in body
+
+
 def _dedupe_scripts(app: Any, pagename: str, templatename: str, context: dict, doctree: Any) -> None:
     scripts = context.get("script_files")
     if not scripts:
@@ -82,7 +89,7 @@ def _dedupe_scripts(app: Any, pagename: str, templatename: str, context: dict, d
         filename = getattr(script, "filename", script) or ""  # an inline script is filename None or ""
         attributes = getattr(script, "attributes", {})
         key = (str(filename), str(attributes.get("body", "")))
-        if key in seen or attributes.get("type") == WIDGET_STATE:
+        if key in seen or attributes.get("type") == WIDGET_STATE or _is_thebe(str(filename), key[1]):
             continue
         seen.add(key)
         kept.append(script)

@@ -33,6 +33,18 @@ def test_chapter_page(site, stem):
     assert page.count('href="../references.html#id') >= n_cites > 0, "every citation links to its reference"
 
 
+def test_no_page_names_a_script_on_another_host(site):
+    """Offline readers get every script from the site itself: no page loads or names a remote .js file."""
+    remote = {}
+    for page in site.rglob("*.html"):
+        if "_static" in page.parts:
+            continue
+        found = re.findall(r"https?://[^\s\"'<>]+?\.js\b", page.read_text())
+        if found:
+            remote[str(page.relative_to(site))] = sorted(set(found))
+    assert not remote, remote
+
+
 def test_instructor_page(site):
     page = (site / "instructor.html").read_text()
     assert "Suggested assignments" in page and "nbgrader" in page
