@@ -41,6 +41,7 @@ from gradaccum.fullbatch_bn import (
 )
 from gradaccum.ghost_bn import GhostBatchNorm, LoopGhostBatchNorm, ghostify
 from gradaccum.precise_bn import precise_bn
+from gradaccum.runtime import DEFAULT_THREADS
 from gradaccum.timing import interleaved_medians, median_time
 
 
@@ -344,7 +345,7 @@ def train_methods(split: DigitsSplit, k: int, batch_size: int = 64, epochs: int 
 
 
 def _one_thread() -> None:
-    torch.set_num_threads(1)  # as gradaccum.setup() does: results do not depend on the machine's core count
+    torch.set_num_threads(DEFAULT_THREADS)  # as gradaccum.setup() does: results do not depend on the core count
 
 
 def _train_job(split: DigitsSplit, job: dict) -> list[MethodRun]:

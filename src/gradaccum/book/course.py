@@ -17,12 +17,13 @@ import argparse
 import ast
 import copy
 import json
-import math
 import re
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from gradaccum.book import exercises
 
 SOLUTION = re.compile(r"```\{solution\}.*?\n```[ \t]*\n?", re.S)
 EXERCISE = re.compile(r"```\{exercise\}[^\n]*\n:label:\s*(\S+)")
@@ -289,8 +290,7 @@ def _hidden_test(expected: object, digits: int | None) -> str:
         check = f"assert set(answer) == {expected!r}"
     else:
         value = float(expected)  # type: ignore[arg-type]
-        tol = 1e-12 if value == 0 else 0.5 * 10.0 ** (math.floor(math.log10(abs(value))) - digits + 1) * 1.001
-        check = f"assert abs(float(answer) - {value!r}) <= {tol!r}"
+        check = f"assert abs(float(answer) - {value!r}) <= {exercises.tolerance(value, digits)!r}"
     return f"### BEGIN HIDDEN TESTS\n{check}\n### END HIDDEN TESTS"
 
 
@@ -302,8 +302,6 @@ def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argu
     locked test cell worth ``points`` that asserts the checker accepts the answer, and — where the exercise asks for
     more than its checkers check (an argument, a prediction, an explanation) — a manually graded answer cell worth
     ``argument_points`` holding the book's model solution. The notebook names the book's kernel (:data:`KERNEL`)."""
-    from gradaccum.book import exercises
-
     cells: list[dict[str, Any]] = []
 
     def add(cell_type: str, text: str, meta: dict[str, Any] | None = None) -> None:

@@ -40,13 +40,18 @@ def round_significant(x: float, digits: int) -> float:
     return float(f"{x:.{digits - 1}e}")
 
 
-def agrees(value: float, target: float, digits: int, atol: float = 1e-12) -> bool:
-    """Whether ``value`` agrees with ``target`` to ``digits`` significant digits: it lies within half a unit of
-    the last of them (so ``target`` rounded to ``digits`` digits always agrees), or within ``atol``."""
+def tolerance(target: float, digits: int, atol: float = 1e-12) -> float:
+    """How far an answer may lie from ``target`` and still agree to ``digits`` significant digits: half a unit of
+    the last of them (so ``target`` rounded to ``digits`` digits always agrees), at least ``atol``."""
     if target == 0 or not math.isfinite(target):
-        return abs(value - target) <= atol
+        return atol
     half_unit = 0.5 * 10.0 ** (math.floor(math.log10(abs(target))) - digits + 1)
-    return abs(value - target) <= max(half_unit * 1.001, atol)  # 0.1% slack: float32 answers at a rounding tie
+    return max(half_unit * 1.001, atol)  # 0.1% slack: float32 answers at a rounding tie
+
+
+def agrees(value: float, target: float, digits: int, atol: float = 1e-12) -> bool:
+    """Whether ``value`` agrees with ``target`` to ``digits`` significant digits (see :func:`tolerance`)."""
+    return abs(value - target) <= tolerance(target, digits, atol)
 
 
 #: While not None, :func:`grade_number` records what it would grade against instead of grading: the expected

@@ -23,18 +23,27 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 
+def _call_closing_on_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``; if it raises, the figures it had begun are closed first (no half-drawn figure is
+    left open beside the message)."""
+    before = set(plt.get_fignums())
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        for number in set(plt.get_fignums()) - before:
+            plt.close(number)
+        raise
+
+
 def show_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``fn`` so that a ``ValueError`` is printed as a one-line message instead of raised, and a
     matplotlib figure that ``fn`` returns is shown (and closed)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
-        before = set(plt.get_fignums())
         try:
-            result = fn(*args, **kwargs)
+            result = _call_closing_on_error(fn, *args, **kwargs)
         except ValueError as err:
-            for number in set(plt.get_fignums()) - before:  # no half-drawn figure beside the message
-                plt.close(number)
             print(f"⚠ {err}")
             return None
         if isinstance(result, Figure):
@@ -100,12 +109,9 @@ def render_frame(plot_fn: Callable[..., Any], params: Mapping[str, Any], dpi: in
     """Call ``plot_fn(**params)`` and return its figure as a small PNG (an adaptive 64-colour palette), or the
     message of the ``ValueError`` it raised. The figure is closed; nothing is displayed."""
 
-    before = set(plt.get_fignums())
     try:
-        fig = plot_fn(**params)
+        fig = _call_closing_on_error(plot_fn, **params)
     except ValueError as err:
-        for number in set(plt.get_fignums()) - before:  # a figure begun before the error is not left open
-            plt.close(number)
         return Frame(message=str(err))
     if not isinstance(fig, Figure):
         raise TypeError(f"{getattr(plot_fn, '__name__', plot_fn)!r} must return a matplotlib Figure, "
