@@ -17,6 +17,7 @@ CHAPTERS: dict[str, tuple[str, ...]] = {
     "04_mixed_precision_scaling": ("precision",),
     "05_no_sync": ("distributed",),
     "06_loss_normalization_and_friends": ("windows", "check"),
+    "07_frameworks": ("frameworks",),
 }
 
 

@@ -22,6 +22,9 @@ SOLUTION_TESTS: dict[str, str] = {
     "ex-ch5-saving": "tests/test_ch05_no_sync.py::test_ring_and_saving_exercises",
     "ex-ch6-tokens": "tests/test_exercises.py::test_window_token_exercise_solution",
     "ex-ch6-partial": "tests/test_ch06_loss_normalization_and_friends.py::test_partial_step_ratio",
+    "ex-ch7-warmup": "tests/test_ch07_frameworks.py::test_exercise_solution_numbers",
+    "ex-ch7-partial": "tests/test_ch07_frameworks.py::test_exercise_solution_numbers",
+    "ex-ch7-tokens": "tests/test_ch07_frameworks.py::test_exercise_solution_numbers",
     # a solution that states a number and is not listed here fails test_solution_numbers_are_tested
 }
 

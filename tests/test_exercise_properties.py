@@ -35,6 +35,10 @@ PARAMS = {
     ex.grade_partial_scale: dict(present=ints(1, 15), k=ints(16, 16)),
     ex.grade_nosync_saving: dict(k=ints(2, 64), p=ints(2, 512), megabytes=st.floats(1, 10_000),
                                  gb_per_s=st.floats(1, 1000)),
+    ex.grade_accelerate_warmup_end: dict(warmup=ints(100, 10_000), processes=ints(2, 64), k=ints(2, 64)),
+    ex.grade_framework_partial_weight: dict(micro_batches=ints(17, 400).filter(lambda n: n % 16), k=ints(16, 16)),
+    ex.grade_accelerate_token_factor: dict(rank_tokens=ints(1, 8).flatmap(lambda p: ints(1, 8).flatmap(
+        lambda k: st.tuples(*[st.tuples(*[ints(1, 500)] * k)] * p)))),
 }
 
 

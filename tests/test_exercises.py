@@ -29,6 +29,10 @@ from gradaccum.book import exercises as ex
         (ex.grade_warmup_end, 125),
         (ex.grade_partial_scale, 0.1875),
         (ex.grade_nosync_saving, 122.5),
+        (ex.grade_accelerate_warmup_end, 75),
+        (ex.grade_framework_partial_weight, 0.625),
+        (ex.grade_accelerate_token_factor, 8 / 260),
+        (ex.grade_accelerate_token_factor, 0.0308),
     ],
 )
 def test_right_answers_pass(checker, right):
@@ -91,6 +95,19 @@ def test_right_answers_pass(checker, right):
         (ex.grade_allreduce_calls, 22, "very first step"),  # 1 + 7 · 3: the first step's single bucket
         (ex.grade_ring_bytes, 200, "almost 2n"),  # the large-p limit 2n, not 2(p − 1)/p · n
         (ex.grade_nosync_saving, 0.1225, "in seconds"),  # 122.5 ms written in seconds
+        (ex.grade_accelerate_warmup_end, 600, "num_processes"),
+        (ex.grade_accelerate_warmup_end, 4800, "*faster*"),
+        (ex.grade_accelerate_warmup_end, 18.75, "K does not enter"),
+        (ex.grade_accelerate_warmup_end, 150, "K does not enter"),
+        (ex.grade_framework_partial_weight, 1.0, "Transformers Trainer"),
+        (ex.grade_framework_partial_weight, 0.375, "*missing*"),
+        (ex.grade_framework_partial_weight, 1.6, "upside down"),
+        (ex.grade_framework_partial_weight, 90 / 16, "how many windows"),
+        (ex.grade_accelerate_token_factor, 1 / 260, "K · num_processes"),
+        (ex.grade_accelerate_token_factor, 4 / 260, "multiply by num_processes"),
+        (ex.grade_accelerate_token_factor, 2 / 260, "multiply by K too"),
+        (ex.grade_accelerate_token_factor, 8 / 140, "*all* processes"),
+        (ex.grade_accelerate_token_factor, 4 / 140, "count the tokens of all processes"),
     ],
 )
 def test_typical_mistakes_are_explained(checker, wrong, phrase):
@@ -206,3 +223,11 @@ def test_smallest_positive_tiny_answers_get_true_feedback(wrong, phrase):
     """Answers far below the right one get the slip they come from, or a plain 'not right'."""
     fb = ex.grade_smallest_positive(wrong)
     assert not fb and phrase in fb.message
+
+
+def test_float32_of_a_rounded_answer_near_the_half_unit_passes():
+    """Found by hypothesis: 1 − (1 − m)^(1/7) at m = 0.0628068… is 0.00922374966…; rounded to five digits it is
+    0.0092237, 4.97e-8 away (the half unit is 5e-8), and as float32 it moves 4e-10 further."""
+    import numpy as np
+
+    assert ex.grade_corrected_momentum(np.float32(0.0092237), m=0.06280683266861457, k=7)

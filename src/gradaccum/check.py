@@ -554,8 +554,9 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
         evidence = (f"a window of {m} micro-batches gets weights {nums(w)} instead of {nums(probe.weights)} "
                     f"(relative error {num(error)})")
     return Finding("partial_window", "the last partial window is not normalized by its own size", evidence,
-                   "divide a window's loss by the micro-batches (or samples, or tokens) it holds, or drop incomplete "
-                   "windows (drop_last); if your loader never makes one, pass partial=False (--no-partial)", 6)
+                   "divide a window's loss by the micro-batches (or samples, or tokens) it holds, or never make one: "
+                   "keep the micro-batches per epoch a multiple of K (a DataLoader's drop_last drops only an "
+                   "incomplete micro-batch); if your loader never makes one, pass partial=False (--no-partial)", 6)
 
 
 def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ Three instruments, each independent of how the user's code imports what it calls
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -337,6 +339,48 @@ _SEED_NAMES = {"manual_seed", "seed", "set_rng_state", "manual_seed_all"}
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _wraps_optimizer(obj: Any) -> bool:
+    """True for an optimizer wrapper (Accelerate's ``AcceleratedOptimizer``): an ``Optimizer`` that holds another
+    in ``.optimizer`` and calls it (or skips the call on micro-batches that do not end a window)."""
+    inner = getattr(obj, "optimizer", None)
+    return isinstance(inner, torch.optim.Optimizer) and inner is not obj
+
+
+def _values(params: list[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params]).clone() if params else torch.zeros(0)
+
+
+def _closure_argument(frame: Any) -> Any:
+    """The closure an optimizer's ``step`` was called with: the ``closure`` argument, else its first positional
+    argument after ``self``, else the first of ``*args``; None when there is none."""
+    loc = frame.f_locals
+    if callable(loc.get("closure")):
+        return loc["closure"]
+    code = frame.f_code
+    names = code.co_varnames
+    if code.co_argcount > 1 and callable(loc.get(names[1])):
+        return loc[names[1]]
+    if code.co_flags & inspect.CO_VARARGS:
+        extra = loc.get(names[code.co_argcount + code.co_kwonlyargcount], ())
+        if extra and callable(extra[0]):
+            return extra[0]
+    return None
+
+
+def _code_of(fn: Any) -> Any:
+    """The code object a call of ``fn`` runs first (through partials, bound methods and callable objects)."""
+    for _ in range(8):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif inspect.ismethod(fn):
+            fn = fn.__func__
+        elif fn is not None and not inspect.isfunction(fn) and callable(fn):
+            fn = type(fn).__call__
+        else:
+            break
+    return getattr(fn, "__code__", None)
+
+
 def _from_the_toolkit(frame: Any, depth: int = 8) -> bool:
     """Whether a seeding call comes from gradaccum's own tools (e.g. the exact full-batch BatchNorm scheme restores
     the RNG state to replay dropout masks): not a seed the reader's loop sets."""
@@ -365,6 +409,8 @@ class CallRecorder:
         self._passes_at_scale = -1
         self.errors: list[str] = []
         self.mute: Callable[[], bool] = lambda: False  # True while the checker's own code runs
+        self._closure_code: Any = None  # the code of the closure passed to the optimizer step now running
+        self._closure_event: Event | None = None
 
     # scale in force (for GradTrace)
     def scale_now(self) -> float | None:
@@ -396,7 +442,9 @@ class CallRecorder:
                 return
             if event == "call":
                 name = frame.f_code.co_name
-                if name in _NAMES:
+                if self._closure_code is not None and frame.f_code is self._closure_code:
+                    self._push(frame, "closure")
+                elif name in _NAMES:
                     self._call(frame, name)
             elif event == "return":
                 if self._open and id(frame) in self._open:
@@ -463,11 +511,27 @@ class CallRecorder:
                 self._event("scheduler.step", cls=type(obj).__name__)
             return
         if name == "step" and isinstance(obj, torch.optim.Optimizer):
+            if _wraps_optimizer(obj):
+                # a framework's wrapper (Accelerate's skips step() until the window is complete): its optimizer's
+                # own step is what counts — unless the wrapper changes the parameters without calling one
+                if not self._depth.get("opt") and self._push(frame, "wrap"):
+                    count = sum(e.kind == "optimizer.step" for e in self.events)
+                    self._open[id(frame)] = ("wrap", (obj, flat(self.params), _values(self.params), count))
+                return
             if self._push(frame, "opt"):
                 owns = any(id(p) in self.param_ids for g in obj.param_groups for p in g["params"])
                 self.applied = flat(self.params)
-                self._event("optimizer.step", cls=type(obj).__name__, via_scaler=bool(self._depth.get("scaler")),
-                            owns_params=owns)
+                event = self._event("optimizer.step", cls=type(obj).__name__,
+                                    via_scaler=bool(self._depth.get("scaler")), owns_params=owns)
+                # A closure runs inside step() (Lightning's last forward and backward): the gradient the step
+                # applies is the one when the closure returns (after any clip it makes), and the backward passes
+                # before the step are counted then. Without a closure we can name, backward passes that ran
+                # inside step() mean the same, and the gradient is read when step() returns.
+                self._closure_code = _code_of(_closure_argument(frame))
+                self._closure_event = event
+                self._open[id(frame)] = ("opt", (event, self.backwards))
+            return
+        if name == "zero_grad" and isinstance(obj, torch.optim.Optimizer) and _wraps_optimizer(obj):
             return
         if name == "zero_grad" and isinstance(obj, (torch.optim.Optimizer, nn.Module)):
             if self._push(frame, "zero_grad"):
@@ -476,6 +540,25 @@ class CallRecorder:
     def _return(self, frame: Any) -> None:
         category, data = self._open.pop(id(frame))
         self._depth[category] -= 1
+        if category == "closure":
+            if self._closure_event is not None:
+                self.applied = flat(self.params)
+                self._closure_event.after = self.backwards
+            return
+        if category == "opt":
+            event, entry = data
+            if self._closure_code is None and self.backwards > entry:
+                self.applied = flat(self.params)
+                event.after = self.backwards
+            self._closure_code, self._closure_event = None, None
+            return
+        if category == "wrap":
+            wrapper, grads, values, count = data
+            stepped = sum(e.kind == "optimizer.step" for e in self.events) > count
+            if not stepped and not torch.equal(values, _values(self.params)):
+                self.applied = grads
+                self._event("optimizer.step", cls=type(wrapper).__name__, via_scaler=False, owns_params=True)
+            return
         if category == "clip" and isinstance(data, Event):
             before = data.detail.pop("before")
             after = flat(self.params)

@@ -337,9 +337,17 @@ def _task_train(rank: int, world_size: int, k: int, b: int, steps: int, data: An
             "no_sync": train_ddp(k, b, steps, no_sync=True, data=data)}
 
 
+def _task_frameworks(rank: int, world_size: int, **kwargs: Any) -> Any:
+    """Chapter 7: the frameworks on two processes (imported here, not at the top: only this task needs them)."""
+    from gradaccum.frameworks import rank_task
+
+    return rank_task(rank, world_size, **kwargs)
+
+
 #: Tasks that train on the digits: launch() hands them the training images.
 DATA_TASKS = ("equality", "timing", "train", "placement")
 
 
 TASKS: dict[str, Callable[..., Any]] = {"equality": _task_equality, "timing": _task_timing, "crash": _task_crash,
-                                        "train": _task_train, "placement": _task_placement}
+                                        "train": _task_train, "placement": _task_placement,
+                                        "frameworks": _task_frameworks}

@@ -46,7 +46,9 @@ def tolerance(target: float, digits: int, atol: float = 1e-12) -> float:
     if target == 0 or not math.isfinite(target):
         return atol
     half_unit = 0.5 * 10.0 ** (math.floor(math.log10(abs(target))) - digits + 1)
-    return max(half_unit * 1.001, atol)  # 0.1% slack: float32 answers at a rounding tie
+    # slack for an answer rounded to `digits` and then stored as float32: 0.1% of the half unit, plus two float32
+    # units in the last place of the target (a relative 2**-23), which the rounded value may move by
+    return max(half_unit * 1.001 + abs(target) * 2.0**-23, atol)
 
 
 def agrees(value: float, target: float, digits: int, atol: float = 1e-12) -> bool:
@@ -500,4 +502,73 @@ def grade_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float
                                    "milliseconds."),
         ],
         hint="(K − 1) · 2(p − 1)/p · n / β.",
+    )
+
+
+# --------------------------------------------------------------------------------------- chapter 7
+
+
+def grade_accelerate_warmup_end(answer: object, warmup: int = 600, processes: int = 8, k: int = 4) -> Feedback:
+    """Exercise: the optimizer step at which a ``warmup``-step warmup, prepared by Accelerate on ``processes``
+    processes (``split_batches=False``) with ``k`` accumulation steps, reaches its peak."""
+    return grade_number(
+        answer,
+        warmup / processes,
+        mistakes=[
+            (float(warmup), "that is where it would end in one process; the prepared scheduler steps num_processes "
+                            "times per optimizer step."),
+            (float(warmup * processes), "the schedule runs *faster* on several processes, not slower."),
+            (warmup / (processes * k), "the prepared scheduler does not step on micro-batches that only accumulate: "
+                                       "K does not enter."),
+            (warmup / k, "K does not enter (the prepared scheduler skips accumulation steps); the number of "
+                         "processes does."),
+        ],
+        hint="Count the calls that reach the wrapped scheduler per optimizer step.",
+    )
+
+
+def grade_framework_partial_weight(answer: object, micro_batches: int = 90, k: int = 16) -> Feedback:
+    """Exercise: the weight Lightning gives the last (partial) window of an epoch of ``micro_batches``
+    micro-batches with ``accumulate_grad_batches = k``: its gradient over the mean gradient of its micro-batches."""
+    if not 0 < micro_batches % k:
+        raise ValueError(f"{micro_batches} micro-batches fill windows of {k} exactly: pick a count that leaves a "
+                         "partial window.")
+    present = micro_batches % k
+    return grade_number(
+        answer,
+        present / k,
+        mistakes=[
+            (1.0, "that is what the Transformers Trainer and the timm-style loop do (they divide by the micro-batches "
+                  "present); Lightning divides every loss by accumulate_grad_batches."),
+            ((k - present) / k, "that is the share that is *missing*; the question asks for the weight."),
+            (k / present, "upside down: that is how many times too small the step is."),
+            (micro_batches / k, "that is how many windows the epoch holds, not the last one's weight."),
+        ],
+        hint="How many micro-batches does the last window hold, and what does each loss get divided by?",
+    )
+
+
+def grade_accelerate_token_factor(answer: object,
+                                  rank_tokens: tuple[tuple[int, ...], ...] = ((30, 50, 20, 40), (40, 40, 10, 30)),
+                                  ) -> Feedback:
+    """Exercise: the factor by which Accelerate's token recipe multiplies a micro-batch's summed token loss, for
+    one window of K micro-batches per process with the given target-token counts (``rank_tokens[p][k]``)."""
+    k, processes = len(rank_tokens[0]), len(rank_tokens)
+    if any(len(r) != k for r in rank_tokens) or any(t < 1 for r in rank_tokens for t in r):
+        raise ValueError("give every process the same number of micro-batches, each with at least one token.")
+    total = sum(sum(r) for r in rank_tokens)
+    own = sum(rank_tokens[0])
+    return grade_number(
+        answer,
+        k * processes / total,
+        mistakes=[
+            (1 / total, "that would be right if nothing divided afterwards, but Accelerate's backward divides by K "
+                        "and DDP averages over the processes: the recipe multiplies by K · num_processes."),
+            (k / total, "DDP averages the gradients over the processes: multiply by num_processes too."),
+            (processes / total, "Accelerate's backward divides every loss by K: multiply by K too."),
+            (k * processes / own, "count the tokens of *all* processes' micro-batches (the recipe gathers the "
+                                  "counts), not only this process's."),
+            (k / own, "count the tokens of all processes (gather), and multiply by K · num_processes."),
+        ],
+        hint="The recipe: summed loss × K × num_processes / (tokens of the whole window, all processes).",
     )

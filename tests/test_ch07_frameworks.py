@@ -1,0 +1,173 @@
+"""Chapter 7's book layer: the measurements behind the behaviour table, the figures, the widget's function, and
+the numbers the exercise solutions state (recomputed by running the frameworks)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from gradaccum import frameworks as fw  # noqa: E402
+from gradaccum.book import ch07_frameworks as ch7  # noqa: E402
+from gradaccum.book import exercises as ex  # noqa: E402
+from gradaccum.book.data import load_corpus, load_digits_split, make_vocab  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def digits():
+    d = load_digits_split()
+    return d.x_train.float(), d.y_train
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    lines = load_corpus()
+    vocab = make_vocab(lines)
+    return (*ch7.lm_batch(lines, vocab), vocab)
+
+
+def test_step_weight_is_the_least_squares_factor():
+    r = torch.tensor([1.0, 2.0, -1.0])
+    assert ch7.step_weight(0.375 * r, r) == pytest.approx(0.375)
+
+
+def test_measure_one_framework(digits, corpus):
+    x, y = digits
+    lm_x, lm_y, vocab = corpus
+    s = ch7.measure("timm", x, y, lm_x, lm_y, vocab)
+    assert s.steps_per_window == 1 and s.scheduler_per_step == 1
+    assert s.dropout_error < ch7.EXACT and s.dropout_codes == []
+    assert s.clip_error < ch7.EXACT and s.partial_weight == pytest.approx(1.0, abs=1e-6)
+    assert 0.1 < s.token_error < 0.2 and s.recipe_error < ch7.EXACT
+    assert s.bn_per_step == ch7.K and s.bn_error > 0.1
+    assert s.fp16 == "not offered" and s.logged == "nothing (you log)"
+    linear = [fw.LR * min(1, (i + 1) / 8) for i in range(10)]
+    assert s.lrs == pytest.approx(linear)
+
+
+def test_the_logged_loss_is_classified_by_value():
+    means, token_mean = [2.0, 4.0], 2.5
+    run = fw.Run("x", 2, 2)
+    assert ch7._logged(run, means, token_mean) == "nothing (you log)"
+    for logged, what in [([2.0, 4.0], "each micro-batch's mean"), ([1.0, 2.0], "each micro-batch's mean ÷ K"),
+                         ([2.5], "the token mean"), ([3.0], "the mean of micro-batch means"),
+                         ([4.0], "the last micro-batch's mean"), ([9.0], "other")]:
+        run.logged = logged
+        assert ch7._logged(run, means, token_mean) == what
+
+
+def test_behaviour_rows_have_one_cell_per_framework_and_row(digits, corpus):
+    x, y = digits
+    lm_x, lm_y, vocab = corpus
+    single = {n: ch7.measure(n, x, y, lm_x, lm_y, vocab) for n in ("nanogpt", "timm")}
+    multi = {n: fw.RankResult(n, 1, 0 if n == "nanogpt" else 1, 1, 0.12, None if n == "nanogpt" else 1e-7, [])
+             for n in single}
+    rows = ch7.behaviour_rows(single, multi, ch7.bf16_full_batch_error(x, y))
+    assert [r[0] for r in rows] == list(ch7.ROWS) and all(len(r) == 3 for r in rows)
+    table = dict((r[0], r[1:]) for r in rows)
+    assert table["last partial window (2 of K = 4)"] == ["never used", "full weight"]
+    assert table["padded tokens, its token recipe, 1 process"] == ["no recipe", "✓ exact"]
+    assert table["scheduler steps per optimizer step, 1 process"] == ["no scheduler", "1"]
+    assert "as the full batch" in table["bf16 autocast: error vs fp32, against the full batch in bf16"][0]
+
+
+def test_partial_weights_follow_the_rules(digits):
+    x, y = digits
+    points = ch7.partial_weights(x, y, ks=(2, 3), frameworks=("lightning", "timm"))
+    assert [(k, r) for k, r, _ in points["lightning"]] == [(2, 1), (3, 1), (3, 2)]
+    assert all(w == pytest.approx(r / k, abs=1e-6) for k, r, w in points["lightning"])
+    assert all(w == pytest.approx(1.0, abs=1e-6) for _, _, w in points["timm"])
+
+
+def test_figures_and_the_widget_function(digits):
+    x, y = digits
+    for fig in (ch7.plot_lrs({"timm": [0.1, 0.2]}, {"timm": [0.1, 0.2]}, 2),
+                ch7.plot_partial_weights({"timm": [(2, 1, 1.0)], "lightning": [(2, 1, 0.5)]}),
+                ch7.plot_epoch_weights(x, y, 5, 2)):
+        assert fig.axes
+        plt.close(fig)
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        ch7.plot_epoch_weights(x, y, 0, 2)
+    with pytest.raises(ValueError, match="samples"):
+        ch7.step_weights("timm", x, y, 1000, 4, b=4)
+
+
+def test_digits_module_is_a_lightning_module_of_the_readers_kind(digits):
+    import pytorch_lightning as pl
+
+    x, y = digits
+    module = ch7.digits_module()
+    assert isinstance(module, pl.LightningModule) and module(x[:3]).shape == (3, 10)
+
+
+def test_exercise_solution_numbers(digits, monkeypatch):
+    """ex-ch7-partial: 90 micro-batches, K = 16 → Lightning 10/16 = 0.625, the Trainer 1 (both run). ex-ch7-tokens:
+    the recipe's factor 4 · 2 / 260 (the recipe itself runs exact on two processes: test_frameworks.test_two_processes).
+    ex-ch7-warmup:
+    Accelerate's prepared scheduler (its real step(), told there are 8 processes) has taken a 600-step warmup's
+    600 steps after optimizer step 75."""
+    x, y = digits
+    weights = {n: ch7.step_weights(n, x, y, 90, 16, b=2) for n in ("lightning", "trainer")}
+    assert weights["lightning"][-1] == pytest.approx(0.625, abs=1e-6) and len(weights["lightning"]) == 6
+    assert weights["trainer"][-1] == pytest.approx(1.0, abs=1e-6)
+    assert ex.grade_framework_partial_weight(weights["lightning"][-1], micro_batches=90, k=16)
+    tokens = ((30, 50, 20, 40), (40, 40, 10, 30))
+    assert ex.grade_accelerate_token_factor(4 * 2 / sum(map(sum, tokens)), rank_tokens=tokens)
+    assert 4 * 2 / 260 == pytest.approx(0.0308, abs=5e-5)
+
+    import accelerate.scheduler as acc_scheduler
+    from accelerate.state import GradientState
+
+    class EightProcesses:
+        num_processes = 8
+
+    monkeypatch.setattr(acc_scheduler, "AcceleratorState", EightProcesses)
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 600))
+    wrapped = SimpleNamespace(step_was_skipped=False)  # what the scheduler asks of a prepared optimizer
+    prepared = acc_scheduler.AcceleratedScheduler(warm, [wrapped], step_with_optimizer=True, split_batches=False)
+    GradientState._reset_state()
+    state = GradientState()
+    peak = None
+    for step in range(1, 200):
+        for micro in range(4):  # K = 4: the scheduler is stepped on every micro-batch, as the guide does
+            state._set_sync_gradients(micro == 3)
+            prepared.step()
+        if peak is None and opt.param_groups[0]["lr"] == 1.0:
+            peak = step
+    GradientState._reset_state()
+    assert peak == 75 and ex.grade_accelerate_warmup_end(peak, warmup=600, processes=8, k=4)
+
+
+def test_partial_window_curves(digits):
+    x, y = digits
+    curves = ch7.partial_window_curves(x, y, seeds=(0,), schedules=("constant",), epochs=3,
+                                       frameworks=("lightning", "timm"))
+    light, timm = curves.losses["lightning", 0, "constant"], curves.losses["timm", 0, "constant"]
+    assert len(light) == len(timm) == 3
+    assert all(a > b for a, b in zip(light, timm))  # the half-weight step: less progress
+    fig = ch7.plot_partial_curves(curves, seed=0)
+    assert len(fig.axes) == 1
+    plt.close(fig)
+
+
+def test_the_trainer_on_transformers_own_causal_lms(corpus):
+    """Llama declares its shifting loss and is exact; GPT-2 (5.23.0) does not, and each step is the ratio of the
+    shifted to the counted labels."""
+    lm_x, lm_y, vocab = corpus
+    labels = ch7.causal_lm_labels(lm_x, lm_y)
+    assert torch.equal(labels != fw.IGNORE, lm_y != fw.IGNORE)
+    llama = ch7.builtin_lm_step("llama", lm_x, lm_y, vocab)
+    gpt2 = ch7.builtin_lm_step("gpt2", lm_x, lm_y, vocab)
+    ratio = float((labels[:, 1:] != fw.IGNORE).sum() / (labels != fw.IGNORE).sum())
+    assert llama.error < ch7.EXACT and llama.weight == pytest.approx(1.0, abs=1e-6)
+    assert gpt2.weight == pytest.approx(ratio, abs=1e-6) and ratio < 0.99
