@@ -1,0 +1,199 @@
+r"""Batch-coupled computations beyond BatchNorm, and what accumulation does to them.
+
+**Contrastive losses with in-batch negatives.** For paired embeddings :math:`a_i, b_i` of a batch of :math:`n`,
+InfoNCE is :math:`L = -\frac1n \sum_i \log \frac{e^{s_{ii}/\tau}}{\sum_j e^{s_{ij}/\tau}}` with
+:math:`s_{ij} = \hat a_i \cdot \hat b_j` (unit vectors): every sample's loss depends on every other sample of the
+batch. With K micro-batches of b, each sample sees b − 1 negatives instead of Kb − 1, and the accumulated loss
+:math:`\frac1K \sum_k L(B_k)` is a different function of the parameters, not a noisy estimate of :math:`L(B)`.
+GradCache (Gao et al. 2021) computes the full-batch gradient anyway: embed every micro-batch without a graph, take
+the full-batch loss and its gradient :math:`G = \partial L / \partial z` with respect to the embeddings (small),
+then run each micro-batch again with a graph and backpropagate :math:`\langle z_k, G_k \rangle`. By the chain rule
+:math:`\sum_k \partial \langle z_k, G_k\rangle / \partial\theta = \partial L / \partial \theta` exactly, at the cost
+of a second forward per micro-batch (:func:`grad_cache_backward`).
+
+**Mixture-of-experts load balancing.** The Switch Transformer's auxiliary loss over T tokens routed among N
+experts is :math:`N \sum_i f_i P_i`, with :math:`f_i` the fraction of tokens sent to expert i (argmax, no
+gradient) and :math:`P_i` the mean router probability of expert i. A mean of per-micro-batch products is not the
+product of the window's means: :math:`\frac1K \sum_k \sum_i f_i^{(k)} P_i^{(k)} \neq \sum_i f_i P_i`. Because
+:math:`f` carries no gradient, the window's loss is recovered exactly by counting the window's routing first and
+giving every micro-batch the *window's* :math:`f` (:func:`switch_aux_loss` with ``fractions=``).
+
+**Activation checkpointing × BatchNorm.** ``torch.utils.checkpoint`` reruns the forward during backward; a
+BatchNorm inside updates its running statistics again, so each micro-batch moves them twice, with the same batch
+statistics: :math:`r \leftarrow (1-m)^2 r + (1-(1-m)^2)\,\mu`, an effective momentum :math:`1 - (1-m)^2` per
+micro-batch and :math:`1 - (1-m)^{2K}` per optimizer step. :func:`checkpoint_keeping_bn_stats` reruns with the
+statistics frozen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gradaccum._validate import require_k
+
+__all__ = ["info_nce", "plain_accumulation_backward", "grad_cache_backward", "expert_fractions", "switch_aux_loss",
+           "window_fractions", "checkpoint_keeping_bn_stats", "recompute_momentum"]
+
+_BN = nn.modules.batchnorm._BatchNorm
+
+
+def info_nce(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.1) -> torch.Tensor:
+    r"""InfoNCE over in-batch negatives: the mean over i of
+    :math:`-\log\,\mathrm{softmax}_j(\hat a_i\cdot\hat b_j/\tau)_i` (the positive of ``a[i]`` is ``b[i]``; every
+    other ``b[j]`` of the batch is a negative)."""
+    if a.shape != b.shape or a.dim() != 2:
+        raise ValueError(f"a and b must be (n, d) embeddings of the same shape, got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}.")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}.")
+    logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / temperature
+    return F.cross_entropy(logits, torch.arange(len(a), device=a.device))
+
+
+def _split(inputs: Sequence[torch.Tensor], k: int) -> list[tuple[torch.Tensor, ...]]:
+    require_k(k)
+    n = len(inputs[0])
+    if any(len(x) != n for x in inputs):
+        raise ValueError(f"every input needs the same number of samples, got {[len(x) for x in inputs]}.")
+    if n % k:
+        raise ValueError(f"K = {k} does not divide the batch of {n}; pick a batch that K divides.")
+    return [tuple(x.chunk(k)[j] for x in inputs) for j in range(k)]
+
+
+def _check_encoders(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> None:
+    if len(encoders) != len(inputs) or not encoders:
+        raise ValueError(f"give one encoder per input (the same module twice if they share weights), got "
+                         f"{len(encoders)} encoder(s) for {len(inputs)} input(s).")
+    for enc in encoders:
+        for name, m in enc.named_modules():
+            if isinstance(m, _BN) and m.training:
+                raise ValueError(f"{type(enc).__name__}.{name or 'self'} is a BatchNorm in training mode: its "
+                                 "statistics couple the samples of each micro-batch, so no per-micro-batch "
+                                 "recomputation can be exact. Use GroupNorm/LayerNorm, or put it in eval mode.")
+
+
+def plain_accumulation_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor], k: int,
+                                loss_fn: Callable[..., torch.Tensor] = info_nce) -> float:
+    """Plain accumulation of a batch-coupled loss: ``loss_fn`` on each micro-batch's embeddings, divided by K,
+    backpropagated micro-batch by micro-batch (negatives only from the same micro-batch). Returns the summed loss."""
+    _check_encoders(encoders, inputs)
+    total = 0.0
+    for chunk in _split(inputs, k):
+        loss = loss_fn(*[enc(x) for enc, x in zip(encoders, chunk)]) / k
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor], k: int,
+                        loss_fn: Callable[..., torch.Tensor] = info_nce) -> float:
+    """GradCache: add to ``.grad`` the exact gradient of ``loss_fn(*[enc(x) for enc, x in zip(encoders, inputs)])``
+    over the whole batch while holding the graph of one micro-batch at a time. Returns the full-batch loss.
+
+    1. embed every micro-batch of every input without a graph (saving the random state: dropout masks are
+       replayed in step 3); 2. the full-batch loss on the cached embeddings and its gradient with respect to them;
+    3. per micro-batch and encoder, embed again with a graph and backpropagate the cached gradient
+    (``z.backward(G)``). Refuses BatchNorm in training mode (``ValueError``), which no micro-batch recomputation can
+    make exact. CPU random state only: on CUDA, dropout inside the encoders is not replayed.
+    """
+    _check_encoders(encoders, inputs)
+    chunks = _split(inputs, k)
+    states: list[list[torch.Tensor]] = []
+    cached: list[list[torch.Tensor]] = []
+    with torch.no_grad():
+        for chunk in chunks:
+            row_states, row = [], []
+            for enc, x in zip(encoders, chunk):
+                row_states.append(torch.get_rng_state())  # replayed in step 3: the same dropout masks
+                row.append(enc(x))
+            states.append(row_states)
+            cached.append(row)
+    reps = [torch.cat([row[i] for row in cached]).requires_grad_() for i in range(len(encoders))]
+    loss = loss_fn(*reps)
+    grads = torch.autograd.grad(loss, reps)
+    sizes = [len(chunk[0]) for chunk in chunks]
+    for j, chunk in enumerate(chunks):
+        lo = sum(sizes[:j])
+        for i, (enc, x) in enumerate(zip(encoders, chunk)):
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(states[j][i])
+                z = enc(x)
+            z.backward(grads[i][lo:lo + sizes[j]])
+    return float(loss.detach())
+
+
+# ----------------------------------------------------------------------------------------- mixture of experts
+
+
+def expert_fractions(expert: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """:math:`f_i`: the fraction of tokens routed to each expert (``expert``: the chosen expert per token)."""
+    if n_experts < 1:
+        raise ValueError(f"n_experts must be >= 1, got {n_experts}.")
+    if expert.numel() == 0:
+        raise ValueError("no tokens: the fractions are undefined.")
+    return torch.bincount(expert.reshape(-1), minlength=n_experts).to(torch.float64) / expert.numel()
+
+
+def switch_aux_loss(probs: torch.Tensor, fractions: torch.Tensor | None = None) -> torch.Tensor:
+    r"""The Switch Transformer's load-balancing loss :math:`N \sum_i f_i P_i` for router probabilities ``probs``
+    (tokens × N). :math:`f` is computed from the argmax of ``probs`` unless ``fractions`` (e.g. a window's,
+    :func:`window_fractions`) is given; :math:`P_i` is the mean of ``probs`` over these tokens."""
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be (tokens, experts), got shape {tuple(probs.shape)}.")
+    n = probs.shape[1]
+    f = expert_fractions(probs.argmax(1), n) if fractions is None else fractions
+    if f.shape != (n,):
+        raise ValueError(f"fractions must have one entry per expert ({n}), got shape {tuple(f.shape)}.")
+    return n * (f.to(probs.dtype) * probs.mean(0)).sum()
+
+
+def window_fractions(router: Callable[[torch.Tensor], torch.Tensor], micro_batches: Sequence[torch.Tensor],
+                     n_experts: int) -> torch.Tensor:
+    """:math:`f` over a whole window: route every micro-batch without a graph and count (under data parallelism,
+    all-reduce the counts). With it, :func:`switch_aux_loss` per micro-batch, divided by K, sums to the window's
+    loss exactly (micro-batches of equal size)."""
+    with torch.no_grad():
+        experts = torch.cat([router(x).argmax(1) for x in micro_batches])
+    return expert_fractions(experts, n_experts)
+
+
+# ------------------------------------------------------------------------------ checkpointing and BatchNorm
+
+
+def recompute_momentum(m: float, k: int, reruns: int = 1) -> float:
+    """The effective BatchNorm momentum per optimizer step when each of K micro-batches runs the forward
+    ``1 + reruns`` times with the same statistics: :math:`1 - (1-m)^{(1+\\text{reruns})K}`."""
+    require_k(k)
+    if not 0 < m <= 1:
+        raise ValueError(f"momentum must lie in (0, 1], got {m}.")
+    return 1 - (1 - m) ** ((1 + reruns) * k)
+
+
+@contextlib.contextmanager
+def _frozen_bn(module: nn.Module) -> Iterator[None]:
+    """BatchNorm layers of ``module`` normalize as usual but do not update their running statistics."""
+    saved = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+             for m in module.modules() if isinstance(m, _BN) and m.track_running_stats]
+    for m, _, _ in saved:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, momentum, tracked in saved:
+            m.momentum = momentum
+            if tracked is not None and m.num_batches_tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
+
+
+def checkpoint_keeping_bn_stats(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    """``torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)`` whose recomputation during
+    backward leaves BatchNorm running statistics (and ``num_batches_tracked``) as the first forward left them.
+    The output and the gradient are the same as without checkpointing."""
+    return checkpoint(module, *args, use_reentrant=False,
+                      context_fn=lambda: (contextlib.nullcontext(), _frozen_bn(module)))

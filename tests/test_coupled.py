@@ -1,0 +1,168 @@
+"""gradaccum.coupled: GradCache is the full-batch gradient of a contrastive loss (two encoders, float64, generated
+networks), plain accumulation is not; the window's load-balancing loss is recovered from the window's routing;
+checkpointing reruns BatchNorm's statistics update, and the wrapper keeps them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gradaccum import coupled
+
+
+def encoder(d_in: int, widths: list[int], seed: int, dropout: float = 0.0) -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = []
+        for a, b in zip([d_in, *widths], widths):
+            layers += [nn.Linear(a, b), nn.Tanh()] + ([nn.Dropout(dropout)] if dropout else [])
+        return nn.Sequential(*layers[:-1]).double()
+
+
+def grads(*modules: nn.Module) -> torch.Tensor:
+    params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def full_batch(encoders, inputs, loss_fn=coupled.info_nce) -> torch.Tensor:
+    loss_fn(*[enc(x) for enc, x in zip(encoders, inputs)]).backward()
+    return grads(*encoders)
+
+
+def pair(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    return x, x + 0.1 * torch.randn(n, 6, generator=g, dtype=torch.float64)  # two views of each sample
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_grad_cache_equals_the_full_batch_with_two_encoders():
+    xa, xb = pair(24)
+    encs = [encoder(6, [8, 5], 0), encoder(6, [7, 5], 1)]
+    reference = full_batch([copy.deepcopy(e) for e in encs], [xa, xb])
+    loss = coupled.grad_cache_backward(encs, [xa, xb], 4)
+    assert rel(grads(*encs), reference) < 1e-13
+    with torch.no_grad():
+        assert loss == pytest.approx(float(coupled.info_nce(encs[0](xa), encs[1](xb))), rel=1e-12)
+
+
+def test_plain_accumulation_is_a_different_loss():
+    xa, xb = pair(24)
+    encs = [encoder(6, [8, 5], 0), encoder(6, [7, 5], 1)]
+    reference = full_batch([copy.deepcopy(e) for e in encs], [xa, xb])
+    coupled.plain_accumulation_backward(encs, [xa, xb], 4)
+    assert rel(grads(*encs), reference) > 0.05
+    # it is exactly the mean of the micro-batches' own losses
+    fresh = [encoder(6, [8, 5], 0), encoder(6, [7, 5], 1)]
+    sum(coupled.info_nce(fresh[0](a), fresh[1](b)) / 4 for a, b in zip(xa.chunk(4), xb.chunk(4))).backward()
+    assert rel(grads(*encs), grads(*fresh)) < 1e-13
+
+
+def test_a_shared_encoder_and_k_equal_one():
+    xa, xb = pair(12, seed=3)
+    enc = encoder(6, [9, 4], 2)
+    reference = full_batch([copy.deepcopy(enc)] * 2, [xa, xb])
+    coupled.grad_cache_backward([enc, enc], [xa, xb], 3)
+    assert rel(grads(enc), reference) < 1e-13
+    enc.zero_grad()
+    coupled.grad_cache_backward([enc, enc], [xa, xb], 1)
+    assert rel(grads(enc), reference) < 1e-13
+
+
+def test_dropout_masks_are_replayed():
+    """With dropout, GradCache's gradient is the full graph's gradient under the masks its first pass drew."""
+    xa, xb = pair(16, seed=5)
+    encs = [encoder(6, [8, 5], 0, dropout=0.3), encoder(6, [8, 5], 1, dropout=0.3)]
+    twins = [copy.deepcopy(e) for e in encs]
+    torch.manual_seed(11)
+    coupled.grad_cache_backward(encs, [xa, xb], 4)
+    torch.manual_seed(11)  # the same draws, in the same order, each micro-batch's graph kept
+    za, zb = [], []
+    for a, b in zip(xa.chunk(4), xb.chunk(4)):
+        za.append(twins[0](a))
+        zb.append(twins[1](b))
+    coupled.info_nce(torch.cat(za), torch.cat(zb)).backward()
+    assert rel(grads(*encs), grads(*twins)) < 1e-13
+
+
+@settings(max_examples=25, deadline=None)
+@given(widths=st.lists(st.integers(2, 9), min_size=1, max_size=3), k=st.integers(1, 6), b=st.integers(2, 5),
+       seed=st.integers(0, 10_000), temperature=st.floats(0.05, 2.0))
+def test_grad_cache_on_generated_encoders(widths, k, b, seed, temperature):
+    xa, xb = pair(k * b, seed)
+    encs = [encoder(6, widths, seed), encoder(6, widths, seed + 1)]
+    loss = lambda a, c: coupled.info_nce(a, c, temperature)  # noqa: E731
+    reference = full_batch([copy.deepcopy(e) for e in encs], [xa, xb], loss)
+    coupled.grad_cache_backward(encs, [xa, xb], k, loss)
+    assert rel(grads(*encs), reference) < 1e-11
+
+
+def test_grad_cache_refuses_batchnorm_in_training_and_bad_input():
+    xa, xb = pair(8)
+    bn = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)).double()
+    with pytest.raises(ValueError, match="BatchNorm in training mode"):
+        coupled.grad_cache_backward([bn, bn], [xa, xb], 2)
+    coupled.grad_cache_backward([bn.eval(), bn], [xa, xb], 2)  # frozen statistics: a constant affine map
+    with pytest.raises(ValueError, match="does not divide"):
+        coupled.grad_cache_backward([bn, bn], [xa, xb], 3)
+    with pytest.raises(ValueError, match="one encoder per input"):
+        coupled.grad_cache_backward([bn], [xa, xb], 2)
+    with pytest.raises(ValueError, match="same shape"):
+        coupled.info_nce(torch.zeros(3, 2), torch.zeros(4, 2))
+
+
+def test_the_load_balancing_loss_of_a_window():
+    torch.manual_seed(0)
+    router = nn.Linear(6, 4).double()
+    x = torch.randn(32, 6, dtype=torch.float64)
+    micro = list(x.chunk(4))
+    probs = lambda t: router(t).softmax(1)  # noqa: E731
+    window = coupled.switch_aux_loss(probs(x))
+    per_micro = sum(coupled.switch_aux_loss(probs(m)) for m in micro) / 4
+    assert abs(float((per_micro - window).detach())) > 1e-3  # a mean of products is not a product of means
+    f = coupled.window_fractions(probs, micro, 4)
+    assert torch.equal(f, coupled.expert_fractions(probs(x).argmax(1), 4))
+    fixed = sum(coupled.switch_aux_loss(probs(m), fractions=f) for m in micro) / 4
+    assert float(fixed.detach()) == pytest.approx(float(window.detach()), rel=1e-12)
+    g_window = torch.autograd.grad(window, router.weight)[0]
+    g_fixed = torch.autograd.grad(fixed, router.weight)[0]
+    assert rel(g_fixed, g_window) < 1e-12
+    with pytest.raises(ValueError, match="one entry per expert"):
+        coupled.switch_aux_loss(probs(x), fractions=torch.ones(3))
+
+
+def bn_net(seed: int = 0) -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6, momentum=0.1), nn.ReLU(), nn.Linear(6, 2)).double()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_checkpointing_updates_batchnorm_twice_and_the_wrapper_once(k):
+    x = torch.randn(6 * k, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    plain, ckpt, kept = bn_net(), bn_net(), bn_net()
+    for xb in x.chunk(k):
+        plain(xb).sum().backward()
+        checkpoint(ckpt, xb, use_reentrant=False).sum().backward()
+        coupled.checkpoint_keeping_bn_stats(kept, xb).sum().backward()
+    bn = lambda m: m[1]  # noqa: E731
+    assert int(bn(plain).num_batches_tracked) == k and int(bn(ckpt).num_batches_tracked) == 2 * k
+    assert int(bn(kept).num_batches_tracked) == k
+    assert torch.allclose(bn(kept).running_mean, bn(plain).running_mean, rtol=0, atol=1e-15)
+    assert torch.allclose(bn(kept).running_var, bn(plain).running_var, rtol=0, atol=1e-15)
+    assert rel(grads(kept), grads(plain)) < 1e-13 and rel(grads(ckpt), grads(plain)) < 1e-13
+    # checkpointing moved the running mean with momentum 1 − (1 − m)^(2k) from its start (zero): same batches
+    if k == 1:
+        mean = x.mean(0) @ bn_net()[0].weight.T.detach() + bn_net()[0].bias.detach()
+        expected = coupled.recompute_momentum(0.1, 1) * mean
+        assert torch.allclose(bn(ckpt).running_mean, expected, rtol=1e-12, atol=1e-14)
+        assert coupled.recompute_momentum(0.1, 1) == pytest.approx(1 - 0.9**2)
