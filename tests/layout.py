@@ -18,6 +18,7 @@ CHAPTERS: dict[str, tuple[str, ...]] = {
     "05_no_sync": ("distributed",),
     "06_loss_normalization_and_friends": ("windows", "check"),
     "07_frameworks": ("frameworks",),
+    "08_beyond_batchnorm": ("coupled",),
 }
 
 

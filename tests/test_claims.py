@@ -25,6 +25,9 @@ SOLUTION_TESTS: dict[str, str] = {
     "ex-ch7-warmup": "tests/test_ch07_frameworks.py::test_exercise_solution_numbers",
     "ex-ch7-partial": "tests/test_ch07_frameworks.py::test_exercise_solution_numbers",
     "ex-ch7-tokens": "tests/test_ch07_frameworks.py::test_exercise_solution_numbers",
+    "ex-ch8-negatives": "tests/test_ch08_beyond_batchnorm.py::test_exercise_solution_numbers",
+    "ex-ch8-momentum": "tests/test_ch08_beyond_batchnorm.py::test_exercise_solution_numbers",
+    "ex-ch8-switch": "tests/test_ch08_beyond_batchnorm.py::test_exercise_solution_numbers",
     # a solution that states a number and is not listed here fails test_solution_numbers_are_tested
 }
 

@@ -109,7 +109,7 @@ def test_grad_cache_on_generated_encoders(widths, k, b, seed, temperature):
 def test_grad_cache_refuses_batchnorm_in_training_and_bad_input():
     xa, xb = pair(8)
     bn = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)).double()
-    with pytest.raises(ValueError, match="BatchNorm in training mode"):
+    with pytest.raises(ValueError, match="normalizes with batch statistics"):
         coupled.grad_cache_backward([bn, bn], [xa, xb], 2)
     coupled.grad_cache_backward([bn.eval(), bn], [xa, xb], 2)  # frozen statistics: a constant affine map
     with pytest.raises(ValueError, match="does not divide"):
@@ -166,3 +166,37 @@ def test_checkpointing_updates_batchnorm_twice_and_the_wrapper_once(k):
         expected = coupled.recompute_momentum(0.1, 1) * mean
         assert torch.allclose(bn(ckpt).running_mean, expected, rtol=1e-12, atol=1e-14)
         assert coupled.recompute_momentum(0.1, 1) == pytest.approx(1 - 0.9**2)
+
+
+def test_parameters_inside_the_loss_get_their_full_batch_gradient():
+    """Found by review: a learnable temperature (CLIP's logit scale) or a head inside loss_fn."""
+    xa, xb = pair(16, seed=7)
+    encs = [encoder(6, [8, 5], 0), encoder(6, [8, 5], 1)]
+    twins = [copy.deepcopy(e) for e in encs]
+    scale, scale_ref = nn.Parameter(torch.tensor(2.0, dtype=torch.float64)), nn.Parameter(
+        torch.tensor(2.0, dtype=torch.float64))
+
+    def clip_loss(s):
+        def loss(a, b):
+            logits = s * torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T
+            labels = torch.arange(len(a))
+            return (torch.nn.functional.cross_entropy(logits, labels)
+                    + torch.nn.functional.cross_entropy(logits.T, labels)) / 2
+        return loss
+
+    clip_loss(scale_ref)(twins[0](xa), twins[1](xb)).backward()
+    coupled.grad_cache_backward(encs, [xa, xb], 4, clip_loss(scale))
+    assert scale.grad is not None and float(scale.grad) == pytest.approx(float(scale_ref.grad), rel=1e-12)
+    assert rel(grads(*encs), grads(*twins)) < 1e-13
+
+
+def test_batch_statistics_without_running_stats_are_refused_and_a_frozen_tower_is_skipped():
+    xa, xb = pair(8)
+    no_stats = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4, track_running_stats=False)).double().eval()
+    with pytest.raises(ValueError, match="track_running_stats=False"):
+        coupled.grad_cache_backward([no_stats, no_stats], [xa, xb], 2)
+    trained, frozen = encoder(6, [5], 0), encoder(6, [5], 1).requires_grad_(False)
+    reference = copy.deepcopy(trained)
+    coupled.info_nce(reference(xa), frozen(xb)).backward()
+    coupled.grad_cache_backward([trained, frozen], [xa, xb], 2)
+    assert rel(grads(trained), grads(reference)) < 1e-13

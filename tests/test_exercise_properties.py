@@ -37,6 +37,10 @@ PARAMS = {
                                  gb_per_s=st.floats(1, 1000)),
     ex.grade_accelerate_warmup_end: dict(warmup=ints(100, 10_000), processes=ints(2, 64), k=ints(2, 64)),
     ex.grade_framework_partial_weight: dict(micro_batches=ints(17, 400).filter(lambda n: n % 16), k=ints(16, 16)),
+    ex.grade_negatives_per_sample: dict(k=ints(2, 64), b=ints(2, 64)),
+    ex.grade_recompute_momentum: dict(m=st.floats(0.001, 0.5), k=ints(1, 64)),
+    ex.grade_switch_aux: dict(fractions=st.just((0.75, 0.25)), probs=st.tuples(st.floats(0.05, 0.95)).map(
+        lambda t: (t[0], 1 - t[0]))),
     ex.grade_accelerate_token_factor: dict(rank_tokens=ints(1, 8).flatmap(lambda p: ints(1, 8).flatmap(
         lambda k: st.tuples(*[st.tuples(*[ints(1, 500)] * k)] * p)))),
 }

@@ -33,6 +33,10 @@ from gradaccum.book import exercises as ex
         (ex.grade_framework_partial_weight, 0.625),
         (ex.grade_accelerate_token_factor, 8 / 260),
         (ex.grade_accelerate_token_factor, 0.0308),
+        (ex.grade_negatives_per_sample, 6),
+        (ex.grade_recompute_momentum, 1 - 0.98**10),
+        (ex.grade_recompute_momentum, 0.183),
+        (ex.grade_switch_aux, 1.1),
     ],
 )
 def test_right_answers_pass(checker, right):
@@ -107,6 +111,12 @@ def test_right_answers_pass(checker, right):
         (ex.grade_accelerate_token_factor, 4 / 260, "multiply by num_processes"),
         (ex.grade_accelerate_token_factor, 2 / 260, "multiply by K too"),
         (ex.grade_accelerate_token_factor, 8 / 140, "*all* processes"),
+        (ex.grade_negatives_per_sample, 83, "full batch"),
+        (ex.grade_negatives_per_sample, 7, "positive"),
+        (ex.grade_recompute_momentum, 1 - 0.98**5, "rerun"),
+        (ex.grade_recompute_momentum, 0.2, "first-order"),
+        (ex.grade_switch_aux, 0.55, "multiply by the number of experts"),
+        (ex.grade_switch_aux, 1.0, "perfectly balanced"),
         (ex.grade_accelerate_token_factor, 4 / 140, "count the tokens of all processes"),
     ],
 )

@@ -14,6 +14,8 @@ What each core module holds (the chapter of the book that derives it in brackets
 * :mod:`gradaccum.precision` — loss scaling × 1/K: formats, casts, the amp window and its mistakes [4].
 * :mod:`gradaccum.distributed` — ``no_sync()`` placements, all-reduce counting, the α–β cost model [5].
 * :mod:`gradaccum.windows` — token-count normalization, dropout masks, scheduler steps, partial windows [6].
+* :mod:`gradaccum.coupled` — InfoNCE and GradCache, the window's load-balancing loss, checkpointing that keeps
+  BatchNorm statistics [8].
 * :mod:`gradaccum.frameworks` — Accelerate, Lightning, the Transformers Trainer and two hand-written loops run on the
   same micro-batches, and ``check`` adapters for them (the frameworks are imported only when used) [7].
 * :mod:`gradaccum.runtime`, :mod:`gradaccum.timing` — seeds, threads and device; interleaved median timings.

@@ -362,8 +362,8 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
                 "micro-batches", f"the loss's gradient on a micro-batch inside the full batch is not a multiple of "
                 f"its gradient on the micro-batch alone (relative residual {num(m.loss_residual)}); in-batch "
                 "negatives or batch statistics in the loss do this", "accumulation cannot reproduce such a loss; "
-                "enlarge the micro-batch, or use a method that caches embeddings across micro-batches (GradCache)",
-                6)
+                "enlarge the micro-batch, or compute the full-batch gradient with GradCache "
+                "(gradaccum.coupled.grad_cache_backward)", 8)
     model_error = rel(m.full, ideal_unclipped)
     if model_error > m.tol and m.loss_residual <= loss_tol:
         _coupling_findings(m, out, ideal_unclipped, model_error)

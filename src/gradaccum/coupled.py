@@ -72,10 +72,11 @@ def _check_encoders(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor
                          f"{len(encoders)} encoder(s) for {len(inputs)} input(s).")
     for enc in encoders:
         for name, m in enc.named_modules():
-            if isinstance(m, _BN) and m.training:
-                raise ValueError(f"{type(enc).__name__}.{name or 'self'} is a BatchNorm in training mode: its "
-                                 "statistics couple the samples of each micro-batch, so no per-micro-batch "
-                                 "recomputation can be exact. Use GroupNorm/LayerNorm, or put it in eval mode.")
+            if isinstance(m, _BN) and (m.training or m.running_mean is None):
+                raise ValueError(f"{type(enc).__name__}.{name or 'self'} is a BatchNorm that normalizes with batch "
+                                 "statistics (training mode, or track_running_stats=False): they couple the samples "
+                                 "of each micro-batch, so no per-micro-batch recomputation can be exact. Use "
+                                 "GroupNorm/LayerNorm, or a BatchNorm in eval mode with running statistics.")
 
 
 def plain_accumulation_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor], k: int,
@@ -91,40 +92,59 @@ def plain_accumulation_backward(encoders: Sequence[nn.Module], inputs: Sequence[
     return total
 
 
+def _rng_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
+def _rng_state(devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
 def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor], k: int,
                         loss_fn: Callable[..., torch.Tensor] = info_nce) -> float:
     """GradCache: add to ``.grad`` the exact gradient of ``loss_fn(*[enc(x) for enc, x in zip(encoders, inputs)])``
     over the whole batch while holding the graph of one micro-batch at a time. Returns the full-batch loss.
 
-    1. embed every micro-batch of every input without a graph (saving the random state: dropout masks are
-       replayed in step 3); 2. the full-batch loss on the cached embeddings and its gradient with respect to them;
-    3. per micro-batch and encoder, embed again with a graph and backpropagate the cached gradient
-    (``z.backward(G)``). Refuses BatchNorm in training mode (``ValueError``), which no micro-batch recomputation can
-    make exact. CPU random state only: on CUDA, dropout inside the encoders is not replayed.
+    1. embed every micro-batch of every input without a graph, saving the random state (CPU and CUDA) before each;
+    2. the full-batch loss on the cached embeddings, backpropagated: parameters inside ``loss_fn`` (a learnable
+    temperature, a projection head) get their full-batch gradient, the embeddings theirs; 3. per micro-batch and
+    encoder, embed again with a graph, under the saved random state, and backpropagate the cached gradient
+    (``z.backward(G)``). With dropout, the result is the full-batch gradient under the masks drawn in step 1.
+
+    Refuses (``ValueError``) a BatchNorm that normalizes with batch statistics. Any other coupling of the samples
+    *inside* an encoder (a layer that looks across the batch) makes the result wrong and cannot be detected here:
+    GradCache is exact only for losses whose coupling sits in ``loss_fn``. Under DDP, each of the re-embedding
+    backward passes all-reduces unless you wrap all but the last in ``no_sync()``.
     """
     _check_encoders(encoders, inputs)
     chunks = _split(inputs, k)
-    states: list[list[torch.Tensor]] = []
+    devices = _rng_devices()
+    states: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = []
     cached: list[list[torch.Tensor]] = []
     with torch.no_grad():
         for chunk in chunks:
             row_states, row = [], []
             for enc, x in zip(encoders, chunk):
-                row_states.append(torch.get_rng_state())  # replayed in step 3: the same dropout masks
+                row_states.append(_rng_state(devices))  # replayed in step 3: the same dropout masks
                 row.append(enc(x))
             states.append(row_states)
             cached.append(row)
     reps = [torch.cat([row[i] for row in cached]).requires_grad_() for i in range(len(encoders))]
     loss = loss_fn(*reps)
-    grads = torch.autograd.grad(loss, reps)
-    sizes = [len(chunk[0]) for chunk in chunks]
+    loss.backward()
+    grads = [r.grad for r in reps]
+    b = len(chunks[0][0])
     for j, chunk in enumerate(chunks):
-        lo = sum(sizes[:j])
         for i, (enc, x) in enumerate(zip(encoders, chunk)):
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(states[j][i])
+            with torch.random.fork_rng(devices=devices):
+                cpu, cuda = states[j][i]
+                torch.set_rng_state(cpu)
+                for d, state in zip(devices, cuda):
+                    torch.cuda.set_rng_state(state, d)
                 z = enc(x)
-            z.backward(grads[i][lo:lo + sizes[j]])
+            gz = grads[i]
+            if z.requires_grad and gz is not None:  # a frozen encoder has nothing to update
+                z.backward(gz[j * b:(j + 1) * b])
     return float(loss.detach())
 
 
@@ -155,9 +175,11 @@ def switch_aux_loss(probs: torch.Tensor, fractions: torch.Tensor | None = None) 
 
 def window_fractions(router: Callable[[torch.Tensor], torch.Tensor], micro_batches: Sequence[torch.Tensor],
                      n_experts: int) -> torch.Tensor:
-    """:math:`f` over a whole window: route every micro-batch without a graph and count (under data parallelism,
-    all-reduce the counts). With it, :func:`switch_aux_loss` per micro-batch, divided by K, sums to the window's
-    loss exactly (micro-batches of equal size)."""
+    """:math:`f` over a whole window: route every micro-batch without a graph and count (top-1, the argmax; under
+    data parallelism, all-reduce the counts and keep each rank's :math:`P` local). With it,
+    :func:`switch_aux_loss` per micro-batch, weighted :math:`n_k/T` (its share of the window's tokens, 1/K for
+    equal micro-batches), sums to the window's loss exactly. In a deep MoE the routers' inputs come from the
+    layers before them: counting the window then costs a forward pass without a graph."""
     with torch.no_grad():
         experts = torch.cat([router(x).argmax(1) for x in micro_batches])
     return expert_fractions(experts, n_experts)

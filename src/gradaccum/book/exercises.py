@@ -572,3 +572,55 @@ def grade_accelerate_token_factor(answer: object,
         ],
         hint="The recipe: summed loss × K × num_processes / (tokens of the whole window, all processes).",
     )
+
+
+# --------------------------------------------------------------------------------------- chapter 8
+
+
+def grade_negatives_per_sample(answer: object, k: int = 12, b: int = 7) -> Feedback:
+    """Exercise: in-batch negatives each sample sees under plain accumulation of ``k`` micro-batches of ``b``."""
+    return grade_number(
+        answer,
+        float(b - 1),
+        mistakes=[
+            (float(k * b - 1), "that is what the full batch gives; plain accumulation computes the loss inside each "
+                               "micro-batch."),
+            (float(b), "the sample's own partner is its positive, not a negative."),
+            (float(k * b), "that counts the whole window, positive included; the loss sees one micro-batch."),
+            (float(k - 1), "negatives come from the other samples of the micro-batch, not from other micro-batches."),
+        ],
+        hint="Which samples share a softmax with a given sample under plain accumulation?",
+    )
+
+
+def grade_recompute_momentum(answer: object, m: float = 0.02, k: int = 5) -> Feedback:
+    """Exercise: the effective BatchNorm momentum per optimizer step under activation checkpointing."""
+    return grade_number(
+        answer,
+        1 - (1 - m) ** (2 * k),
+        mistakes=[
+            (1 - (1 - m) ** k, "that is accumulation without checkpointing: the rerun updates the statistics again."),
+            (1 - (1 - m) ** 2, "that is per micro-batch; an optimizer step has K of them."),
+            (2 * k * m, "that is the first-order approximation; compound the 2K updates: 1 − (1 − m)^(2K)."),
+            (m, "the momentum applies per forward pass, and there are 2K of them per step."),
+        ],
+        hint="Each forward in training mode multiplies the old value's weight by (1 − m). How many per step?",
+    )
+
+
+def grade_switch_aux(answer: object, fractions: tuple[float, ...] = (0.75, 0.25),
+                     probs: tuple[float, ...] = (0.6, 0.4)) -> Feedback:
+    """Exercise: the Switch load-balancing loss N Σ f_i P_i for given fractions and mean probabilities."""
+    if len(fractions) != len(probs) or not fractions:
+        raise ValueError("give one fraction and one mean probability per expert.")
+    n = len(fractions)
+    value = n * sum(f * p for f, p in zip(fractions, probs))
+    return grade_number(
+        answer,
+        value,
+        mistakes=[
+            (value / n, "multiply by the number of experts N: a perfectly balanced router then scores 1."),
+            (1.0, "1 is the value of a perfectly balanced router; this one is not balanced."),
+        ],
+        hint="N Σ_i f_i P_i.",
+    )

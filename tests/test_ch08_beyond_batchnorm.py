@@ -1,0 +1,118 @@
+"""Chapter 8's book layer: views, the contrastive experiments, costs, routing, checkpointing, the K-change runs,
+and the numbers the exercise solutions state."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from gradaccum import coupled  # noqa: E402
+from gradaccum.book import ch08_beyond_batchnorm as ch8  # noqa: E402
+from gradaccum.book import exercises as ex  # noqa: E402
+from gradaccum.book.data import load_digits_split  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def split():
+    return load_digits_split()
+
+
+def test_views_are_deterministic_and_augment(split):
+    x = ch8.flat_digits(split.x_train[:8])
+    a = ch8.views(x, torch.Generator().manual_seed(1))
+    b = ch8.views(x, torch.Generator().manual_seed(1))
+    c = ch8.views(x, torch.Generator().manual_seed(2))
+    assert torch.equal(a, b) and not torch.equal(a, c) and a.shape == (8, 64)
+
+
+def test_accumulation_error_and_grad_cache(split):
+    plain, cache = ch8.accumulation_error(split.x_train, 4, 4)
+    assert plain > 0.1 and cache < 1e-12
+    with pytest.raises(ValueError):
+        ch8.accumulation_error(split.x_train, 0, 4)
+
+
+def test_peak_saved_bytes_counts_what_the_graph_holds():
+    w = torch.randn(10, 10, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 10, dtype=torch.float64)
+
+    def one() -> None:
+        (x @ w).sum().backward()
+
+    assert ch8.peak_saved_bytes(one) >= x.numel() * 8  # matmul saves its input
+    assert ch8.peak_saved_bytes(lambda: None) == 0
+
+
+def test_step_costs_orders_memory(split):
+    costs = ch8.step_costs(split.x_train, 4, 8, hidden=256, repeat=1)
+    assert set(costs.seconds) == set(costs.saved_bytes) == {"full batch", "plain accumulation", "GradCache"}
+    assert costs.saved_bytes["plain accumulation"] < costs.saved_bytes["full batch"]
+
+
+def test_contrastive_training_and_scoring(split):
+    enc = ch8.train_contrastive("full", split.x_train[:64], 4, 4, 0, "cosine", epochs=1)
+    acc = ch8.few_label_accuracy(enc, split.x_train, split.y_train, split.x_val, split.y_val)
+    assert 0.1 < acc <= 1.0
+    with pytest.raises(ValueError, match="method"):
+        ch8.train_contrastive("magic", split.x_train, 4, 4, 0, "cosine")
+    with pytest.raises(ValueError, match="schedule"):
+        ch8.train_contrastive("plain", split.x_train, 4, 4, 0, "step")
+    # GradCache trains the same model as the full batch (the same gradients, step after step)
+    a = ch8.train_contrastive("full", split.x_train[:64], 4, 4, 0, "constant", epochs=1)
+    b = ch8.train_contrastive("gradcache", split.x_train[:64], 4, 4, 0, "constant", epochs=1)
+    assert ch8.max_parameter_difference(a, b) < 1e-12
+
+
+def test_figures_and_widget(split):
+    study = {(16, 2, 0, "constant"): {"full": 0.7, "plain": 0.6}, (4, 8, 0, "constant"): {"full": 0.7, "plain": 0.72}}
+    grid = ch8.error_grid(split.x_train, (2, 4), (2, 4))
+    assert grid.shape == (2, 2) and (grid > 0).all()
+    for fig in (ch8.plot_contrastive(study), ch8.plot_error_grid(grid, (2, 4), (2, 4)),
+                ch8.plot_error_widget(split.x_train, 2, 4), ch8.plot_aux((1, 2), {"window": [1.0, 1.0]})):
+        assert fig.axes
+        plt.close(fig)
+    with pytest.raises(ValueError, match="no negative"):
+        ch8.plot_error_widget(split.x_train, 4, 1)
+
+
+def test_aux_losses(split):
+    aux = ch8.aux_losses(split.x_train, (1, 4, 16))
+    assert aux["per micro-batch"][0] == pytest.approx(aux["window"][0], abs=1e-12)
+    assert all(v == pytest.approx(aux["window"][0], abs=1e-12) for v in aux["window fractions"])
+    assert abs(aux["per micro-batch"][-1] - aux["window"][0]) > 1e-3
+
+
+def test_checkpoint_window(split):
+    run = ch8.checkpoint_window(split.x_train, split.y_train, 3, 4)
+    assert run.tracked == {"no checkpointing": 3, "checkpoint": 6, "checkpoint, momentum 1 − √(1 − m)": 6,
+                           "checkpoint, statistics kept": 3}
+    assert run.mean_error["checkpoint"] > 0.05 and run.mean_error["checkpoint, statistics kept"] < 1e-12
+
+
+def test_the_same_effective_batch_is_the_same_run_and_the_scaling_study(split):
+    one = ch8.train_classifier(split.x_train, split.y_train, 8, 1, 0.05, 1, "constant", epochs=1)
+    two = ch8.train_classifier(split.x_train, split.y_train, 8, 2, 0.05, 1, "constant", epochs=1)
+    assert ch8.max_parameter_difference(one, two) < 1e-12
+    with pytest.raises(ValueError, match="does not divide"):
+        ch8.train_classifier(split.x_train, split.y_train, 8, 3, 0.05, 1, "constant")
+    study = ch8.scaling_study(split.x_train, split.y_train, split.x_val, split.y_val, seeds=(0,),
+                              schedules=("cosine",), epochs=1)
+    assert len(study) == 3 and all(0 < v <= 1 for v in study.values())
+
+
+def test_exercise_solution_numbers():
+    """ex-ch8-negatives: 6 and 83; ex-ch8-momentum: 1 − 0.98^10 ≈ 0.183 (and 1 − 0.98^5 without checkpointing);
+    ex-ch8-switch: 2 (0.75 · 0.6 + 0.25 · 0.4) = 1.1."""
+    assert ex.grade_negatives_per_sample(6, k=12, b=7) and 12 * 7 - 1 == 83
+    assert coupled.recompute_momentum(0.02, 5) == pytest.approx(1 - 0.98**10)
+    assert ex.grade_recompute_momentum(0.183, m=0.02, k=5)
+    assert coupled.recompute_momentum(0.02, 5, reruns=0) == pytest.approx(1 - 0.98**5)
+    router_probs = torch.tensor([[0.6, 0.4]] * 4, dtype=torch.float64)
+    assert float(coupled.switch_aux_loss(router_probs, torch.tensor([0.75, 0.25], dtype=torch.float64))) == \
+        pytest.approx(1.1)
+    assert ex.grade_switch_aux(1.1, fractions=(0.75, 0.25), probs=(0.6, 0.4))
