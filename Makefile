@@ -40,9 +40,11 @@ book: $(SITE_STAMP) ## build the site from the stored outputs into _build/html (
 
 # Lint and types, then every test once: package tests, shown commands, a fresh torch-only install, the site and
 # strict nbval (every output compared cell by cell; the lax mode is never used). Each chapter runs once.
+# Two workers (pytest-xdist), each test file whole on one worker (--dist loadfile): a notebook's cells run in order
+# in one kernel, and the timing asserts are the ones `make nbval-loaded` checks under load.
 test: lint ## lint + types, then every test (unit, commands, fresh install, site + browser, strict nbval)
 	$(PY) -m pytest tests chapters --nbval --nbval-current-env \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n 2 --dist loadfile
 
 # The package's tests only: no notebook, no site build, no shown command, no new virtual environment.
 unit: $(STAMP) ## the package's tests only (fast: no notebook run, site build, shown command or fresh install)
