@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, SequentialSampler, TensorDataset
 
+from gradaccum.check_instrument import flat
 from gradaccum.distributed import CommCounter, counting_hook
 from gradaccum.windows import IGNORE
 
@@ -81,9 +82,8 @@ def versions() -> dict[str, str]:
 
 
 def flat_grads(params: Sequence[nn.Parameter]) -> torch.Tensor:
-    """All gradients as one float64 vector (zeros where a parameter has none)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
-                      for p in params])
+    """All gradients as one float64 vector (zeros where a parameter has none): the checker's own reading."""
+    return flat(list(params))
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -456,15 +456,17 @@ def _run_lightning(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Op
 # ----------------------------------------------------------------------------------- the Transformers Trainer
 
 
-class _Pairs(Dataset):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
+class _Columns(Dataset):
+    """Samples as the Trainer wants them: one dict per sample, one entry per named column."""
+
+    def __init__(self, **columns: torch.Tensor):
+        self.columns = columns
 
     def __len__(self) -> int:
-        return len(self.x)
+        return len(next(iter(self.columns.values())))
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[i], "labels": self.y[i]}
+        return {name: column[i] for name, column in self.columns.items()}
 
 
 class HFWrapper(nn.Module):
@@ -533,7 +535,8 @@ def _run_trainer(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Opti
         # The Trainer seeds the random generators when it is built (set_seed(args.seed)); a training script builds
         # it once, before training: the runner puts the random state back, as if it had been built long before.
         state = torch.get_rng_state()
-        trainer = trainer_cls(model=wrapped, args=args, train_dataset=_Pairs(*data.tensors), optimizers=(opt, sched),
+        columns = _Columns(x=data.tensors[0], labels=data.tensors[1])
+        trainer = trainer_cls(model=wrapped, args=args, train_dataset=columns, optimizers=(opt, sched),
                               callbacks=[hooked])
         torch.set_rng_state(state)
         hooked.trainer = trainer
@@ -806,17 +809,6 @@ def rank_task(rank: int, world_size: int, x: torch.Tensor, y: torch.Tensor, k: i
 # ------------------------------------------------------------------ the Trainer with Transformers' own models
 
 
-class _Tokens(Dataset):
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor):
-        self.input_ids, self.labels = input_ids, labels
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[i], "labels": self.labels[i]}
-
-
 def tiny_causal_lm(kind: str, vocab: int, positions: int, seed: int = 0) -> nn.Module:
     """A one-layer Transformers causal LM built from a config (no download): ``"gpt2"`` (``GPT2LMHeadModel``) or
     ``"llama"`` (``LlamaForCausalLM``), float32, dropout off."""
@@ -856,8 +848,8 @@ def trainer_on_causal_lm(model: nn.Module, input_ids: torch.Tensor, labels: torc
                                  gradient_accumulation_steps=k, num_train_epochs=1, max_grad_norm=0.0, use_cpu=True,
                                  report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=0.0, seed=0)
         state = torch.get_rng_state()
-        trainer = _hf_trainer_class()(model=model, args=args, train_dataset=_Tokens(input_ids, labels),
-                                      optimizers=(opt, sched))
+        columns = _Columns(input_ids=input_ids, labels=labels)
+        trainer = _hf_trainer_class()(model=model, args=args, train_dataset=columns, optimizers=(opt, sched))
         torch.set_rng_state(state)
         trainer.remove_callback(PrinterCallback)
         trainer.train()

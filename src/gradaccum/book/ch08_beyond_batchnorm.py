@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gradaccum import coupled
 from gradaccum._validate import require_k
+from gradaccum.accumulate import flat_grad
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.timing import interleaved_medians
 
@@ -53,10 +54,6 @@ def loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return coupled.info_nce(a, b, TAU)
 
 
-def _grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()])
-
-
 def accumulation_error(x: torch.Tensor, k: int, b: int, seed: int = 0) -> tuple[float, float]:
     """Relative error against the full batch of ``k · b`` digits (two views each, a shared encoder) of plain
     accumulation and of GradCache, for one step."""
@@ -68,8 +65,8 @@ def accumulation_error(x: torch.Tensor, k: int, b: int, seed: int = 0) -> tuple[
     loss(full(xa), full(xb)).backward()
     coupled.plain_accumulation_backward([plain, plain], [xa, xb], k, loss)
     coupled.grad_cache_backward([cache, cache], [xa, xb], k, loss)
-    ref = _grads(full)
-    return (float((_grads(plain) - ref).norm() / ref.norm()), float((_grads(cache) - ref).norm() / ref.norm()))
+    ref = flat_grad(full)
+    return (float((flat_grad(plain) - ref).norm() / ref.norm()), float((flat_grad(cache) - ref).norm() / ref.norm()))
 
 
 @dataclass
@@ -314,7 +311,7 @@ def checkpoint_window(x: torch.Tensor, y: torch.Tensor, k: int, b: int, momentum
     return CheckpointRun(
         tracked={n: int(net[1].num_batches_tracked) for n, net in nets.items()},  # type: ignore[arg-type]
         mean_error={n: rel(net[1].running_mean, ref[1].running_mean) for n, net in nets.items()},
-        grad_error={n: rel(_grads(net), _grads(ref)) for n, net in nets.items()},
+        grad_error={n: rel(flat_grad(net), flat_grad(ref)) for n, net in nets.items()},
     )
 
 
