@@ -1,108 +1,148 @@
 """Benchmark for chapter 2: what Ghost BatchNorm and full-batch statistics cost.
 
-1. Forward + backward of one normalization layer over a batch of feature maps, relative to one
-   ``nn.BatchNorm2d`` call on the whole batch: a Python loop of ``nn.BatchNorm2d`` over the ghost batches;
-   :class:`gradaccum.ghost_bn.GhostBatchNorm` (ghost batches folded into the channel dimension); hand-written
-   mean/var ops; and ``torch.compile`` of the fold (when the platform can compile).
-2. One optimizer step of SmallCNN on a 64-image batch, relative to plain accumulation: full-batch statistics
-   (constants) and the exact scheme.
+1. Forward + backward of one normalization layer, relative to one ``nn.BatchNorm2d`` (or ``nn.BatchNorm1d``) call
+   on the whole batch, for three shapes: :class:`gradaccum.ghost_bn.GhostBatchNorm` as it comes ("auto", with the
+   implementation it resolved to) and with each implementation forced (``impl="loop"``, ``"fold"``,
+   ``"compile"``); a Python loop of ``nn.BatchNorm`` over the ghost batches; hand-written mean/var ops.
+2. One optimizer step of SmallCNN on a 64-image batch, relative to plain accumulation: the full batch, Ghost
+   BatchNorm via ``ghostify`` (one running-statistics update per step), full-batch statistics (constants), the
+   exact scheme, and the exact scheme with ``cache=True`` (where ``full_batch_stats_backward`` has it).
 
 Usage: python benchmarks/ghost_bn.py [--device cpu|cuda] [--threads N] [--no-compile] [--quick]
-Prints a table; median of repeated timings after warm-up (CUDA timings synchronize). ``--quick`` times each row
-twice after one warm-up and skips torch.compile: it checks that the benchmark runs (the tests use it), not how
-fast anything is.
+Each table is timed interleaved (every round calls each row once, in turn, so that a machine getting busier or
+quieter affects all rows alike), then the median per row (CUDA timings synchronize). ``--quick`` times two rounds
+after one warm-up and skips torch.compile: it checks that the benchmark runs (the tests use it), not how fast
+anything is. ``--json PATH`` writes the tables; chapter 2 reads the run recorded with
+``--threads 1 --json src/gradaccum/book/ghost_bn_cpu.json`` (the book's 2-core CPU). The step table also counts
+the ``model(x)`` calls of one step (the cached exact scheme calls the model once, to learn whether its forward
+draws random numbers, and then runs the torch.fx stages it traced).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from gradaccum import ghost_bn
 from gradaccum.accumulate import accumulate_backward
 from gradaccum.book.data import load_digits_split
 from gradaccum.book.models import make_cnn
 from gradaccum.fullbatch_bn import full_batch_stats_backward
-from gradaccum.ghost_bn import GhostBatchNorm, LoopGhostBatchNorm
-from gradaccum.timing import median_time
+from gradaccum.ghost_bn import GhostBatchNorm, LoopGhostBatchNorm, auto_impl, ghostify
+from gradaccum.timing import interleaved_medians
 
-#: Set by --quick: two timed calls after one warm-up, whatever the caller asks for.
-QUICK = False
-
-
-def timed(fn, device: torch.device, repeat: int = 30, warmup: int = 5) -> float:
-    if QUICK:
-        repeat, warmup = 2, 1
-    return median_time(fn, device, repeat=repeat, warmup=warmup)
+#: (shape, virtual batch size) of the layer tables: a large batch of feature maps, the book's small CNN, features.
+LAYER_SHAPES = [((256, 64, 16, 16), 32), ((64, 16, 8, 8), 4), ((4096, 256), 32)]
 
 
 class ManualGhost(nn.Module):
-    """Hand-written mean/var over a (G, v, C, H, W) view (no running statistics)."""
+    """Hand-written mean/var over a (G, v, C, positions) view (no running statistics)."""
 
     def __init__(self, c: int, v: int, eps: float = 1e-5):
         super().__init__()
         self.weight, self.bias = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
         self.v, self.eps = v, eps
 
-    def forward(self, x):
-        n, c, h, w = x.shape
-        g = x.view(n // self.v, self.v, c, h, w)
-        mean = g.mean((1, 3, 4), keepdim=True)
-        var = g.var((1, 3, 4), keepdim=True, correction=0)
-        out = (g - mean) * torch.rsqrt(var + self.eps)
-        return (out.view(n, c, h, w) * self.weight.view(1, c, 1, 1) + self.bias.view(1, c, 1, 1))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c = x.shape[:2]
+        g = x.reshape(n // self.v, self.v, c, -1)
+        mean = g.mean((1, 3), keepdim=True)
+        var = g.var((1, 3), keepdim=True, correction=0)
+        out = (g - mean) * torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1) + self.bias.view(1, 1, c, 1)
+        return out.reshape(x.shape)
 
 
-def layer_table(device: torch.device, compile_: bool, shape=(256, 64, 16, 16), v: int = 32) -> list[tuple[str, float]]:
+def measure(fns: dict[str, Callable[[], object]], device: torch.device, quick: bool) -> dict[str, float]:
+    return interleaved_medians(fns, device, repeat=2 if quick else 15, warmup=1)
+
+
+def layer_table(device: torch.device, compile_: bool, quick: bool, shape: tuple[int, ...], v: int) -> dict:
     x = torch.randn(*shape, device=device, requires_grad=True)
     grad = torch.randn_like(x)
-    c = shape[1]
-    variants: dict[str, nn.Module] = {
-        "nn.BatchNorm2d (whole batch)": nn.BatchNorm2d(c),
-        f"loop of nn.BatchNorm2d (v={v})": LoopGhostBatchNorm(c, v),
-        f"GhostBatchNorm fold (v={v})": GhostBatchNorm(c, v),
-        f"hand-written mean/var (v={v})": ManualGhost(c, v),
+    c, dims = shape[1], len(shape) // 2
+    resolved = auto_impl(x, v)
+    modules: dict[str, nn.Module] = {
+        f"nn.BatchNorm{dims}d (whole batch)": (nn.BatchNorm2d if dims == 2 else nn.BatchNorm1d)(c),
+        f"GhostBatchNorm default (auto: {resolved})": GhostBatchNorm(c, v, dims=dims),
+        **{f"GhostBatchNorm impl={impl!r}": GhostBatchNorm(c, v, dims=dims, impl=impl)
+           for impl in ghost_bn.IMPLS[1:] if impl != "compile" or compile_},
+        f"loop of nn.BatchNorm{dims}d": LoopGhostBatchNorm(c, v, dims=dims),
+        "hand-written mean/var": ManualGhost(c, v),
     }
-    if compile_:
-        try:
-            compiled = torch.compile(GhostBatchNorm(c, v).to(device))
-            compiled(x).backward(grad)  # compile now, fail here if the platform cannot
-            variants[f"torch.compile(GhostBatchNorm) (v={v})"] = compiled
-        except Exception as err:  # noqa: BLE001 - report and go on without it
-            print(f"torch.compile unavailable here: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
-    rows = []
-    for name, module in variants.items():
+    fns = {}
+    for name, module in modules.items():
         module.to(device).train()
 
-        def step(m=module):
+        def step(m: nn.Module = module) -> None:
             x.grad = None
             m(x).backward(grad)
 
-        rows.append((name, timed(step, device)))
-    return rows
+        fns[name] = step
+    if compile_:
+        fns["GhostBatchNorm impl='compile'"]()  # compile now, outside the timed rounds
+        if ghost_bn._compile_failed:
+            print("torch.compile failed here (see the warning): its row is left out", file=sys.stderr)
+            del fns["GhostBatchNorm impl='compile'"]
+    title = f"one layer, forward + backward, batch {'×'.join(map(str, shape))}, v={v}"
+    return {"title": title, "shape": list(shape), "v": v, "auto_impl": resolved,
+            **rows(measure(fns, device, quick))}
 
 
-def step_table(device: torch.device, k: int = 16) -> list[tuple[str, float]]:
+def step_table(device: torch.device, quick: bool, k: int = 16) -> dict:
     split = load_digits_split(dtype=torch.float32, device=device)
     x, y = split.x_train[:64], split.y_train[:64]
     loss_fn = nn.CrossEntropyLoss()
-    rows = []
-    for name, fn in [
-        (f"plain accumulation (K={k})", accumulate_backward),
-        (f"full-batch stats, constants (K={k})", full_batch_stats_backward),
-        (f"exact full-batch stats (K={k})", functools.partial(full_batch_stats_backward, exact=True)),
-    ]:
-        model = make_cnn("batch", dtype=torch.float32, device=device).train()
+    cnn = functools.partial(make_cnn, "batch", dtype=torch.float32, device=device)
+    schemes: dict[str, tuple[nn.Module, Callable[..., float], int]] = {
+        f"plain accumulation (K={k})": (cnn(), accumulate_backward, k),
+        "full batch (K=1)": (cnn(), accumulate_backward, 1),
+        f"ghost BN via ghostify (v={64 // k}, 1 update/step)": (ghostify(cnn(), 64 // k), accumulate_backward, 1),
+        f"full-batch stats, constants (K={k})": (cnn(), full_batch_stats_backward, k),
+        f"exact full-batch stats (K={k})": (cnn(), functools.partial(full_batch_stats_backward, exact=True), k),
+    }
+    cached = functools.partial(full_batch_stats_backward, exact=True, cache=True)
+    try:
+        cached(cnn().train(), loss_fn, x, y, k)
+        schemes[f"exact, cached (K={k})"] = (cnn(), cached, k)
+    except TypeError as err:
+        print(f"exact, cached: left out, full_batch_stats_backward has no cache= here ({err})", file=sys.stderr)
+    fns, forward_calls, peak = {}, {}, {}
+    for name, (model, fn, kk) in schemes.items():
+        model.train()
+        calls = [0]
+        model.register_forward_pre_hook(lambda *_, calls=calls: calls.__setitem__(0, calls[0] + 1))
 
-        def step(m=model, f=fn):
+        def step(m: nn.Module = model, f: Callable[..., float] = fn, kk: int = kk) -> None:
             m.zero_grad(set_to_none=True)
-            f(m, loss_fn, x, y, k)
+            f(m, loss_fn, x, y, kk)
 
-        rows.append((name, timed(step, device, repeat=20)))
-    return rows
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        step()
+        forward_calls[name] = calls[0]
+        if device.type == "cuda":
+            peak[name] = torch.cuda.max_memory_allocated(device)
+        fns[name] = step
+    table = {"title": "one optimizer step of SmallCNN on 64 images", **rows(measure(fns, device, quick))}
+    for row in table["rows"]:
+        row["forward_calls"] = forward_calls[row["name"]]
+        if peak:
+            row["peak_memory_bytes"] = peak[row["name"]]
+    return table
+
+
+def rows(seconds: dict[str, float]) -> dict:
+    """The table's rows (name, median seconds, ratio to the first row, the baseline)."""
+    baseline = next(iter(seconds))
+    return {"baseline": baseline, "rows": [{"name": name, "seconds": s, "ratio": s / seconds[baseline]}
+                                           for name, s in seconds.items()]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,22 +150,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="2 timed calls per row, no torch.compile: a smoke test")
+    parser.add_argument("--quick", action="store_true", help="2 timed rounds, no torch.compile: a smoke test")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the tables to PATH as JSON")
     args = parser.parse_args(argv)
-    global QUICK
-    QUICK = args.quick
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
-    print(f"device: {name}; torch {torch.__version__}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"device: {name}; torch {torch.__version__}; {args.threads} thread(s)")
     compile_ = not (args.no_compile or args.quick)
-    for title, rows in (("one layer, forward + backward, batch 256×64×16×16", layer_table(device, compile_)),
-                        ("one optimizer step of SmallCNN on 64 images", step_table(device))):
-        print(f"\n{title}")
-        base = rows[0][1]
-        for label, seconds in rows:
-            print(f"  {label:<44} {seconds * 1e3:9.3f} ms  {seconds / base:6.2f}×")
+    tables = [layer_table(device, compile_, args.quick, shape, v) for shape, v in LAYER_SHAPES]
+    tables.append(step_table(device, args.quick))
+    for table in tables:
+        print(f"\n{table['title']}")
+        for row in table["rows"]:
+            calls = f"  {row['forward_calls']:3d} forward calls" if "forward_calls" in row else ""
+            print(f"  {row['name']:<46} {row['seconds'] * 1e3:9.3f} ms  {row['ratio']:6.2f}×{calls}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        result = {"device": name, "torch": torch.__version__, "threads": args.threads, "quick": args.quick,
+                  "tables": tables}
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

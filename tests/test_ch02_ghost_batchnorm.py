@@ -228,6 +228,7 @@ def test_step_costs_count_the_sweeps(digits):
     assert costs["plain accumulation"].forward_calls == 4 and costs["full batch"].forward_calls == 1
     assert costs["full-batch stats"].forward_calls == (layers + 1) * 4
     assert costs["exact full-batch stats"].forward_calls == (2 * layers + 1) * 4
+    assert costs["exact, cached"].forward_calls == 1  # its stages call the layers, not the model
     assert costs["plain accumulation"].time_ratio == 1.0 and all(c.time_ratio > 0 for c in costs.values())
     assert ch2.precise_bn_cost(digits, b=4, k=4, repeat=1) > 0
 

@@ -406,3 +406,56 @@ def test_clipping_scaled_gradients_inside_the_loop_names_both_mistakes(digits, l
 
     report = C.check(make_cnn("group"), loss_fn, digits.x_train[:32], digits.y_train[:32], 4, step=step)
     assert report.codes == ["clip_before_unscale", "clip_running_buffer"], str(report)
+
+
+class _CheckpointedBN(nn.Module):
+    """Linear → (Linear → BatchNorm1d → ReLU) → Linear, with the block run in one of several ways."""
+
+    def __init__(self, momentum: float | None = 0.1, how: str = "checkpoint"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(4, 4)  # so that the block's input needs a gradient (reentrant checkpoint needs one)
+        self.block = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, momentum=momentum), nn.ReLU())
+        self.head = nn.Linear(6, 3)
+        self.how = how
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.stem(x)
+        from gradaccum.coupled import checkpoint_keeping_bn_stats
+
+        if self.how == "shared":  # the same BatchNorm applied twice in one forward, by design: no rerun
+            return self.head(self.block[2](self.block[1](self.block[1](self.block[0](x)))))
+        if self.how == "kept":
+            return self.head(checkpoint_keeping_bn_stats(self.block, x))
+        if self.how == "nested":
+            return self.head(checkpoint(lambda t: checkpoint(self.block, t, use_reentrant=False), x,
+                                        use_reentrant=False))
+        return self.head(checkpoint(self.block, x, use_reentrant=self.how == "reentrant"))
+
+
+def test_batchnorm_statistics_recomputed_in_backward_are_named():
+    x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 3
+    ce = nn.CrossEntropyLoss()
+    report = C.check(_CheckpointedBN(), ce, x, y, 4)
+    assert "bn_stats_updated_twice" in report.codes and "batch_coupled_layer" in report.codes
+    finding = next(f for f in report.findings if f.code == "bn_stats_updated_twice")
+    assert "'block.1': 4 call(s) in forward passes, 4 more during backward" in finding.evidence
+    assert "(1 - m)^2 " in finding.evidence and "checkpoint_keeping_bn_stats" in finding.fix
+    assert "bn_stats_updated_twice" in C.check(_CheckpointedBN(how="reentrant"), ce, x, y, 4).codes
+    assert "bn_stats_updated_twice" in C.check(_CheckpointedBN(how="nested"), ce, x, y, 4).codes
+    thrice = C._bn_rerun_finding({"block.1": (4, 8)})  # two recomputations per forward (nested, reentrant)
+    assert thrice is not None and "(1 - m)^3 " in thrice.evidence and "(1/3)" in thrice.fix
+    # frozen statistics in the rerun, a cumulative average (momentum=None), a layer shared by design: no finding
+    for model in (_CheckpointedBN(how="kept"), _CheckpointedBN(momentum=None), _CheckpointedBN(how="shared")):
+        assert "bn_stats_updated_twice" not in C.check(model, ce, x, y, 4).codes
+
+    def checkpoint_whole_model(model, loss_fn, xs, ys, k):  # a step that checkpoints the whole model
+        from torch.utils.checkpoint import checkpoint
+
+        for xb, yb in zip(xs.chunk(k), ys.chunk(k)):
+            (loss_fn(checkpoint(model, xb, use_reentrant=False), yb) / k).backward()
+
+    plain = _CheckpointedBN(how="shared")
+    assert "bn_stats_updated_twice" in C.check(plain, ce, x, y, 4, step=checkpoint_whole_model).codes

@@ -12,6 +12,10 @@ Dropout: the reference applies the masks the scheme drew for each micro-batch in
 forward hook). If the statistics or correction sweeps drew other masks than the final sweep, the scheme's
 statistics and corrections would belong to another network than its final forward, and the gradient would not
 match.
+
+Every generated network runs without the cache and with it (``cache=True``, or ``"cpu"`` for every other seed),
+each compared with the full batch and the two with each other. With the cache the final sweep is the backward's
+recomputation of each stage, which calls each dropout layer last, micro-batch after micro-batch, too.
 """
 
 from __future__ import annotations
@@ -141,9 +145,9 @@ def _dropouts(model: nn.Module) -> dict[str, nn.Dropout]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Dropout)}
 
 
-def _scheme_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int):
-    """The scheme on a copy; returns the copy, the loss, and per dropout layer the mask factors (0 or 1/(1-p))
-    its final sweep drew, micro-batch after micro-batch."""
+def _scheme_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int, cache: bool | str = False):
+    """The scheme (with ``cache``) on a copy; returns the copy, the loss, and per dropout layer the mask factors
+    (0 or 1/(1-p)) its final sweep drew, micro-batch after micro-batch."""
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     seen: dict[str, list[torch.Tensor]] = {name: [] for name in _dropouts(work)}
@@ -153,7 +157,7 @@ def _scheme_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int):
                 torch.where(inp[0] != 0, out / inp[0], torch.zeros_like(out)).detach()
             )
         )
-    loss = fullbatch_bn.full_batch_stats_backward(work, nn.CrossEntropyLoss(), x, y, k, exact=True)
+    loss = fullbatch_bn.full_batch_stats_backward(work, nn.CrossEntropyLoss(), x, y, k, exact=True, cache=cache)
     return work, loss, {name: torch.cat(r[-k:]) for name, r in seen.items()}
 
 
@@ -169,10 +173,11 @@ def _reference_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, masks: d
     return ref, float(loss.detach())
 
 
-def _assert_same_step(model: nn.Module, spec: Arch) -> None:
+def _assert_same_step(model: nn.Module, spec: Arch, cache: bool | str = False) -> torch.Tensor:
+    """Compare one step of the scheme with the full batch; returns the scheme's gradient."""
     x, y = _data(spec)
     modes = [m.training for m in model.modules()]
-    work, loss, masks = _scheme_step(model, x, y, spec.k)
+    work, loss, masks = _scheme_step(model, x, y, spec.k, cache)
     ref, ref_loss = _reference_step(model, x, y, masks)
     assert abs(loss - ref_loss) < 1e-12
     got, want = [], []
@@ -190,6 +195,7 @@ def _assert_same_step(model: nn.Module, spec: Arch) -> None:
         else:
             assert torch.equal(a, b), name  # num_batches_tracked
     assert [m.training for m in work.modules()] == modes  # no module's mode changed
+    return g
 
 
 bns = st.builds(
@@ -237,7 +243,12 @@ DROPOUT = Arch(blocks=(Block(dropout="before"), Block(dropout="after")))
 @example(BN_ON_INPUT)
 @example(DROPOUT)
 def test_exact_scheme_is_one_full_batch(spec):
-    _assert_same_step(_build(spec), spec)
+    model = _build(spec)
+    grads = []
+    for cache in (False, True if spec.seed % 2 == 0 else "cpu"):
+        torch.manual_seed(spec.seed)  # the same dropout masks for both
+        grads.append(_assert_same_step(model, spec, cache))
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-12
 
 
 def _build(spec: Arch) -> nn.Module:
@@ -245,14 +256,15 @@ def _build(spec: Arch) -> nn.Module:
     return _Net(spec).double()
 
 
-def test_dropout_masks_are_plain_accumulations():
+@pytest.mark.parametrize("cache", [False, True])
+def test_dropout_masks_are_plain_accumulations(cache):
     """The scheme draws the masks plain accumulation draws (micro-batch i continues the generator where i−1 left
     it) and leaves the generator where plain accumulation leaves it. (Tanh: no dropout input is 0, so every
     recorded factor shows the mask.)"""
     spec = Arch(blocks=(Block(dropout="before", act="tanh"), Block(dropout="after", act="tanh")))
     model, (x, y) = _build(spec), _data(spec)
     torch.manual_seed(5)
-    _, _, masks = _scheme_step(model, x, y, spec.k)
+    _, _, masks = _scheme_step(model, x, y, spec.k, cache)
     after_scheme = torch.get_rng_state()
     plain = copy.deepcopy(model)
     seen: dict[str, list[torch.Tensor]] = {name: [] for name in _dropouts(plain)}
@@ -271,19 +283,20 @@ def test_dropout_masks_are_plain_accumulations():
         assert 0 < float((masks[name] == 0).double().mean()) < 1  # some dropped, some kept
 
 
-def test_syncbatchnorm_outside_distributed_is_batchnorm():
+@pytest.mark.parametrize("cache", [False, True])
+def test_syncbatchnorm_outside_distributed_is_batchnorm(cache):
     spec = Arch(blocks=(Block(), Block(kind="residual")))
     model = nn.SyncBatchNorm.convert_sync_batchnorm(_build(spec))
     assert any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
-    _assert_same_step(model, spec)
+    _assert_same_step(model, spec, cache)
 
 
 # ------------------------------------------------------------------------------------------------ refusals
 
 
-def _step(model: nn.Module, x: torch.Tensor, k: int = 2) -> float:
+def _step(model: nn.Module, x: torch.Tensor, k: int = 2, cache: bool | str = False) -> float:
     y = torch.zeros(x.shape[0], dtype=torch.long)
-    return fullbatch_bn.full_batch_stats_backward(model, nn.CrossEntropyLoss(), x, y, k, exact=True)
+    return fullbatch_bn.full_batch_stats_backward(model, nn.CrossEntropyLoss(), x, y, k, exact=True, cache=cache)
 
 
 class _Twice(nn.Module):
@@ -322,41 +335,44 @@ class _Swap(nn.Module):
         return self.head(second(first(h)))
 
 
-def test_refusals_name_the_layer():
+@pytest.mark.parametrize("cache", [False, True])
+def test_refusals_name_the_layer(cache):
     x = torch.randn(8, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="'norm' is called more than once"):
-        _step(_Twice().double(), x)
+        _step(_Twice().double(), x, cache=cache)
     with pytest.raises(ValueError, match="input of BatchNorm layer 'norm' was modified in place"):
-        _step(_InplaceInput().double(), x)
+        _step(_InplaceInput().double(), x, cache=cache)
     swap = _Swap().double()
     x_swap = x.clone()
     x_swap[0, 0], x_swap[4, 0] = 1.0, -1.0
-    with pytest.raises(ValueError, match="different order"):
-        _step(swap, x_swap)
+    with pytest.raises(ValueError, match="cannot trace this model.*cache=False" if cache else "different order"):
+        _step(swap, x_swap, cache=cache)
     ghosted = nn.Sequential(nn.Linear(3, 4), ghost_bn.GhostBatchNorm(4, 2, dims=1), nn.Linear(4, 2)).double()
     with pytest.raises(ValueError, match="'1' is a GhostBatchNorm with its own forward"):
-        _step(ghosted, x)
+        _step(ghosted, x, cache=cache)
     with pytest.raises(ValueError, match="'1' sees 1 value per channel"):
-        _step(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double(), x[:1], k=1)
+        _step(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double(), x[:1], k=1, cache=cache)
     with pytest.raises(ValueError, match="train"):
-        _step(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double().eval(), x)
+        _step(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double().eval(), x, cache=cache)
     with pytest.raises(ValueError, match="no BatchNorm"):
-        _step(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double(), x)
+        _step(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double(), x, cache=cache)
+    frozen = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double().requires_grad_(False)
     with pytest.raises(ValueError, match="needs no gradient"):
-        _step(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double().requires_grad_(False), x)
+        _step(frozen, x, cache=cache)
     dropped = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
     with pytest.raises(ValueError, match="dropout layer '1'"):
         fullbatch_bn.full_batch_forward_error(dropped, x, 2)
 
 
-def test_frozen_ghost_batchnorm_is_accepted():
+@pytest.mark.parametrize("cache", [False, True])
+def test_frozen_ghost_batchnorm_is_accepted(cache):
     """A BatchNorm subclass with its own forward is fine once frozen in eval mode (a constant affine map)."""
     spec = Arch()
     model = _build(spec)
     ghosted = ghost_bn.GhostBatchNorm(W, 2, dims=1).double()
     ghosted.load_state_dict(model.blocks[0].bn.state_dict())
     model.blocks[0].bn = ghosted.eval()
-    _assert_same_step(model, spec)
+    _assert_same_step(model, spec, cache)
 
 
 def test_batchnorm_layers_keeps_every_mode():

@@ -41,6 +41,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradaccum._validate import require_k
 from gradaccum.accumulate import accumulate_backward, split_batch
@@ -208,6 +209,7 @@ class _Run:
     draws: list
     recorder_errors: list[str]
     outside: list[str] = field(default_factory=list)
+    bn_reruns: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step, seed: int,
@@ -223,6 +225,7 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
     rng = SampleRNG(seed, replay=(mode == "replay"), plans=plans)
     recorder.mute = lambda: rng.busy > 0
     scope = _ForwardScope(work, rng, x) if mode == "replay" else None
+    reruns = _BatchNormReruns(work)
     torch.manual_seed(seed if start is None else start)
     error = None
     trace.attach()
@@ -240,11 +243,58 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
             if scope is not None:
                 scope.close()
             trace.detach()
+            rerun_counts = reruns.close()
     applied = recorder.applied if recorder.applied is not None else flat(params)
     caught = list(dict.fromkeys(str(w.message).split(". ")[0] for w in raised))
     return _Run(applied, trace.passes, recorder.events, error, caught, scope.forwards if scope else [],
                 rng.replayed, rng.unreplayed, rng.draws, recorder.errors,
-                outside.draws if isinstance(outside, OutsideDraws) else [])
+                outside.draws if isinstance(outside, OutsideDraws) else [], rerun_counts)
+
+
+class _BatchNormReruns:
+    """Forward pre-hooks on every BatchNorm layer of ``work`` that updates an exponential running average (training
+    mode, running statistics, a nonzero momentum): calls made during the step's forward passes, and calls made while
+    autograd runs a backward pass — the recomputation of activation checkpointing (reentrant or not, nested, or
+    around the whole model), which moves the running statistics again."""
+
+    def __init__(self, work: nn.Module):
+        self.counts: dict[str, list[int]] = {}
+        self.handles = []
+        for name, layer in work.named_modules():
+            if isinstance(layer, _BatchNorm):
+                self.counts[name or "(the model)"] = [0, 0]
+                self.handles.append(layer.register_forward_pre_hook(
+                    lambda m, _args, c=self.counts[name or "(the model)"]: self._count(m, c)))
+
+    @staticmethod
+    def _count(layer: nn.Module, count: list[int]) -> None:
+        # momentum None (a cumulative average) or 0 (frozen, as checkpoint_keeping_bn_stats reruns): no drift
+        if layer.training and getattr(layer, "track_running_stats", False) and getattr(layer, "momentum", None):
+            count[torch._C._current_graph_task_id() != -1] += 1  # inside a backward pass: a recomputation
+
+    def close(self) -> dict[str, tuple[int, int]]:
+        for h in self.handles:
+            h.remove()
+        return {name: (c[0], c[1]) for name, c in self.counts.items() if c[1]}
+
+
+def _bn_rerun_finding(reruns: dict[str, tuple[int, int]]) -> Finding | None:
+    """A BatchNorm layer whose forward ran again during backward (activation checkpointing): every rerun in
+    training mode moves the running averages once more, with the same statistics, so r = (forward + rerun
+    calls) / forward calls updates act as one of momentum :math:`1-(1-m)^r` (chapter 8)."""
+    if not reruns:
+        return None
+    shown = "; ".join(f"{name!r}: {calls} call(s) in forward passes, {again} more during backward"
+                      for name, (calls, again) in list(reruns.items())[:3])
+    r = max(((calls + again) / calls for calls, again in reruns.values() if calls), default=2.0)
+    return Finding(
+        "bn_stats_updated_twice", "BatchNorm running statistics are updated again when backward recomputes the "
+        "forward (activation checkpointing)",
+        f"{shown}: every recomputation in training mode moves the running averages once more, so the effective "
+        f"momentum per micro-batch is 1 - (1 - m)^{r:g} instead of m",
+        "recompute with the statistics frozen (gradaccum.coupled.checkpoint_keeping_bn_stats around every "
+        f"checkpointed call, nested ones included), or set the momentum to 1 - (1 - m)^(1/{r:g}); the gradient "
+        "itself is unaffected", 8)
 
 
 @dataclass
@@ -496,6 +546,9 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
                 "comparison clips the full batch at the threshold you gave, so a difference below may come from "
                 "the two thresholds alone", f"rerun with --clip {num(differ[0])} (or without --clip: the checker "
                 "then reads the threshold from your loop)", 3, "note"))
+    twice = _bn_rerun_finding(run.bn_reruns) if run.error is None else None
+    if twice is not None:
+        findings.append(twice)
     report.findings = findings
     report.weights, report.expected_weights = info.get("weights"), info.get("expected_weights")
     if run.error is None:

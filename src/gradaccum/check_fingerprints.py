@@ -168,6 +168,7 @@ CODES: dict[str, str] = {
     "scheduler_step_inside_window": "scheduler.step() more than once per window (constructors not counted)",
     "batch_coupled_layer": "a layer (BatchNorm, or any other) makes a sample's output depend on its batch",
     "loss_couples_samples": "the loss is not a sum over micro-batches (in-batch negatives, batch statistics)",
+    "bn_stats_updated_twice": "BatchNorm statistics updated again when backward recomputes it (checkpointing)",
     "token_normalization": "micro-batches weighted equally although the full batch weighs them by tokens",
     "rng_reseeded": "random draws do not depend on the state the window starts from: a seed is set inside",
     "seed_inside_window": "(note) a seed is set inside the window, but nothing random is drawn",

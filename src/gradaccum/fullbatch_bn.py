@@ -3,17 +3,23 @@ logical batch of K·b samples, with the full batch's gradient and running statis
 
 Micro-batch k would need the statistics of micro-batches k+1..K before they have been computed, so it cannot be
 done in one pass; :func:`full_batch_stats_backward` does it in two (a statistics pass, then forward/backward
-sweeps), and refuses with a ``ValueError`` naming the layer where it cannot be exact. Chapter 2 of the book.
+sweeps), and refuses with a ``ValueError`` naming the layer where it cannot be exact. With ``cache=True`` (or
+``"cpu"``) it cuts the traced forward at the BatchNorm layers and keeps what crosses each cut for all K
+micro-batches, so that the L partial forwards become one forward and the L + 1 sweeps one recomputing backward
+(:func:`cache_bytes` measures the memory that costs). Chapter 2 of the book.
 """
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -159,12 +165,16 @@ class _Rng:
 
     def at(self, i: int) -> None:
         """Set the generators to the start state of micro-batch ``i``."""
-        if self.random is None:
-            return
-        cpu, cuda = self.starts[min(i, len(self.starts) - 1)]
-        torch.set_rng_state(cpu)
-        for d, state in zip(self.devices, cuda):
-            torch.cuda.set_rng_state(state, d)
+        if self.random is not None:
+            self.load(self.starts[min(i, len(self.starts) - 1)])
+
+    def state(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        return self._get()
+
+    def load(self, state: tuple[torch.Tensor, tuple[torch.Tensor, ...]]) -> None:
+        torch.set_rng_state(state[0])
+        for d, cuda in zip(self.devices, state[1]):
+            torch.cuda.set_rng_state(cuda, d)
 
     def ended(self, i: int) -> None:
         """Micro-batch ``i``'s whole forward has run: record the state micro-batch i+1 starts from."""
@@ -195,11 +205,13 @@ class _Sweep:
     def check_inputs(self) -> None:
         for x, version, name in self.inputs.values():
             if x._version != version:
-                raise ValueError(
-                    f"the input of BatchNorm layer {_label(name)} was modified in place after the layer read it "
-                    "(e.g. x.relu_() or x += ... on the tensor fed to the layer); its gradient needs that input, "
-                    "and nn.BatchNorm's own backward fails on this too. Use the out-of-place operation."
-                )
+                raise ValueError(_inplace_message(name))
+
+
+def _inplace_message(name: str) -> str:
+    return (f"the input of BatchNorm layer {_label(name)} was modified in place after the layer read it (e.g. "
+            "x.relu_() or x += ... on the tensor fed to the layer); its gradient needs that input, and "
+            "nn.BatchNorm's own backward fails on this too. Use the out-of-place operation.")
 
 
 class _FullBatchNorm(torch.autograd.Function):
@@ -456,8 +468,483 @@ def _collect_corrections(model: nn.Module, loss_fn: LossFn, micro: list, k: int,
     return corrections
 
 
+# ---------------------------------------------------------------------------------------- cache=True or "cpu"
+#
+# The uncached scheme restarts the model's forward from its input for every partial forward and every sweep. With
+# the cache, torch.fx traces the forward once and cuts it at the L batch-statistics BatchNorm calls into L + 1
+# stages; each stage runs on what earlier stages left (the values it reads), so nothing is recomputed from the
+# input. Pass 1 runs stage 0 for all K micro-batches, takes layer 1's statistics from the K inputs, runs stage 1,
+# and so on (one forward in all). The backward goes stage by stage from the top: stage s is recomputed for each
+# micro-batch from its kept inputs (with the same dropout masks) and back-propagated from the gradients that
+# arrived at its outputs; between stage c and stage c−1, layer c's correction needs only the K gradients
+# a = ∂L/∂x̂ at the cut (one forward and one backward in all).
+
+
+class _Refused(ValueError):
+    """A refusal raised while tracing, told apart from torch.fx's own errors."""
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+class _Tracer(fx.Tracer):
+    """torch.fx's tracer with every BatchNorm (subclasses too) kept as one call, the cuts of the cached scheme.
+    Refuses a hook on a module it traces through: the graph would leave the hook out."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, _BatchNorm) or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        name = self.path_of_module(m)
+        if _has_hooks(m) and not self.is_leaf_module(m, name):
+            raise _Refused(f"module {_label(name)} has hooks; cache=True runs a torch.fx trace of the model, which "
+                           "runs only the hooks of the modules it keeps whole (torch.nn layers). Remove the hooks "
+                           "or use cache=False.")
+        return super().call_module(m, forward, args, kwargs)
+
+
+@dataclass
+class _Stage:
+    run: fx.GraphModule  # the stage's inputs → its outputs (the last stage: → the model's output)
+    inputs: list[fx.Node]  # values it reads that were computed before it
+    outputs: list[fx.Node]  # its values read after it
+
+
+@dataclass
+class _Plan:
+    """The traced forward cut at its L batch-statistics BatchNorm calls. Steps: stage 0, cut 1, stage 1, …,
+    cut L, stage L, numbered 0..2L (stage s is step 2s, cut c step 2c − 1). ``last_use[n]``: the last step that
+    reads value n; ``kept[n]``: the first stage whose recomputation reads n (a value only a BatchNorm reads is
+    not kept: x̂ is); ``cut_of[n]``: the index of cut n; ``read_at[n]``: the first step whose BatchNorm reads n."""
+
+    input: fx.Node
+    stages: list[_Stage]
+    cuts: list[fx.Node]
+    layers: list[_BatchNorm]
+    last_use: dict[fx.Node, int]
+    kept: dict[fx.Node, int]
+    cut_of: dict[fx.Node, int]
+    read_at: dict[fx.Node, tuple[int, str]]
+
+
+_plans: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], _Plan]] = weakref.WeakKeyDictionary()
+
+
+def _plan(model: nn.Module, names: dict[_BatchNorm, str]) -> _Plan:
+    """The stages of ``model``, traced once and kept while the model lives, traced again when its modules, their
+    modes, hooks or parameters change (a trace reads them; a change of another attribute that the forward
+    branches on is not seen)."""
+    if model._forward_hooks or model._backward_hooks or model._backward_pre_hooks:
+        raise ValueError("the model has forward or backward hooks; cache=True runs a torch.fx trace of its forward, "
+                         "which leaves them out (forward pre-hooks are allowed). Remove them or use cache=False.")
+    key = (tuple((id(m), m.training, _has_hooks(m)) for m in model.modules()), tuple(map(id, model.parameters())),
+           tuple(map(id, names)))
+    kept = _plans.get(model)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    plan = _trace(model, names)
+    _plans[model] = (key, plan)
+    return plan
+
+
+def _trace(model: nn.Module, names: dict[_BatchNorm, str]) -> _Plan:
+    """Trace ``model`` and cut it into stages (ValueError, saying why, for a model the cache cannot run)."""
+    try:
+        graph = _Tracer().trace(model)
+    except _Refused:
+        raise
+    except Exception as e:
+        raise ValueError(f"cache=True cuts the model's forward at its BatchNorm layers with torch.fx, which cannot "
+                         f"trace this model ({type(e).__name__}: {e}). Use cache=False.") from e
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        raise ValueError(f"cache=True runs models called as model(x); this forward takes {len(placeholders)} "
+                         "inputs. Use cache=False.")
+    cuts: list[fx.Node] = []
+    layers: list[_BatchNorm] = []
+    step: dict[fx.Node, int] = {}
+    read_at: dict[fx.Node, tuple[int, str]] = {}
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            continue  # copied into every stage that reads it
+        layer = model.get_submodule(str(n.target)) if n.op == "call_module" else None
+        if not (isinstance(layer, _BatchNorm) and layer in names):
+            step[n] = -1 if n.op == "placeholder" else 2 * len(cuts)
+            continue
+        if layer in layers:
+            raise ValueError(_twice_message(names[layer]))
+        x = n.args[0] if len(n.args) == 1 and not n.kwargs else None
+        if not isinstance(x, fx.Node) or x.op == "get_attr":
+            raise ValueError(f"BatchNorm layer {_label(names[layer])} is called with {n.args} {n.kwargs}; cache=True "
+                             "handles one input computed in the forward. Use cache=False.")
+        cuts.append(n)
+        layers.append(layer)
+        step[n] = 2 * len(cuts) - 1
+        read_at.setdefault(x, (step[n], names[layer]))
+    last_use = {n: max((step[u] for u in n.users), default=step[n]) for n in step}
+    cut_of = {n: c for c, n in enumerate(cuts)}
+    stages: list[_Stage] = []
+    kept: dict[fx.Node, int] = {}
+    for s in range(len(cuts) + 1):
+        nodes = [n for n in step if step[n] == 2 * s]
+        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a in step and step[a] != 2 * s))
+        outputs = [n for n in nodes if n.op != "output" and last_use[n] > 2 * s]
+        for a in inputs:
+            if a.op != "placeholder" and a not in cut_of:
+                kept.setdefault(a, s)
+        g = fx.Graph()
+        env = {a: g.placeholder(a.name) for a in inputs}
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a not in env:  # a get_attr node
+                    env[a] = g.node_copy(a)
+            env[n] = g.node_copy(n, env.__getitem__)
+        if s < len(cuts):
+            g.output(tuple(env[n] for n in outputs))
+        stages.append(_Stage(fx.GraphModule(model, g), inputs, outputs))
+    return _Plan(placeholders[0], stages, cuts, layers, last_use, kept, cut_of, read_at)
+
+
+def _find_rng_starts(model: nn.Module, micro_batches: Sequence[torch.Tensor], names: dict[_BatchNorm, str],
+                     rng: _Rng) -> None:
+    """The uncached statistics pass's first sweep, for its generator states only (see :class:`_Rng`): micro-batch
+    0's whole forward, and, if it drew random numbers, every micro-batch's."""
+    patch = _Patch(names, {})
+    patch.discover = True
+    with torch.no_grad(), _patched(patch, list(names)):
+        for i, xb in enumerate(micro_batches):
+            if i > 0 and not rng.random:
+                break
+            rng.at(i)
+            patch.new_forward()
+            model(xb)
+            rng.ended(i)
+
+
+def _holds_tensors(v: Any) -> bool:
+    if isinstance(v, dict):
+        v = list(v.values())
+    return isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(map(_holds_tensors, v)))
+
+
+def _bn_output(layer: _BatchNorm, xhat: torch.Tensor) -> torch.Tensor:
+    """γ·x̂ + β, always a new tensor (an in-place activation after the layer must not change the kept x̂)."""
+    y = _affine(layer, xhat)
+    return y.clone() if y is xhat else y
+
+
+class _Cached:
+    """One step with the cache: :meth:`forward` (pass 1), then :meth:`backward`. The tensors it keeps for all K
+    micro-batches: ``held`` (values a later stage reads), ``xhat`` (x̂ of every cut) and ``grads`` (∂L/∂value at
+    the cuts; for a cut node ∂L/∂x̂), all on ``device`` (the model's, or the CPU for cache="cpu")."""
+
+    def __init__(self, plan: _Plan, micro: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                 rng: _Rng, exact: bool, meter: list[int] | None = None):
+        self.plan, self.rng, self.exact, self.device, self.meter = plan, rng, exact, device, meter
+        self.xs, self.ys = [xb for xb, _ in micro], [yb for _, yb in micro]
+        self.home = self.xs[0].device
+        k = len(micro)
+        self.held: list[dict[fx.Node, Any]] = [{} for _ in range(k)]
+        self.grads: list[dict[fx.Node, torch.Tensor]] = [{} for _ in range(k)]
+        self.xhat: list[list[torch.Tensor]] = []
+        self.consts: list[tuple[torch.Tensor, torch.Tensor]] = []  # full-batch mean and √(σ²+ε) per cut
+        self.sizes: list[list[int]] = []  # per cut, the K micro-batches' lengths of its input
+        self.requires: dict[fx.Node, bool] = {}  # whether the value needs a gradient (a cut: whether x̂ does)
+        self.starts: list[list[Any]] = [[] for _ in range(k)]  # generator state at each stage's start
+        self.stats: dict[_BatchNorm, Moments] = {}
+
+    def _put(self, v: Any) -> Any:
+        return v.detach().to(self.device) if isinstance(v, torch.Tensor) else v
+
+    def _get(self, v: Any) -> Any:
+        return v.to(self.home) if isinstance(v, torch.Tensor) else v
+
+    def _value(self, i: int, n: fx.Node) -> Any:
+        return self.xs[i] if n is self.plan.input else self._get(self.held[i][n])
+
+    def _release(self, i: int, step: int) -> None:
+        held = self.held[i]
+        for n in [n for n in held if self.plan.last_use[n] <= step and n not in self.plan.kept]:
+            del held[n]
+
+    def _measure(self) -> None:
+        if self.meter is None:
+            return
+        tensors = [*(v for h in self.held for v in h.values()), *(t for ts in self.xhat for t in ts),
+                   *(g for d in self.grads for g in d.values())]
+        self.meter.append(tensor_bytes(t for t in tensors if isinstance(t, torch.Tensor)))
+
+    def _check(self, live: dict[fx.Node, Any], versions: dict[fx.Node, int], step: int) -> None:
+        """Refuse a value changed in place after a later step's reader saw it (micro-batch 0 shows it for all:
+        every micro-batch runs the same graph); forget the values no later step reads."""
+        for n, version in versions.items():
+            if live[n]._version == version or (n in self.plan.cut_of and self.plan.last_use[n] == step):
+                continue  # unchanged, or a BatchNorm output changed by its last reader (an in-place activation)
+            read = self.plan.read_at.get(n)
+            if read is not None and read[0] < step:
+                raise ValueError(_inplace_message(read[1]))
+            raise ValueError(f"the value {n.name!r} of the traced forward is read after a BatchNorm layer and "
+                             "modified in place; cache=True keeps such values from pass to pass and cannot follow "
+                             "the change. Use the out-of-place operation, or cache=False.")
+        for n in [n for n in live if self.plan.last_use[n] <= step]:
+            del live[n]
+            versions.pop(n, None)
+
+    def forward(self) -> None:
+        """Pass 1: stage s for all K micro-batches, then layer s+1's full-batch statistics from the K inputs, and
+        x̂ = (x − μ)/√(σ²+ε) of each. Micro-batch 0 runs with its autograd graph (in the caller's grad mode): it
+        shows which values need a gradient and which are changed in place."""
+        plan, rng, k, grad = self.plan, self.rng, len(self.xs), torch.is_grad_enabled()
+        last = len(plan.cuts)
+        state = list(rng.starts[:k]) if rng.random else []
+        live: dict[fx.Node, Any] = {plan.input: self.xs[0]}
+        versions: dict[fx.Node, int] = {}
+        for s, stage in enumerate(plan.stages):
+            for i in range(k if rng.random else 0):
+                self.starts[i].append(state[i])
+            for i in range(k if s < last else 1):  # the last stage: micro-batch 0 only, for the checks
+                if rng.random:
+                    rng.load(state[i])
+                with torch.set_grad_enabled(grad and i == 0):
+                    outs = stage.run(*[live[n] if i == 0 else self._value(i, n) for n in stage.inputs])
+                if rng.random:
+                    state[i] = rng.state()
+                for n, v in zip(stage.outputs, outs if s < last else ()):
+                    if i == 0 and not isinstance(v, torch.Tensor) and _holds_tensors(v):
+                        raise ValueError(f"the value {n.name!r} of the traced forward, read after a BatchNorm layer, "
+                                         f"is a {type(v).__name__} of tensors; cache=True keeps single tensors across "
+                                         "the layers. Index it before the layer, or use cache=False.")
+                    self.held[i][n] = self._put(v)
+                    if i == 0:
+                        live[n] = v
+                        self.requires[n] = isinstance(v, torch.Tensor) and v.requires_grad
+                        if isinstance(v, torch.Tensor):
+                            versions[n] = v._version
+                if i == 0:
+                    self._check(live, versions, 2 * s)
+                self._release(i, 2 * s)
+            if s < last:
+                self._cut(s, live, versions, grad)
+            self._measure()
+
+    def _cut(self, c: int, live: dict[fx.Node, Any], versions: dict[fx.Node, int], grad: bool) -> None:
+        """Layer c's statistics from its inputs of all K micro-batches (the moments of their concatenation), and
+        x̂ = (x − μ)/√(σ²+ε) of each micro-batch, kept; the inputs are released unless a later stage reads them."""
+        node, layer, step = self.plan.cuts[c], self.plan.layers[c], 2 * c + 1
+        xn = node.args[0]
+        assert isinstance(xn, fx.Node)
+        layer._check_input_dim(live[xn])
+        with torch.no_grad():
+            parts = [live[xn].detach(), *(self._value(i, xn) for i in range(1, len(self.xs)))]
+            self.sizes.append([len(p) for p in parts])
+            x = torch.cat(parts)
+            total = Moments.of(x)
+            if total.count < 2:
+                raise ValueError(f"BatchNorm layer {_label(self.plan.read_at[xn][1])} sees {total.count} value per "
+                                 "channel in the whole batch; batch statistics need at least 2 (nn.BatchNorm "
+                                 "refuses this too).")
+            shape = _shape(x)
+            mean, scale = total.mean.view(shape), torch.sqrt(total.var + layer.eps).view(shape)
+            xhat = (x - mean) / scale
+            ys = self._put(_bn_output(layer, xhat)).split(self.sizes[c]) if node.users else None
+        self.stats[layer] = total
+        self.consts.append((mean, scale))
+        self.xhat.append(list(self._put(xhat).split(self.sizes[c])))
+        with torch.set_grad_enabled(grad):  # micro-batch 0 again, with its graph
+            xhat0 = (live[xn] - mean) / scale
+            self.requires[node] = xhat0.requires_grad
+            if node.users:
+                live[node] = _bn_output(layer, xhat0)
+                versions[node] = live[node]._version
+        for i in range(len(self.xs)):
+            if ys is not None:
+                self.held[i][node] = ys[i]
+            self._release(i, step)
+        self._check(live, versions, step)
+
+    def _add(self, i: int, n: fx.Node, g: torch.Tensor) -> None:
+        old = self.grads[i].get(n)
+        self.grads[i][n] = self._put(g if old is None else self._get(old) + g)
+
+    def _leaf(self, i: int, n: fx.Node) -> tuple[Any, Any]:
+        """Stage input n of micro-batch i as (what the stage gets, the leaf whose .grad is ∂L/∂n, or ∂L/∂x̂)."""
+        c = self.plan.cut_of.get(n)
+        if c is not None:
+            xhat = self._get(self.xhat[c][i]).detach().requires_grad_(self.requires[n])
+            return _bn_output(self.plan.layers[c], xhat), xhat
+        v = self._get(self.held[i][n])
+        if isinstance(v, torch.Tensor):
+            v = v.detach().requires_grad_(self.requires[n])
+        return v, v
+
+    def backward(self, loss_fn: LossFn, k: int) -> float:
+        """Stages from the last to the first: each recomputed per micro-batch from its kept inputs and
+        back-propagated from the gradients at its outputs (the last: from loss / K); after stage c, layer c's
+        gradient (see :meth:`_correct`). Returns the batch loss."""
+        plan, rng, total = self.plan, self.rng, 0.0
+        for s in reversed(range(len(plan.stages))):
+            stage = plan.stages[s]
+            for i in range(len(self.xs)):
+                if rng.random:
+                    rng.load(self.starts[i][s])
+                args, leaves = [], []
+                for n in stage.inputs:
+                    if n is plan.input:
+                        args.append(self.xs[i])
+                    else:
+                        arg, leaf = self._leaf(i, n)
+                        args.append(arg)
+                        leaves.append((n, leaf))
+                out = stage.run(*args)
+                roots: list[torch.Tensor] = []
+                seeds: list[torch.Tensor | None] = []
+                if s == len(plan.cuts):
+                    loss = loss_fn(out, self.ys[i]) / k
+                    if not loss.requires_grad:
+                        raise ValueError(_no_grad_message())
+                    roots, seeds = [loss], [None]
+                    total += float(loss.detach())
+                for n, v in zip(stage.outputs, out if s < len(plan.cuts) else ()):
+                    g = self.grads[i].pop(n, None)
+                    if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+                        roots.append(v)
+                        seeds.append(self._get(g))
+                if roots:
+                    torch.autograd.backward(roots, seeds)
+                for n, leaf in leaves:
+                    if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
+                        self._add(i, n, leaf.grad)
+            for held in self.held:
+                for n in [n for n in held if plan.kept.get(n) == s]:
+                    del held[n]
+            if s > 0:
+                self._correct(s - 1)
+            self._measure()
+        return total
+
+    def _correct(self, c: int) -> None:
+        r"""Layer c's backward from the K micro-batches' :math:`a = \partial L/\partial\hat x`: exact,
+        :math:`\frac1s(a - \bar a - \hat x\,\overline{a\hat x})` with the full-batch means; constants, :math:`a/s`."""
+        node, layer = self.plan.cuts[c], self.plan.layers[c]
+        xn = node.args[0]
+        assert isinstance(xn, fx.Node)
+        a = [self.grads[i].pop(node, None) for i in range(len(self.xs))]
+        xhats, self.xhat[c] = self.xhat[c], []
+        if not self.requires[node] or all(g is None for g in a):
+            return
+        mean, scale = self.consts[c]
+        with torch.no_grad():
+            g = torch.cat([self._get(t) if t is not None else torch.zeros_like(self._get(x)) for t, x in zip(a, xhats)])
+            if self.exact:
+                xhat, shape, dims = torch.cat([self._get(x) for x in xhats]), _shape(g), [0, *range(2, g.dim())]
+                count = self.stats[layer].count
+                g = g - ((g.sum(dims) / count).view(shape) + xhat * ((g * xhat).sum(dims) / count).view(shape))
+            g = g / scale
+        for i, gi in enumerate(g.split(self.sizes[c])):
+            self._route(i, xn, gi)
+
+    def _route(self, i: int, n: fx.Node, g: torch.Tensor) -> None:
+        """Pass ∂L/∂x of a BatchNorm input x (value n) on to what computed x."""
+        if n is self.plan.input:
+            if self.xs[i].requires_grad:
+                torch.autograd.backward(self.xs[i], g)
+        elif n in self.plan.cut_of:  # the input is the previous BatchNorm's output γ·x̂ + β
+            y, xhat = self._leaf(i, n)
+            if y.requires_grad:
+                torch.autograd.backward(y, g)
+            if xhat.grad is not None:
+                self._add(i, n, xhat.grad)
+        else:
+            self._add(i, n, g)
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """What ``cache=True`` keeps for one step, next to what one forward of the whole batch saves for its backward.
+
+    ``cache``: the most bytes the cache holds at once (the values read across the cuts, x̂ of every cut and the
+    gradients at the cuts, all K micro-batches; unique storages); ``activations``: the bytes autograd saves in one
+    forward of the whole batch and its loss (unique storages, the parameters' and buffers' left out)."""
+
+    cache: int
+    activations: int
+
+    @property
+    def fraction(self) -> float:
+        return self.cache / self.activations
+
+
+def saved_activation_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes autograd saves for the backward of ``loss_fn(model(x), y)`` (unique storages, parameters and buffers
+    not counted), on a copy of ``model``; the generators are left as they were."""
+    work = copy.deepcopy(model)
+    own = {t.untyped_storage().data_ptr() for t in [*work.parameters(), *work.buffers()]}
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.random.fork_rng(devices=_cuda_devices(model, x)), torch.autograd.graph.saved_tensors_hooks(
+            pack, lambda t: t):
+        loss = loss_fn(work(x), y)
+    del loss
+    return tensor_bytes(saved, exclude=own)
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor], exclude: Set[int] = frozenset()) -> int:
+    """Bytes the ``tensors`` occupy, every byte counted once: per storage, the union of the byte ranges the
+    tensors view (a slice of a dataset counts its own rows, not the whole dataset's storage; two views of one
+    buffer count it once). Storages whose ``data_ptr`` is in ``exclude`` are left out."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in exclude or t.numel() == 0:
+            continue
+        start = int(t.storage_offset()) * t.element_size()
+        extent = 1 + sum((int(n) - 1) * int(stride) for n, stride in zip(t.shape, t.stride()))
+        spans.setdefault(ptr, []).append((start, start + extent * t.element_size()))
+    total = 0
+    for ranges in spans.values():
+        end = -1
+        for a, b in sorted(ranges):
+            total += max(0, b - max(a, end))
+            end = max(end, b)
+    return total
+
+
+def cache_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int) -> CacheBytes:
+    """Measure :class:`CacheBytes` for one step of ``full_batch_stats_backward(..., exact=True, cache=True)`` on
+    a copy of ``model`` (the model, its gradients and the generators are left as they were)."""
+    work = copy.deepcopy(model)
+    meter: list[int] = []
+    with torch.random.fork_rng(devices=_cuda_devices(model, x)):
+        _step(work, loss_fn, x, y, k, True, True, meter)
+    if not meter:
+        raise ValueError("the model has no batch-statistics BatchNorm layer that its forward calls: nothing is "
+                         "cached.")
+    return CacheBytes(max(meter), saved_activation_bytes(model, loss_fn, x, y))
+
+
+def _cache_device(cache: bool | str, x: torch.Tensor) -> torch.device | None:
+    """Where the cache keeps its tensors (None: no cache)."""
+    if isinstance(cache, bool):
+        return x.device if cache else None
+    if cache == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"cache must be False, True (keep the cached tensors on the model's device) or 'cpu' (keep "
+                     f"them in host memory), got {cache!r}.")
+
+
+def _no_grad_message() -> str:
+    return ("the loss needs no gradient: no parameter that requires grad reaches it (or gradients are disabled, "
+            "e.g. under torch.no_grad()).")
+
+
 def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
-                              exact: bool = False) -> float:
+                              exact: bool = False, cache: bool | str = False) -> float:
     """One optimizer step's gradient with every micro-batch normalized by the *full* batch's statistics.
 
     Pass 1 (:func:`full_batch_statistics`) computes each batch-statistics BatchNorm layer's statistics over all
@@ -470,6 +957,24 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
     batch loss. ``loss_fn`` must be a mean over the samples (each micro-batch's loss is divided by K); with a
     summed loss the step is 1/K of the full-batch sum's gradient.
 
+    ``cache=True`` (tensors kept on the input's device) or ``"cpu"`` (kept in host memory) computes the same
+    step — the same gradient, loss and running statistics up to rounding, the same dropout masks — without
+    restarting the forward: torch.fx traces the model and cuts its forward at the L BatchNorm calls into L + 1
+    stages. Pass 1 runs the stages in turn for all K micro-batches (layer ℓ's statistics from the K inputs of
+    cut ℓ): one forward instead of L partial ones per micro-batch. The backward runs the stages from the last
+    to the first, each recomputed per micro-batch from its kept inputs and back-propagated from the gradients
+    kept at its outputs, with layer ℓ's full-batch means taken between stage ℓ and stage ℓ−1: one more
+    forward and one backward instead of L + 1 forward/backward sweeps. The cost is memory: the values that cross
+    each cut (x̂ of every layer and any skip connection) and the gradients at the cuts, for all K micro-batches
+    (:func:`cache_bytes` measures it). With ``exact=False`` the cache gives the constants scheme's gradient at
+    the same cost as the exact one. The model's ``forward`` itself is called once (micro-batch 0, which shows
+    whether the model draws random numbers) or K times (it does: each micro-batch's generator state is found as
+    without the cache); the stages call the model's submodules that torch.fx keeps whole (torch.nn layers),
+    whose hooks run. ValueError, saying to use ``cache=False``, for a model torch.fx cannot trace (Python
+    control flow on tensor values), with more than one input, with hooks torch.fx would leave out (a forward
+    pre-hook on the model itself is allowed and sees the calls above), or whose values read across a cut are
+    changed in place.
+
     Layers are treated as ``nn.BatchNorm`` treats them: a training-mode layer (or an eval-mode one without
     running statistics) normalizes with the full batch's statistics; an eval-mode layer with running statistics
     is a constant affine map and is left alone; running statistics move only in training mode with
@@ -479,12 +984,27 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
     its own forward (or SyncBatchNorm under torch.distributed), a BatchNorm input modified in place after the
     layer read it (``exact=True``), a model in eval mode.
     """
+    return _step(model, loss_fn, x, y, k, exact, cache)
+
+
+def _step(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, exact: bool,
+          cache: bool | str, meter: list[int] | None = None) -> float:
     require_k(k)
+    device = _cache_device(cache, x)
     if not model.training:
         raise ValueError("full-batch statistics are a training-mode scheme; call model.train() first.")
     micro = split_batch(x, y, k)
     names = _batch_stat_layers(model)
     rng = _Rng(_cuda_devices(model, x))
+    plan = _plan(model, names) if device is not None and names else None
+    if device is not None and plan is not None and plan.cuts:  # else: no BatchNorm to cut, plain accumulation
+        _find_rng_starts(model, [xb for xb, _ in micro], names, rng)
+        run = _Cached(plan, micro, device, rng, exact, meter)
+        run.forward()
+        total = run.backward(loss_fn, k)
+        update_running_stats(run.stats)
+        rng.at(len(micro))
+        return total
     stats = _statistics_pass(model, [xb for xb, _ in micro], names, rng)
     sweep = _Sweep(_collect_corrections(model, loss_fn, micro, k, stats, names, rng)) if exact else None
     total = 0.0
@@ -496,8 +1016,7 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
             if sweep is not None:
                 sweep.check_inputs()
             if not loss.requires_grad:
-                raise ValueError("the loss needs no gradient: no parameter that requires grad reaches it (or "
-                                 "gradients are disabled, e.g. under torch.no_grad()).")
+                raise ValueError(_no_grad_message())
             loss.backward()
             total += float(loss.detach())
     update_running_stats(stats)
@@ -505,11 +1024,11 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
 
 
 def full_batch_stats_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
-                              exact: bool = False) -> torch.Tensor:
+                              exact: bool = False, cache: bool | str = False) -> torch.Tensor:
     """Flat gradient of :func:`full_batch_stats_backward`, computed on a copy (the model is not modified)."""
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
-    full_batch_stats_backward(work, loss_fn, x, y, k, exact)
+    full_batch_stats_backward(work, loss_fn, x, y, k, exact, cache)
     return flat_grad(work).detach()
 
 

@@ -8,25 +8,148 @@ BatchNorm layer of a model for one. The opposite wish, full-batch statistics und
 from __future__ import annotations
 
 import copy
+import functools
+import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
+
+#: The implementations ``GhostBatchNorm(impl=...)`` accepts.
+IMPLS = ("auto", "loop", "fold", "compile")
+
+#: On CPU, "auto" loops over the ghost batches when one holds at least this many values (v · C · H · W), and
+#: folds them otherwise (measured with ``benchmarks/ghost_bn.py``; see :func:`auto_impl`).
+LOOP_MIN_VALUES = 2**16
+
+#: The output, and the mean over ghost batches of their means and of their unbiased variances.
+_Result = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def auto_impl(x: torch.Tensor, virtual_batch_size: int) -> str:
+    """The implementation ``impl="auto"`` runs for input ``x``: on CPU ``"loop"`` when a ghost batch holds at
+    least :data:`LOOP_MIN_VALUES` values, else ``"fold"``; on every other device ``"fold"``.
+
+    Measured on the book's 2-core CPU, one thread (``gradaccum/book/ghost_bn_cpu.json``, written by
+    ``benchmarks/ghost_bn.py``; forward + backward relative to one ``nn.BatchNorm`` call on the whole batch):
+    256×64×16×16 with v=32 (524,288 values per ghost batch), loop 1.12×, fold 1.40×; 64×16×8×8 with v=4 (4,096),
+    loop 4.5×, fold 2.1×; 4096×256 with v=32 (8,192), loop 3.5×, fold 2.6×. The loop writes each ghost batch
+    straight into its slice of the output, so for large ghost batches it costs little more than BatchNorm; for
+    small ones its G kernel calls cost more than the fold's copies in and out of the folded layout (the
+    crossover, between 32,768 and 131,072 values, was measured on more shapes while choosing). On CUDA the fold
+    measured 1.4× on an H200, against 2.7–4.4× for a loop of ``nn.BatchNorm2d``; this package's loop was not
+    measured there, so every device but the CPU gets the fold.
+    """
+    if x.device.type == "cpu" and x[:virtual_batch_size].numel() >= LOOP_MIN_VALUES:
+        return "loop"
+    return "fold"
+
+
+def _fold(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor, v: int,
+          eps: float) -> _Result:
+    """Ghost batches folded into the channel dimension, a (v, G·C, ...) copy, and one ``F.batch_norm`` call on
+    it, which writes each ghost batch's mean and unbiased variance into zeroed "running" statistics with
+    momentum 1 (zeros like ``stats_like``, the layer's running mean); the output is copied back."""
+    n, c, rest = x.shape[0], x.shape[1], x.shape[2:]
+    g = n // v
+    folded = x.reshape(g, v, c, *rest).transpose(0, 1).reshape(v, g * c, *rest)
+    mean, var = stats_like.new_zeros(g * c), stats_like.new_zeros(g * c)
+    out = F.batch_norm(folded, mean, var, None if weight is None else weight.repeat(g),
+                       None if bias is None else bias.repeat(g), True, 1.0, eps)
+    out = out.reshape(v, g, c, *rest).transpose(0, 1).reshape(x.shape)
+    return out, mean.view(g, c).mean(0), var.view(g, c).mean(0)
+
+
+class _Loop(torch.autograd.Function):
+    """One native BatchNorm call per ghost batch, each writing straight into its slice of the output (a loop of
+    ``F.batch_norm`` would copy the G outputs together with ``torch.cat``); ghost batch ``i`` writes its mean
+    and unbiased variance into row ``i`` of ``means`` and ``variances`` (G, C, zeros, updated with momentum 1).
+    Once differentiable."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                means: torch.Tensor, variances: torch.Tensor, v: int, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        save_mean, save_invstd = torch.empty_like(means), torch.empty_like(variances)
+        for i, (xi, oi) in enumerate(zip(x.split(v), out.split(v))):
+            torch.ops.aten.native_batch_norm.out(xi, weight, bias, means[i], variances[i], True, 1.0, eps, out=oi,
+                                                 save_mean=save_mean[i], save_invstd=save_invstd[i])
+        ctx.save_for_backward(x, weight, save_mean, save_invstd)  # type: ignore[arg-type]  # None: no affine
+        ctx.v, ctx.eps = v, eps  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, save_mean, save_invstd = ctx.saved_tensors
+        mask = list(ctx.needs_input_grad[:3])
+        grads = [torch.ops.aten.native_batch_norm_backward(go, xi, weight, None, None, save_mean[i], save_invstd[i],
+                                                           True, ctx.eps, mask)
+                 for i, (go, xi) in enumerate(zip(grad_out.split(ctx.v), x.split(ctx.v)))]
+        grad_x = torch.cat([gr[0] for gr in grads]) if mask[0] else None
+        grad_w, grad_b = (torch.stack([gr[j] for gr in grads]).sum(0) if mask[j] else None for j in (1, 2))
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _loop(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor, v: int,
+          eps: float) -> _Result:
+    """Each ghost batch normalized by its own BatchNorm call (:class:`_Loop`)."""
+    shape = (x.shape[0] // v, x.shape[1])
+    mean, var = stats_like.new_zeros(shape), stats_like.new_zeros(shape)
+    return _Loop.apply(x, weight, bias, mean, var, v, eps), mean.mean(0), var.mean(0)
+
+
+@functools.cache
+def _compiled_fold() -> Callable[..., _Result]:
+    return torch.compile(_fold)
+
+
+_compile_failed = False
+
+
+def _compile(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor,
+             v: int, eps: float) -> _Result:
+    """:func:`_fold` through ``torch.compile``; after its first failure, warned about once, the eager fold
+    (:func:`_fold` changes nothing, so a failed attempt leaves no trace in the layer)."""
+    global _compile_failed
+    if not _compile_failed:
+        try:
+            return _compiled_fold()(x, weight, bias, stats_like, v, eps)
+        except Exception as err:  # any failure to compile (no C++ compiler, unsupported platform): fall back
+            _compile_failed = True
+            warnings.warn(f"torch.compile failed ({type(err).__name__}: {str(err)[:200]}); GhostBatchNorm("
+                          "impl='compile') runs the eager fold from now on.", RuntimeWarning, stacklevel=3)
+    return _fold(x, weight, bias, stats_like, v, eps)
+
+
+_FORWARDS: dict[str, Callable[..., _Result]] = {"loop": _loop, "fold": _fold, "compile": _compile}
 
 
 class GhostBatchNorm(_BatchNorm):
     r"""BatchNorm that, in training, normalizes each consecutive chunk of ``virtual_batch_size`` samples
     with that chunk's own statistics (Hoffer, Hubara & Soudry 2017).
 
-    The :math:`G = N/v` ghost batches are folded into the channel dimension — a view of shape
-    :math:`(v, G\cdot C, \dots)` — so that one ``F.batch_norm`` call normalizes all of them.
+    For ghost batch :math:`g` of the :math:`G = N/v`, channel :math:`c`:
+    :math:`y = \gamma_c\,(x-\hat\mu_{g,c})/\sqrt{\hat\sigma^2_{g,c}+\epsilon} + \beta_c`, with the mean
+    :math:`\hat\mu_{g,c}` and biased variance :math:`\hat\sigma^2_{g,c}` over the ghost batch's samples (and
+    positions, for feature maps).
 
     **Running statistics** are updated *once per forward pass*, with the mean over ghost batches of their
     means and of their unbiased variances: :math:`\bar\mu \leftarrow (1-m)\bar\mu + m\,\frac1G\sum_g\hat\mu_g`
     (and likewise for the variance). With ``momentum=None`` the update is a cumulative average, as in
     ``nn.BatchNorm``, so ``torch.optim.swa_utils.update_bn`` works. When the batch is a single ghost batch the
     layer is exactly ``nn.BatchNorm``. In eval mode it uses the running statistics, as BatchNorm does.
+
+    ``impl`` chooses how, with equal results up to float rounding: ``"loop"``, one BatchNorm call per ghost
+    batch writing into its slice of the output (once differentiable: no double backward); ``"fold"``, the ghost
+    batches folded into the channel dimension — a copy of shape :math:`(v, G\cdot C, \dots)` — so that one
+    ``F.batch_norm`` call normalizes all of them; ``"compile"``, the fold through ``torch.compile`` (tens of
+    seconds to compile per input shape; after a failure to compile it warns once and runs the eager fold);
+    ``"auto"`` (default), :func:`auto_impl`: the loop on CPU for large ghost batches, the fold otherwise.
     """
 
     # Always tracked (``track_running_stats=True`` below), so never None; annotations only, no runtime effect.
@@ -35,7 +158,7 @@ class GhostBatchNorm(_BatchNorm):
     num_batches_tracked: torch.Tensor
 
     def __init__(self, num_features: int, virtual_batch_size: int, dims: int = 2, eps: float = 1e-5,
-                 momentum: float | None = 0.1, affine: bool = True):
+                 momentum: float | None = 0.1, affine: bool = True, impl: str = "auto"):
         if dims not in (1, 2):
             raise ValueError(f"dims must be 1 (features) or 2 (feature maps), got {dims}.")
         if isinstance(virtual_batch_size, bool) or not isinstance(virtual_batch_size, int) or virtual_batch_size < 2:
@@ -43,9 +166,13 @@ class GhostBatchNorm(_BatchNorm):
                 f"virtual_batch_size must be an int >= 2, got {virtual_batch_size!r}: a ghost batch of one sample "
                 "has zero variance. Use 2 or more (Hoffer et al. used 128 on ImageNet)."
             )
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}; 'auto' picks the "
+                             "fastest measured one for the device and shape.")
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
         self.virtual_batch_size = virtual_batch_size
         self.dims = dims
+        self.impl = impl
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         expected = 4 if self.dims == 2 else 2
@@ -53,11 +180,11 @@ class GhostBatchNorm(_BatchNorm):
             raise ValueError(f"GhostBatchNorm(dims={self.dims}) expects a {expected}-D input, got {x.dim()}-D.")
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, virtual_batch_size={self.virtual_batch_size}"
+        return f"{super().extra_repr()}, virtual_batch_size={self.virtual_batch_size}, impl={self.impl!r}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        n, c, v = x.shape[0], x.shape[1], self.virtual_batch_size
+        n, v = x.shape[0], self.virtual_batch_size
         if not self.training or n == v:
             return super().forward(x)
         if n % v:
@@ -65,37 +192,32 @@ class GhostBatchNorm(_BatchNorm):
                 f"a batch of {n} cannot be cut into ghost batches of {v}; use a batch size that is a multiple of "
                 f"{v}, or a virtual batch size that divides {n}."
             )
-        g = n // v
         self.num_batches_tracked.add_(1)
         factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        rest = x.shape[2:]
-        folded = x.reshape(g, v, c, *rest).transpose(0, 1).reshape(v, g * c, *rest)
-        running_mean = self.running_mean.repeat(g)
-        running_var = self.running_var.repeat(g)
-        weight = self.weight.repeat(g) if self.affine else None
-        bias = self.bias.repeat(g) if self.affine else None
-        out = F.batch_norm(folded, running_mean, running_var, weight, bias, True, factor, self.eps)
-        with torch.no_grad():  # G identical updates, one per ghost batch: their mean is one averaged update
-            self.running_mean.copy_(running_mean.view(g, c).mean(0))
-            self.running_var.copy_(running_var.view(g, c).mean(0))
-        return out.reshape(v, g, c, *rest).transpose(0, 1).reshape(x.shape)
+        impl = auto_impl(x, v) if self.impl == "auto" else self.impl
+        out, mean, var = _FORWARDS[impl](x, self.weight, self.bias, self.running_mean, v, self.eps)
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, factor)
+            self.running_var.lerp_(var, factor)
+        return out
 
 
 class LoopGhostBatchNorm(nn.Module):
-    """Reference implementation: one ``nn.BatchNorm2d`` applied to each ghost batch in turn (its running
-    statistics are then updated once per ghost batch)."""
+    """Reference implementation: one ``nn.BatchNorm2d`` (``dims=2``) or ``nn.BatchNorm1d`` (``dims=1``) applied
+    to each ghost batch in turn (its running statistics are then updated once per ghost batch)."""
 
-    def __init__(self, num_features: int, virtual_batch_size: int):
+    def __init__(self, num_features: int, virtual_batch_size: int, dims: int = 2):
         super().__init__()
-        self.bn, self.virtual_batch_size = nn.BatchNorm2d(num_features), virtual_batch_size
+        self.bn = (nn.BatchNorm2d if dims == 2 else nn.BatchNorm1d)(num_features)
+        self.virtual_batch_size = virtual_batch_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.bn(chunk) for chunk in x.split(self.virtual_batch_size)])
 
 
-def ghostify(model: nn.Module, virtual_batch_size: int) -> nn.Module:
+def ghostify(model: nn.Module, virtual_batch_size: int, impl: str = "auto") -> nn.Module:
     """A copy of ``model`` whose BatchNorm layers are :class:`GhostBatchNorm` with the same parameters and
-    running statistics.
+    running statistics, and implementation ``impl``.
 
     Supported: ``nn.BatchNorm1d`` on (N, C) inputs and ``nn.BatchNorm2d``, with running statistics. Refused with a
     ``ValueError`` naming the layer, before anything is copied: ``BatchNorm3d``, ``SyncBatchNorm``, other
@@ -119,7 +241,7 @@ def ghostify(model: nn.Module, virtual_batch_size: int) -> nn.Module:
             if isinstance(child, _BatchNorm) and not isinstance(child, GhostBatchNorm):
                 dims = 1 if isinstance(child, nn.BatchNorm1d) else 2
                 ghost = GhostBatchNorm(child.num_features, virtual_batch_size, dims=dims,
-                                       eps=child.eps, momentum=child.momentum, affine=child.affine)
+                                       eps=child.eps, momentum=child.momentum, affine=child.affine, impl=impl)
                 ghost.load_state_dict(child.state_dict())
                 ghost.to(next(child.buffers()).device, next(child.buffers()).dtype)
                 setattr(module, child_name, ghost.train(child.training))

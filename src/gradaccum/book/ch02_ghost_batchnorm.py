@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import multiprocessing
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import cast
+from importlib import resources
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -294,8 +297,8 @@ def train_method(split: DigitsSplit, method: str, k: int, batch_size: int = 64, 
         model, steps_k = ghostify(model, b), 1
     elif method == "full-batch stats":
         backward_fn = full_batch_stats_backward
-    elif method == "exact full-batch stats":
-        backward_fn = functools.partial(full_batch_stats_backward, exact=True)
+    elif method == "exact full-batch stats":  # with its cache: the same gradient, a third of the time
+        backward_fn = functools.partial(full_batch_stats_backward, exact=True, cache=True)
     elif method == "momentum-corrected":
         set_bn_momentum(model, corrected_momentum(0.1, k))
     if shadow is not None and method != "plain accumulation":
@@ -485,8 +488,11 @@ class StepCost:
 
 def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: int = 7,
                methods: Sequence[str] = ("full batch", "plain accumulation", "ghost BN, 1 update/step",
-                                         "full-batch stats", "exact full-batch stats")) -> list[StepCost]:
+                                         "full-batch stats", "exact full-batch stats", "exact, cached"),
+               ) -> list[StepCost]:
     """Count the passes and time one optimizer step of each method on the same batch (SmallCNN, float64).
+    "exact, cached" is the exact scheme with ``cache=True``: its stages call the layers, not the model, which it
+    calls once (to learn whether the forward draws random numbers).
 
     Timing is interleaved: each round runs every method once, in turn, and each method's time is the median
     over ``repeat`` rounds (after one untimed round), so a machine that slows down or speeds up during the
@@ -509,6 +515,8 @@ def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: in
             backward = full_batch_stats_backward
         elif method == "exact full-batch stats":
             backward = functools.partial(full_batch_stats_backward, exact=True)
+        elif method == "exact, cached":
+            backward = functools.partial(full_batch_stats_backward, exact=True, cache=True)
         elif method != "plain accumulation":
             raise ValueError(f"no step cost for {method!r}; choose among the BatchNorm methods of METHODS.")
         counter = counts.setdefault(method, [0])
@@ -591,3 +599,47 @@ def plot_method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor
     ax2.set_yticks(range(len(names)), [""] * len(names))
     decorate(ax2, "cosine to the full-batch gradient", "", "Gradient agreement")
     return fig
+
+
+# ------------------------------------------------------------------------------------ the recorded benchmark
+
+
+def load_benchmark() -> dict[str, Any]:
+    """The run of ``benchmarks/ghost_bn.py --threads 1 --json ...`` recorded on the book's 2-core CPU (shipped
+    with the package as ``gradaccum/book/ghost_bn_cpu.json``, so that the chapter reads it anywhere)."""
+    text = resources.files("gradaccum.book").joinpath("ghost_bn_cpu.json").read_text(encoding="utf-8")
+    bench = json.loads(text)
+    if bench.get("quick"):
+        raise ValueError("the recorded benchmark is a --quick smoke run; record a full run for the chapter.")
+    return bench
+
+
+def benchmark_ratios(bench: dict[str, Any]) -> dict[tuple[str, str], float]:
+    """Ratio to each table's baseline, keyed by (table, row): tables named by their shape and v ("256×64×16×16,
+    v=32") or "step"; rows by the benchmark's names with the resolved implementation and K left out
+    ("GhostBatchNorm default", "exact, cached")."""
+    out = {}
+    for table in bench["tables"]:
+        key = "step" if "shape" not in table else "×".join(map(str, table["shape"])) + f", v={table['v']}"
+        for row in table["rows"]:
+            name = re.sub(r" \((auto: \w+|K=\d+)\)$", "", row["name"])
+            out[key, name] = float(row["ratio"])
+    return out
+
+
+def benchmark_table(bench: dict[str, Any]) -> Table:
+    """The layer tables side by side: one row per variant, one column per shape (ratio to one BatchNorm call)."""
+    ratios = benchmark_ratios(bench)
+    auto = {"×".join(map(str, t["shape"])) + f", v={t['v']}": t["auto_impl"] for t in bench["tables"] if "shape" in t}
+    shapes = list(dict.fromkeys(t for t, _ in ratios if t != "step"))
+    names = list(dict.fromkeys(n.replace("BatchNorm1d", "BatchNorm2d") for t, n in ratios if t != "step"))
+
+    def cell(shape: str, name: str) -> str:
+        ratio = ratios.get((shape, name), ratios.get((shape, name.replace("BatchNorm2d", "BatchNorm1d"))))
+        if ratio is None:
+            return "—"
+        return f"{ratio:.2f}× ({auto[shape]})" if name == "GhostBatchNorm default" else f"{ratio:.2f}×"
+
+    return Table(["forward + backward", *shapes], [[n.replace("BatchNorm2d", "BatchNorm"), *(cell(s, n)
+                                                                                           for s in shapes)]
+                                                   for n in names])

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from gradaccum import coupled
 from gradaccum._validate import require_k
 from gradaccum.accumulate import flat_grad
+from gradaccum.book.models import make_cnn
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.timing import interleaved_medians
 
@@ -256,6 +258,23 @@ def aux_losses(x: torch.Tensor, ks: Sequence[int], n: int = 64, seed: int = 0) -
     return out
 
 
+def aux_covariance(x: torch.Tensor, k: int, n: int = 64, seed: int = 0) -> float:
+    r""":math:`N\sum_i \frac1K\sum_k (f^k_i - f_i)(P^k_i - P_i)`: the covariance, across the K micro-batches of a
+    window of ``n`` digits, of each expert's routing fraction and mean probability. Because the micro-batches'
+    :math:`f^k` and :math:`P^k` average to the window's, the mean of the per-micro-batch losses exceeds the
+    window's loss by exactly this."""
+    require_k(k)
+    if n % k:
+        raise ValueError(f"K = {k} does not divide the {n} tokens of the window; pick a K that divides {n}.")
+    r = router(seed)
+    with torch.no_grad():
+        probs = r(flat_digits(x[:n])).softmax(1)
+        experts = r.out_features
+        f = torch.stack([coupled.expert_fractions(p.argmax(1), experts) for p in probs.chunk(k)])
+        p_mean = torch.stack([p.mean(0) for p in probs.chunk(k)])
+        return float(experts * ((f - f.mean(0)) * (p_mean - p_mean.mean(0))).sum(1).mean())
+
+
 def plot_aux(ks: Sequence[int], losses: dict[str, list[float]]):
     fig, (ax,) = figure(1, 6.4, 3.2)
     styles = {"window": ("-", PALETTE["black"]), "per micro-batch": ("o-", PALETTE["vermillion"]),
@@ -268,6 +287,29 @@ def plot_aux(ks: Sequence[int], losses: dict[str, list[float]]):
     return fig
 
 
+def plot_aux_window(x: torch.Tensor, k: int, n: int = 64, seed: int = 0):
+    """The widget's picture: each micro-batch's load-balancing loss (what plain accumulation averages), the
+    window's loss, and the fractions each micro-batch counts, for ``n`` digits cut into K micro-batches."""
+    require_k(k)
+    if n % k:
+        raise ValueError(f"K = {k} does not divide the {n} tokens of the window; pick a K that divides {n}.")
+    r = router(seed)
+    with torch.no_grad():
+        probs = r(flat_digits(x[:n])).softmax(1)
+        micro = [coupled.switch_aux_loss(p) for p in probs.chunk(k)]
+        window = float(coupled.switch_aux_loss(probs))
+    fig, (ax,) = figure(1, 6.4, 3.2)
+    plain = float(sum(micro)) / k
+    ax.bar(range(1, k + 1), [float(v) for v in micro], color=PALETTE["vermillion"], label="per micro-batch")
+    ax.axhline(plain, color=PALETTE["vermillion"], linestyle="--", label="their mean (plain)")
+    ax.axhline(window, color=PALETTE["black"], label="the window's (= window fractions)")
+    decorate(ax, "micro-batch", "load-balancing loss", f"{n // k} tokens per micro-batch: mean {plain:.4f}, "
+             f"window {window:.4f} (+{plain - window:.4f})", legend=False)
+    ax.set_ylim(0, 1.45 * max(2.0, max(float(v) for v in micro)))
+    ax.legend(frameon=False, fontsize=7, ncol=2, loc="upper left")
+    return fig
+
+
 # ------------------------------------------------------------------------------------ checkpointing and BN
 
 
@@ -277,6 +319,20 @@ def bn_block(seed: int = 0, momentum: float = 0.1) -> nn.Sequential:
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16, momentum=momentum), nn.ReLU(),
                              nn.Linear(16, 10)).double()
+
+
+class Checkpointed(nn.Module):
+    """``module`` under ``torch.utils.checkpoint`` (with ``keep``:
+    :func:`gradaccum.coupled.checkpoint_keeping_bn_stats`), a model to hand to :func:`gradaccum.check.check`."""
+
+    def __init__(self, module: nn.Module, keep: bool = False):
+        super().__init__()
+        self.module, self.keep = module, keep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.keep:
+            return coupled.checkpoint_keeping_bn_stats(self.module, x)
+        return checkpoint(self.module, x, use_reentrant=False)
 
 
 @dataclass
@@ -315,33 +371,132 @@ def checkpoint_window(x: torch.Tensor, y: torch.Tensor, k: int, b: int, momentum
     )
 
 
+@torch.no_grad()
+def _forward_keep_graph(net: nn.Module, xb: torch.Tensor, method: str) -> None:
+    with torch.enable_grad():
+        xb = xb.clone().requires_grad_()
+        if method == "no checkpointing":
+            out = net(xb)
+        elif method == "checkpoint, statistics kept":
+            out = coupled.checkpoint_keeping_bn_stats(net, xb)
+        else:
+            out = checkpoint(net, xb, use_reentrant=False)
+        out.sum().backward()  # the rerun happens here
+
+
+#: The four ways of the checkpointing section.
+CHECKPOINT_METHODS = ("no checkpointing", "checkpoint", "checkpoint, momentum 1 − √(1 − m)",
+                      "checkpoint, statistics kept")
+
+
+def measured_momentum(x: torch.Tensor, k: int, m: float, method: str) -> float:
+    r"""The weight one optimizer step of K micro-batches gives the new statistics in a BatchNorm's running mean,
+    *measured*: the same micro-batch (mean :math:`\mu`) is fed K times to a BatchNorm1d whose running mean starts
+    at 0, so afterwards it holds :math:`w\mu`; returns :math:`w` (averaged over the channels)."""
+    require_k(k)
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"method must be one of {CHECKPOINT_METHODS}, got {method!r}.")
+    if not 0 < m <= 1:
+        raise ValueError(f"the momentum must lie in (0, 1], got {m}.")
+    momentum = 1 - math.sqrt(1 - m) if method == CHECKPOINT_METHODS[2] else m
+    net = bn_block(0, momentum)
+    linear, bn = net[0], net[1]
+    assert isinstance(bn, nn.BatchNorm1d)
+    bn.running_mean.zero_()  # type: ignore[union-attr]
+    xb = flat_digits(x[:8])
+    for _ in range(k):
+        _forward_keep_graph(net, xb, method)
+    with torch.no_grad():
+        mu = linear(xb).mean(0)
+    return float((bn.running_mean / mu).mean())
+
+
+def plot_checkpoint_momentum(x: torch.Tensor, m: float, k: int, ks: Sequence[int] = (1, 2, 4, 8, 16, 32)):
+    """Effective momentum per optimizer step against K: the formulas as lines (chapter 1's
+    :math:`1-(1-m)^K`; checkpointing's :math:`1-(1-m)^{2K}`), each method measured at the chosen K as a marker."""
+    fig, (ax,) = figure(1, 6.4, 3.4)
+    grid = sorted(set(ks) | {k})
+    ax.plot(grid, [coupled.recompute_momentum(m, kk, reruns=0) for kk in grid], "-", color=PALETTE["black"],
+            label="$1-(1-m)^K$: no checkpointing")
+    ax.plot(grid, [coupled.recompute_momentum(m, kk) for kk in grid], "--", color=PALETTE["vermillion"],
+            label="$1-(1-m)^{2K}$: checkpointing")
+    for method, marker, color in zip(CHECKPOINT_METHODS, "o^sD", [PALETTE["black"], PALETTE["vermillion"],
+                                                                   PALETTE["blue"], PALETTE["green"]]):
+        ax.plot([k], [measured_momentum(x, k, m, method)], marker, color=color, fillstyle="none", markersize=9,
+                label=f"measured: {method}")
+    decorate(ax, "K (micro-batches per optimizer step)", "weight of the new statistics",
+             f"BatchNorm momentum m = {m:g}", xscale="log", xticks=grid, legend=False)
+    ax.set_ylim(0, 1.05)
+    ax.legend(frameon=False, fontsize=7, loc="lower right")
+    return fig
+
+
 # ------------------------------------------------------------------------------------ when K changes
 
 
-def mlp(seed: int = 0) -> nn.Sequential:
-    """Linear(64, 64) → ReLU → Linear(64, 10), float64 (nothing couples the samples)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).double()
+#: The optimizers of the scaling study, with their base learning rate at batches of 16.
+BASE_LR = {"SGD": 0.02, "Adam": 0.006}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    r"""One run of the scaling study: micro-batches of 16 accumulated over ``k`` (batch 16·k), the learning rate
+    multiplied by ``lr_factor``, a linear warmup over ``warmup`` optimizer steps, and for Adam the
+    square-root rule's :math:`\beta` and :math:`\epsilon` when ``adam_sde`` (Malladi et al. 2022: with the batch
+    grown κ times, :math:`1-\beta_i \mapsto \kappa(1-\beta_i)`, :math:`\epsilon \mapsto \epsilon/\sqrt\kappa`)."""
+
+    label: str
+    k: int
+    lr_factor: float
+    warmup: int = 0
+    adam_sde: bool = False
+
+
+#: The scaling study's runs per optimizer (micro-batches of 16; K = 4 grows the effective batch to 64).
+SCALING_RUNS: dict[str, tuple[Recipe, ...]] = {
+    "SGD": (Recipe("batch 16", 1, 1.0), Recipe("batch 64, same rate", 4, 1.0),
+            Recipe("batch 64, rate × 4, warmup", 4, 4.0, 20)),
+    "Adam": (Recipe("batch 16", 1, 1.0), Recipe("batch 64, same rate", 4, 1.0),
+             Recipe("batch 64, rate × 2 (√4), β, ε scaled", 4, 2.0, 0, True),
+             Recipe("batch 64, rate × 4", 4, 4.0)),
+}
+
+
+def optimizer_for(name: str, params, lr: float, kappa: float = 1.0, adam_sde: bool = False) -> torch.optim.Optimizer:
+    r"""SGD with momentum 0.9, or Adam (β = 0.9, 0.999, ε = 1e-8; with ``adam_sde`` the square-root rule's
+    :math:`1-\beta_i \mapsto \kappa(1-\beta_i)`, :math:`\epsilon \mapsto \epsilon/\sqrt\kappa`)."""
+    if name == "SGD":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "Adam":
+        if adam_sde and not kappa * 0.1 < 1:
+            raise ValueError(f"the square-root rule needs 1 - β1 = κ·0.1 < 1, i.e. a batch grown less than 10 times "
+                             f"(κ = {kappa:g}); grow it less, or start from a larger β1.")
+        if adam_sde:
+            return torch.optim.Adam(params, lr=lr, betas=(1 - kappa * 0.1, 1 - kappa * 0.001),
+                                    eps=1e-8 / math.sqrt(kappa))
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"optimizer must be 'SGD' or 'Adam', got {name!r}.")
 
 
 def train_classifier(x: torch.Tensor, y: torch.Tensor, batch: int, k: int, lr: float, seed: int, schedule: str,
-                     epochs: int = 10, warmup: int = 0, momentum: float = 0.9) -> nn.Sequential:
-    """SGD (momentum 0.9) on the digits with batches of ``batch`` samples accumulated over ``k`` micro-batches;
-    a linear warmup over ``warmup`` optimizer steps, then constant or cosine-decayed to 0 (counted in optimizer
-    steps). The data order depends only on ``seed``."""
+                     epochs: int = 6, warmup: int = 0, optimizer: str = "SGD", norm: str = "group",
+                     adam_sde: bool = False) -> nn.Module:
+    """The digits CNN (:func:`gradaccum.book.models.make_cnn`, GroupNorm by default: nothing couples the
+    samples) trained on batches of ``batch`` images accumulated over ``k`` micro-batches (each micro-batch's mean
+    loss divided by K); a linear warmup over ``warmup`` optimizer steps, then a constant rate or a cosine decay to
+    0, counted in optimizer steps. The data order and the initial weights depend only on ``seed``."""
     require_k(k)
     if batch % k:
         raise ValueError(f"K = {k} does not divide the batch of {batch}.")
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}.")
-    model, ce = mlp(seed), nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    model, ce = make_cnn(norm, seed=seed), nn.CrossEntropyLoss()  # type: ignore[arg-type]
+    opt = optimizer_for(optimizer, model.parameters(), lr, kappa=batch / 16, adam_sde=adam_sde)
     g = torch.Generator().manual_seed(seed)
-    xs, per_epoch = flat_digits(x), len(x) // batch
+    per_epoch = len(x) // batch
     total, step = epochs * per_epoch, 0
     for _ in range(epochs):
-        order = torch.randperm(len(xs), generator=g)
+        order = torch.randperm(len(x), generator=g)
         for i in range(per_epoch):
             idx = order[i * batch:(i + 1) * batch]
             factor = min(1.0, (step + 1) / warmup) if warmup else 1.0
@@ -350,7 +505,7 @@ def train_classifier(x: torch.Tensor, y: torch.Tensor, batch: int, k: int, lr: f
             for group in opt.param_groups:
                 group["lr"] = lr * factor
             opt.zero_grad()
-            for xb, yb in zip(xs[idx].chunk(k), y[idx].chunk(k)):
+            for xb, yb in zip(x[idx].chunk(k), y[idx].chunk(k)):
                 (ce(model(xb), yb) / k).backward()
             opt.step()
             step += 1
@@ -358,8 +513,10 @@ def train_classifier(x: torch.Tensor, y: torch.Tensor, batch: int, k: int, lr: f
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Accuracy of ``model`` (in eval mode) on the images ``x``."""
+    model.eval()
     with torch.no_grad():
-        return float((model(flat_digits(x)).argmax(1) == y).double().mean())
+        return float((model(x).argmax(1) == y).double().mean())
 
 
 def max_parameter_difference(a: nn.Module, b: nn.Module) -> float:
@@ -367,15 +524,52 @@ def max_parameter_difference(a: nn.Module, b: nn.Module) -> float:
         return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
-#: The scaling study's three runs: (label, batch, K, learning rate, warmup steps).
-SCALING_RUNS = (("b = 16", 16, 1, 0.05, 0), ("K·b = 64, same rate", 64, 4, 0.05, 0),
-                ("K·b = 64, rate × 4, warmup", 64, 4, 0.2, 20))
-
-
 def scaling_study(x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
                   seeds: Sequence[int] = (0, 1, 2), schedules: Sequence[str] = ("constant", "cosine"),
-                  epochs: int = 10) -> dict[tuple[str, int, str], float]:
-    """Validation accuracy of :data:`SCALING_RUNS` after ``epochs`` epochs, per seed and schedule."""
-    return {(label, seed, schedule): accuracy(train_classifier(x, y, batch, k, lr, seed, schedule, epochs, warmup),
-                                              x_val, y_val)
-            for label, batch, k, lr, warmup in SCALING_RUNS for seed in seeds for schedule in schedules}
+                  epochs: int = 4, optimizers: Sequence[str] = ("SGD", "Adam"), accumulate: bool = False,
+                  ) -> dict[tuple[str, str, int, str], float]:
+    """Validation accuracy of every :data:`SCALING_RUNS` recipe after ``epochs`` epochs, keyed by
+    (optimizer, label, seed, schedule). The batch of 16·K is processed as K micro-batches of 16 when
+    ``accumulate``, else in one pass: the same run to rounding (GroupNorm couples no samples), K times fewer calls."""
+    return {(opt, r.label, seed, schedule): accuracy(
+        train_classifier(x, y, 16 * r.k, r.k if accumulate else 1, BASE_LR[opt] * r.lr_factor, seed, schedule,
+                         epochs, r.warmup, opt, adam_sde=r.adam_sde), x_val, y_val)
+            for opt in optimizers for r in SCALING_RUNS[opt] for seed in seeds for schedule in schedules}
+
+
+def _scaling_panel(ax, study: dict[tuple[str, str, int, str], float], optimizer: str, schedule: str,
+                   fontsize: int = 7, ylim: tuple[float, float] | None = None) -> None:
+    if optimizer not in SCALING_RUNS:
+        raise ValueError(f"optimizer must be one of {list(SCALING_RUNS)}, got {optimizer!r}.")
+    recipes = SCALING_RUNS[optimizer]
+    seeds = sorted({key[2] for key in study if key[0] == optimizer and key[3] == schedule})
+    if not seeds:
+        raise ValueError(f"the study has no {optimizer} run with the {schedule!r} schedule.")
+    for i, r in enumerate(recipes):
+        accs = [study[optimizer, r.label, s, schedule] for s in seeds]
+        ax.plot([i - 0.25, i + 0.25], [sum(accs) / len(accs)] * 2, "-", color=PALETTE["blue"], linewidth=2.5)
+        ax.plot([i] * len(accs), accs, "o", color=PALETTE["black"], fillstyle="none")
+    ax.set_xticks(range(len(recipes)), [r.label.replace(", ", ",\n", 1) for r in recipes], fontsize=fontsize)
+    ax.set_xlim(-0.6, len(recipes) - 0.4)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    decorate(ax, "", "validation accuracy",
+             f"{optimizer}, {schedule} rate: line = mean, circles = seeds {seeds[0]}–{seeds[-1]}", legend=False)
+
+
+def plot_scaling(study: dict[tuple[str, str, int, str], float], optimizer: str, schedule: str):
+    """The widget's picture: validation accuracy of each recipe of :data:`SCALING_RUNS` for one optimizer and
+    schedule, one circle per seed, the mean as a bar."""
+    fig, (ax,) = figure(1, 6.4, 3.4)
+    _scaling_panel(ax, study, optimizer, schedule, ylim=(min(study.values()) - 0.01, 1.0))
+    return fig
+
+
+def plot_scaling_grid(study: dict[tuple[str, str, int, str], float]):
+    """The static figure: :func:`plot_scaling` for every optimizer and schedule, side by side."""
+    fig, axes = plt.subplots(2, 2, figsize=(9.6, 6.0), layout="constrained")
+    low = min(study.values())
+    for row, optimizer in zip(axes, SCALING_RUNS):
+        for ax, schedule in zip(row, ("constant", "cosine")):
+            _scaling_panel(ax, study, optimizer, schedule, fontsize=6, ylim=(low - 0.01, 1.0))
+    return fig

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 
 if TYPE_CHECKING:  # models must not load scikit-learn (the DDP workers import this module)
@@ -48,6 +49,12 @@ def norm_layer(kind: NormKind, channels: int, dims: int = 2, groups: int = 4) ->
     raise ValueError(f"unknown norm {kind!r}; choose one of {NORM_KINDS}.")
 
 
+@torch.fx.wrap  # one node of a torch.fx trace (the cached full-batch scheme traces models), still run as a check
+def _check_images(x: torch.Tensor) -> None:
+    if x.dim() != 4 or tuple(x.shape[1:]) != (1, 8, 8):
+        raise ValueError(f"SmallCNN expects images of shape (N, 1, 8, 8), got {tuple(x.shape)}.")
+
+
 class SmallCNN(nn.Module):
     """A small CNN for 1×8×8 digit images with the normalization layer as a parameter.
 
@@ -79,8 +86,7 @@ class SmallCNN(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4 or tuple(x.shape[1:]) != (1, 8, 8):
-            raise ValueError(f"SmallCNN expects images of shape (N, 1, 8, 8), got {tuple(x.shape)}.")
+        _check_images(x)
         return self.head(self.features(x))
 
 

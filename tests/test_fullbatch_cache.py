@@ -1,0 +1,242 @@
+"""``full_batch_stats_backward(..., cache=True | "cpu")``: the same step as without the cache on the graphs the
+property tests do not generate (BatchNorm layers back to back, a BatchNorm output or a skip read across several
+cuts, one value read by two BatchNorm layers, an input that needs a gradient, the book's SmallCNN), the constants
+scheme, what a pre-hook on the model sees, the trace kept per model, the refusals, and :func:`cache_bytes`."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gradaccum import fullbatch_bn
+from gradaccum.book.models import make_cnn
+
+LOSS = nn.CrossEntropyLoss()
+
+
+class _Graphs(nn.Module):
+    """BatchNorm layers back to back (bn2(bn1(h))), bn1's output read again after bn3, a skip (h) read across three
+    cuts, and one value (z) read by two BatchNorm layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.lin2, self.head = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.bn1, self.bn2, self.bn3 = (nn.BatchNorm1d(4) for _ in range(3))
+        self.bn4 = nn.BatchNorm1d(4, affine=False)
+
+    def forward(self, x):
+        h = self.lin(x)
+        a = self.bn1(h)
+        z = self.lin2(torch.tanh(self.bn2(a)))
+        return self.head(self.bn3(z) * self.bn4(z) + a + h)
+
+
+class _Deep(nn.Module):
+    """A residual CNN with 6 BatchNorm layers (stem, two blocks of two, the head) and in-place ReLUs."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
+                          nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
+            for _ in range(2))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * c, 16, bias=False),
+                                  nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 10))
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = torch.relu_(block(h) + h)
+        return self.head(h)
+
+
+def _step(model: nn.Module, x, y, k, cache, exact=True, seed=0):
+    """One step on a copy; returns the copy's flat gradient, the loss and its buffers."""
+    work = copy.deepcopy(model)
+    work.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = fullbatch_bn.full_batch_stats_backward(work, LOSS, x, y, k, exact=exact, cache=cache)
+    grads = [p.grad.reshape(-1) for p in work.parameters() if p.grad is not None]
+    return torch.cat(grads), loss, [b.clone() for b in work.buffers()], work
+
+
+def _assert_same(model, x, y, k, exact=True, cache: bool | str = True):
+    g0, loss0, buffers0, _ = _step(model, x, y, k, False, exact)
+    g1, loss1, buffers1, _ = _step(model, x, y, k, cache, exact)
+    assert float((g1 - g0).norm() / g0.norm()) < 1e-12
+    assert abs(loss1 - loss0) < 1e-12
+    for a, b in zip(buffers0, buffers1):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def _digits(n: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 10, (n,), generator=g)
+
+
+@pytest.mark.parametrize("cache", [True, "cpu"])
+def test_graphs_the_properties_do_not_generate(cache):
+    torch.manual_seed(0)
+    model = _Graphs().double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    _assert_same(model, x, y, 4, cache=cache)
+    _assert_same(model, x, y, 4, exact=False, cache=cache)  # the constants scheme too
+
+
+def test_an_input_that_needs_a_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    grads = []
+    for cache in (False, True):
+        xx = x.clone().requires_grad_()
+        fullbatch_bn.full_batch_stats_backward(copy.deepcopy(model), LOSS, xx, y, 4, exact=True, cache=cache)
+        grads.append(xx.grad)
+    ref = x.clone().requires_grad_()
+    LOSS(copy.deepcopy(model)(ref), y).backward()
+    assert torch.allclose(grads[1], grads[0], rtol=0, atol=1e-14)
+    assert torch.allclose(grads[1], ref.grad, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_small_cnn_and_a_deeper_residual_cnn(exact):
+    x, y = _digits()
+    _assert_same(make_cnn("batch").train(), x, y, 4, exact)
+    _assert_same(_Deep().double().train(), x, y, 4, exact)  # dropout in the head: same masks with the cache
+
+
+def test_what_a_pre_hook_on_the_model_sees():
+    """The model's forward is called once (micro-batch 0: does it draw random numbers?), or K times when it does;
+    the stages call its torch.nn layers, whose hooks run as usual."""
+    x, y = _digits()
+    for model, calls in ((make_cnn("batch").train(), 1), (_Deep().double().train(), 4)):
+        counted, conv_calls = [0], [0]
+        model.register_forward_pre_hook(lambda *_, c=counted: c.__setitem__(0, c[0] + 1))
+        first_conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+        first_conv.register_forward_pre_hook(lambda *_, c=conv_calls: c.__setitem__(0, c[0] + 1))
+        fullbatch_bn.full_batch_stats_backward(model, LOSS, x, y, 4, exact=True, cache=True)
+        assert counted[0] == calls
+        assert conv_calls[0] == calls + 2 * 4  # and per micro-batch: pass 1 and the recomputation
+
+
+def test_the_trace_is_kept_per_model(monkeypatch):
+    traces = []
+    trace = fullbatch_bn._trace
+    monkeypatch.setattr(fullbatch_bn, "_trace", lambda *a: traces.append(1) or trace(*a))
+    model, (x, y) = make_cnn("batch").train(), _digits()
+    for _ in range(3):
+        fullbatch_bn.full_batch_stats_backward(model, LOSS, x, y, 4, exact=True, cache=True)
+    assert len(traces) == 1
+    model.head[1].eval()  # one BatchNorm frozen: another graph
+    _assert_same(model, x, y, 4)
+    fullbatch_bn.full_batch_stats_backward(model, LOSS, x, y, 4, exact=True, cache=True)
+    assert len(traces) == 3  # _assert_same's copy, then the model again
+
+
+class _KeptInPlace(nn.Module):
+    """A value read after the BatchNorm (s), changed in place there: fine without the cache, refused with it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.head = nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.lin(x)
+        s = h * 2
+        out = self.norm(h)
+        s.mul_(3)
+        return self.head(out + s)
+
+
+class _OutputChangedThenRead(nn.Module):
+    """norm's output changed in place (relu_) and read again after norm2: the cache recomputes it unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.lin2, self.head = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2)
+        self.norm, self.norm2 = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        y = self.norm(self.lin(x))
+        z = torch.relu_(y)
+        return self.head(self.norm2(self.lin2(z)) + y)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.head = nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2)
+
+    def forward(self, x, scale=2.0):
+        return self.head(self.norm(self.lin(x)) * scale)
+
+
+class _TupleAcross(nn.Module):
+    """A tuple of tensors (chunk's result) read after the BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.head = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(2, 2)
+
+    def forward(self, x):
+        parts = self.lin(x).chunk(2, dim=1)
+        out = self.norm(self.lin(x))
+        return self.head(out[:, :2] + parts[0])
+
+
+def test_refusals_say_use_cache_false():
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    for model in (_KeptInPlace(), _OutputChangedThenRead()):
+        _step(model.double(), x, y, 2, False)  # fine without the cache
+        with pytest.raises(ValueError, match="modified in place.*cache=False"):
+            _step(model.double(), x, y, 2, True)
+    with pytest.raises(ValueError, match="is a tuple of tensors.*cache=False"):
+        _step(_TupleAcross().double(), x, y, 2, True)
+    with pytest.raises(ValueError, match="takes 2 inputs.*cache=False"):
+        _step(_TwoInputs().double(), x, y, 2, True)
+    hooked = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.BatchNorm1d(3), nn.ReLU()), nn.Linear(3, 2)).double()
+    hooked[1].register_forward_hook(lambda mod, inp, out: out * 2)
+    with pytest.raises(ValueError, match="module '1' has hooks.*cache=False"):
+        _step(hooked, x, y, 2, True)
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2)).double()
+    model.register_forward_hook(lambda mod, inp, out: out * 2)
+    with pytest.raises(ValueError, match="model has forward or backward hooks.*cache=False"):
+        _step(model, x, y, 2, True)
+    for bad in ("cuda", 1, None):
+        with pytest.raises(ValueError, match="cache must be False, True .* or 'cpu'"):
+            _step(nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 2)).double(), x, y, 2, bad)
+
+
+def test_cache_bytes():
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    # Linear saves its input x (8·3 float64 = 192 bytes); its weight is not counted
+    assert fullbatch_bn.saved_activation_bytes(nn.Linear(3, 4).double(), lambda out, _: out.sum(), x, y) == 192
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    before = copy.deepcopy(model.state_dict())
+    state = torch.get_rng_state()
+    cost = fullbatch_bn.cache_bytes(model, LOSS, x, y, 2)
+    assert cost.cache == 2 * 8 * 4 * 8  # x̂ (8·4 float64) and ∂L/∂x̂ at the cut, together at the peak
+    assert cost.activations == fullbatch_bn.saved_activation_bytes(model, LOSS, x, y) > 0
+    assert cost.fraction == cost.cache / cost.activations
+    assert all(torch.equal(a, b) for a, b in zip(before.values(), model.state_dict().values()))
+    assert all(p.grad is None for p in model.parameters()) and torch.equal(state, torch.get_rng_state())
+    cnn = fullbatch_bn.cache_bytes(make_cnn("batch").train(), LOSS, *_digits(64), 16)
+    assert 0 < cnn.fraction < 1
+
+
+def test_tensor_bytes_counts_views_not_storages():
+    a = torch.zeros(10, 10, dtype=torch.float64)
+    assert fullbatch_bn.tensor_bytes([a]) == 800 and fullbatch_bn.tensor_bytes([a, a.t()]) == 800
+    assert fullbatch_bn.tensor_bytes([a[:2]]) == 160  # a slice: its own rows
+    assert fullbatch_bn.tensor_bytes([a[:5], a[3:7]]) == 560  # overlapping views: the union
+    assert fullbatch_bn.tensor_bytes([a[:, :1]]) == (1 + 9 * 10) * 8  # a strided column spans its rows
+    assert fullbatch_bn.tensor_bytes([torch.zeros(1).expand(5)]) == 4
+    assert fullbatch_bn.tensor_bytes([a], exclude={a.untyped_storage().data_ptr()}) == 0
+    # a batch sliced from a larger dataset counts as the batch
+    data, y = torch.randn(100, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    linear = nn.Linear(3, 4).double()
+    assert fullbatch_bn.saved_activation_bytes(linear, lambda out, _: out.sum(), data[:8], y) == 192

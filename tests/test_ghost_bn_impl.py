@@ -1,0 +1,161 @@
+"""Every GhostBatchNorm implementation (forced with ``impl=``) against a float64 reference written out plainly;
+the benchmark that chooses between them writes its JSON."""
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from gradaccum import ghost_bn
+from gradaccum.ghost_bn import GhostBatchNorm, auto_impl, ghostify
+
+EPS = 1e-5
+
+
+def reference(x: torch.Tensor, v: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+              state: dict[str, torch.Tensor], momentum: float | None) -> torch.Tensor:
+    """Ghost BatchNorm in float64: each ghost batch of v samples normalized with its own mean and biased
+    variance (over samples and positions), then the affine map; the running statistics move once, towards the
+    mean over ghost batches of their means and unbiased variances (momentum None: cumulative average)."""
+    dims = [0, *range(2, x.dim())]
+    shape = (1, -1, *([1] * (x.dim() - 2)))
+    outs, means, variances = [], [], []
+    for chunk in x.split(v):
+        mean = chunk.mean(dims)
+        var = ((chunk - mean.view(shape)) ** 2).mean(dims)
+        outs.append((chunk - mean.view(shape)) / torch.sqrt(var.view(shape) + EPS))
+        count = chunk.numel() // chunk.shape[1]
+        means.append(mean.detach())
+        variances.append(var.detach() * count / (count - 1))
+    out = torch.cat(outs)
+    if weight is not None and bias is not None:
+        out = out * weight.view(shape) + bias.view(shape)
+    state["count"] += 1
+    factor = 1 / float(state["count"]) if momentum is None else momentum
+    state["mean"] = (1 - factor) * state["mean"] + factor * torch.stack(means).mean(0)
+    state["var"] = (1 - factor) * state["var"] + factor * torch.stack(variances).mean(0)
+    return out
+
+
+def assert_matches_reference(impl: str, dims: int, g: int, v: int, c: int, hw: tuple[int, int], affine: bool,
+                             momentum: float | None, dtype: torch.dtype, channels_last: bool = False) -> None:
+    gen = torch.Generator().manual_seed(g * 1000 + v * 100 + c * 10 + sum(hw))
+    layer = GhostBatchNorm(c, v, dims=dims, eps=EPS, momentum=momentum, affine=affine, impl=impl).to(dtype)
+    with torch.no_grad():  # start from statistics and parameters that are not the defaults
+        layer.running_mean.copy_(torch.randn(c, generator=gen))
+        layer.running_var.copy_(torch.rand(c, generator=gen) + 0.5)
+        if affine:
+            layer.weight.copy_(torch.randn(c, generator=gen))
+            layer.bias.copy_(torch.randn(c, generator=gen))
+    state = {"mean": layer.running_mean.double().clone(), "var": layer.running_var.double().clone(),
+             "count": torch.tensor(0)}
+    w_ref = layer.weight.detach().double().requires_grad_() if affine else None
+    b_ref = layer.bias.detach().double().requires_grad_() if affine else None
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-9}
+    shape = (g * v, c, *hw) if dims == 2 else (g * v, c)
+    for _ in range(2):
+        x = (3 * torch.randn(shape, generator=gen, dtype=torch.float64) + 1).to(dtype)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        x_ref = x.detach().double().requires_grad_()
+        grad = torch.randn(shape, generator=gen, dtype=torch.float64)
+        out = layer(x)
+        out.backward(grad.to(dtype))
+        out_ref = reference(x_ref, v, w_ref, b_ref, state, momentum)
+        out_ref.backward(grad)
+        torch.testing.assert_close(out.double(), out_ref.detach(), **tol)
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad.double(), x_ref.grad, **tol)
+    if affine:
+        torch.testing.assert_close(layer.weight.grad.double(), w_ref.grad, **tol)
+        torch.testing.assert_close(layer.bias.grad.double(), b_ref.grad, **tol)
+    torch.testing.assert_close(layer.running_mean.double(), state["mean"], **tol)
+    torch.testing.assert_close(layer.running_var.double(), state["var"], **tol)
+    assert int(layer.num_batches_tracked) == 2
+
+
+IMPLS = ["loop", "fold"]  # "compile" compiles per shape (seconds each): tested on a few shapes below
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(impl=st.sampled_from(IMPLS), dims=st.sampled_from([1, 2]), g=st.integers(1, 4), v=st.integers(2, 6),
+       c=st.integers(1, 4), hw=st.tuples(st.integers(1, 3), st.integers(1, 3)), affine=st.booleans(),
+       momentum=st.sampled_from([0.1, None]), dtype=st.sampled_from([torch.float32, torch.float64]),
+       channels_last=st.booleans())
+def test_every_impl_matches_the_reference(impl, dims, g, v, c, hw, affine, momentum, dtype, channels_last):
+    assert_matches_reference(impl, dims, g, v, c, hw, affine, momentum, dtype, channels_last and dims == 2)
+
+
+@pytest.mark.parametrize("dims, affine, momentum, dtype", [(2, True, 0.1, torch.float64),
+                                                           (1, False, None, torch.float32)])
+def test_compiled_fold_matches_the_reference(dims, affine, momentum, dtype):
+    assert_matches_reference("compile", dims, 3, 4, 3, (2, 3), affine, momentum, dtype)
+
+
+def test_failed_compile_falls_back_once_with_the_same_results(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(ghost_bn, "_compiled_fold", lambda: broken)
+    monkeypatch.setattr(ghost_bn, "_compile_failed", False)
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        assert_matches_reference("compile", 2, 3, 4, 3, (2, 2), True, 0.1, torch.float64)
+    assert ghost_bn._compile_failed
+    assert_matches_reference("compile", 2, 3, 4, 3, (2, 2), True, 0.1, torch.float64)  # no second warning
+
+
+@pytest.mark.parametrize("shape, v, expected", [((256, 64, 16, 16), 32, "loop"), ((64, 16, 8, 8), 4, "fold"),
+                                                ((4096, 256), 32, "fold")])
+def test_auto_picks_an_impl_with_the_same_results(shape, v, expected):
+    x = torch.randn(shape, dtype=torch.float64)
+    assert auto_impl(x, v) == expected
+    layers = {impl: GhostBatchNorm(shape[1], v, dims=len(shape) // 2, impl=impl).double()
+              for impl in ("auto", expected)}
+    outs = {impl: layer(x) for impl, layer in layers.items()}
+    assert torch.equal(outs["auto"], outs[expected])
+    assert torch.equal(layers["auto"].running_var, layers[expected].running_var)
+
+
+def test_bad_impl_is_refused():
+    with pytest.raises(ValueError, match="impl must be one of 'auto', 'loop', 'fold', 'compile', got 'cuda'"):
+        GhostBatchNorm(3, 4, impl="cuda")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        ghostify(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), 4, impl="fast")
+
+
+def test_ghostify_passes_impl_on():
+    ghosted = ghostify(nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)), 4, impl="loop")
+    assert ghosted[1].impl == "loop" and "impl='loop'" in repr(ghosted)
+
+
+def test_loop_is_once_differentiable():
+    x = torch.randn(8, 3, requires_grad=True)
+    (grad,) = torch.autograd.grad(GhostBatchNorm(3, 4, dims=1, impl="loop")(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
+
+
+def test_benchmark_quick_writes_json(tmp_path):
+    main = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "ghost_bn.py"))["main"]
+    path = tmp_path / "out" / "bench.json"
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--quick", "--threads", "1", "--device", "cpu", "--json", str(path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(path.read_text())
+    assert {"device", "torch", "threads", "tables"} <= result.keys() and result["threads"] == 1
+    *layers, steps = result["tables"]
+    assert [table["auto_impl"] for table in layers] == ["loop", "fold", "fold"]
+    for table in result["tables"]:
+        assert table["rows"][0]["name"] == table["baseline"] and table["rows"][0]["ratio"] == 1.0
+        assert all({"name", "seconds", "ratio"} <= row.keys() and row["seconds"] > 0 for row in table["rows"])
+    assert any(row["name"].startswith("GhostBatchNorm default (auto") for row in layers[0]["rows"])
+    assert all(row["forward_calls"] >= 1 for row in steps["rows"])
