@@ -6,9 +6,11 @@ scheme, what a pre-hook on the model sees, the trace kept per model, the refusal
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradaccum import fullbatch_bn
@@ -240,3 +242,59 @@ def test_tensor_bytes_counts_views_not_storages():
     data, y = torch.randn(100, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
     linear = nn.Linear(3, 4).double()
     assert fullbatch_bn.saved_activation_bytes(linear, lambda out, _: out.sum(), data[:8], y) == 192
+
+
+class _Gate(nn.Module):
+    """Linear → BatchNorm1d → Linear → BatchNorm1d, with one of several things a trace could get wrong."""
+
+    def __init__(self, how: str = "plain"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.b1, self.l2, self.b2 = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.how, self.temp = how, 1.0
+        self.double()
+
+    def forward(self, x):
+        h = self.b1(self.l1(x))
+        if self.how == "no_grad":
+            with torch.no_grad():
+                gate = torch.sigmoid(self.l2(h))
+            return self.b2(self.l2(h)) * gate
+        if self.how == "functional":
+            return F.batch_norm(self.l2(h), None, None, training=True)
+        if self.how == "python_random":
+            return self.b2(self.l2(h)) * (1.0 + random.random())
+        return self.b2(self.l2(h / self.temp))
+
+
+def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    work = copy.deepcopy(model)
+    F.mse_loss(work(x), y).backward()
+    return torch.cat([p.grad.flatten() for p in work.parameters()])
+
+
+def test_what_a_trace_would_get_wrong_is_refused_or_retraced():
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="changes autograd's mode"):
+        fullbatch_bn.full_batch_stats_gradient(_Gate("no_grad"), F.mse_loss, x, y, 4, True, True)
+    assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(_Gate("no_grad"), F.mse_loss, x, y, 4, True),
+                          _reference(_Gate("no_grad"), x, y), rtol=1e-10, atol=1e-12)
+    for cache in (False, True):  # a functional batch norm would stay per micro-batch: refused either way
+        with pytest.raises(ValueError, match="not a BatchNorm module"):
+            fullbatch_bn.full_batch_stats_gradient(_Gate("functional"), F.mse_loss, x, y, 4, True, cache)
+    with pytest.raises(ValueError, match="Python's random module"):
+        fullbatch_bn.full_batch_stats_gradient(_Gate("python_random"), F.mse_loss, x, y, 4, True, True)
+    model = _Gate()
+    hook = model.b1.register_forward_hook(lambda _m, _a, out: out * 2)
+    with pytest.raises(ValueError, match="BatchNorm layer 'b1' has hooks"):
+        fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
+    hook.remove()
+    hook = model.register_forward_pre_hook(lambda _m, args: (args[0] * 3 + 1,))
+    with pytest.raises(ValueError, match="pre-hook on the model changes its input"):
+        fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
+    hook.remove()
+    # a plain attribute the forward reads changes between calls: traced again, exact again
+    fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
+    model.temp = 3.0
+    assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
+                          _reference(model, x, y), rtol=1e-10, atol=1e-12)

@@ -135,11 +135,25 @@ def test_ghostify_passes_impl_on():
     assert ghosted[1].impl == "loop" and "impl='loop'" in repr(ghosted)
 
 
-def test_loop_is_once_differentiable():
+def test_loop_is_once_differentiable_and_says_what_to_use():
     x = torch.randn(8, 3, requires_grad=True)
-    (grad,) = torch.autograd.grad(GhostBatchNorm(3, 4, dims=1, impl="loop")(x).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        grad.sum().backward()
+    with pytest.raises(ValueError, match="impl='fold'"):
+        torch.autograd.grad(GhostBatchNorm(3, 4, dims=1, impl="loop")(x).pow(2).sum(), x, create_graph=True)
+    (grad,) = torch.autograd.grad(GhostBatchNorm(3, 4, dims=1, impl="fold")(x).pow(2).sum(), x, create_graph=True)
+    grad.sum().backward()  # the fold is differentiable twice
+    assert x.grad is not None
+
+
+def test_ghostify_keeps_shared_layers_shared_and_frozen_ones_frozen():
+    bn = nn.BatchNorm1d(3)
+    bn.weight.requires_grad_(False)
+    model = ghostify(nn.Sequential(nn.Linear(3, 3), bn, nn.ReLU(), nn.Linear(3, 3), bn), 2)
+    assert model[1] is model[4] and not model[1].weight.requires_grad and model[1].bias.requires_grad
+    assert sum(p.numel() for p in model.parameters()) == 3 * 3 * 2 + 3 * 2 + 3 * 2
+    hooked = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    hooked[1].register_forward_hook(lambda *_: None)
+    with pytest.raises(ValueError, match="has hooks"):
+        ghostify(hooked, 2)
 
 
 def test_benchmark_quick_writes_json(tmp_path):

@@ -48,7 +48,9 @@ def test_no_errors_warnings_or_skips(stem):
 def test_ignored_outputs_are_only_widgets_and_make_no_claim(stem):
     for c in code_cells(load(stem)):
         if "nbval-ignore-output" in tags(c):
-            reason = re.search(r"interactive|explorer\(|timings?\b|time per|seconds|get_device_name", source(c))
+            # device-specific: a GPU's name, or digits that vary with the CPU's float kernels (said in a comment)
+            reason = re.search(r"interactive|explorer\(|timings?\b|time per|seconds|get_device_name|vary with the CPU",
+                               source(c))
             assert reason, "ignore output only for widgets, timings and device-specific lines"
             assert "assert" not in source(c), "a cell whose output is ignored must not make a claim"
 

@@ -10,8 +10,10 @@ micro-batches, so that the L partial forwards become one forward and the L + 1 s
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import random
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from contextlib import contextmanager
@@ -23,6 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.overrides import TorchFunctionMode
 
 from gradaccum._validate import require_k
 from gradaccum.accumulate import LossFn, flat_grad, split_batch
@@ -299,7 +302,8 @@ class _Patch:
                     raise _StopForward
             if x.numel() == x.shape[1]:  # one value per channel: any finite output will do here
                 return _affine(layer, x - x)
-            return F.batch_norm(x, None, None, layer.weight, layer.bias, True, 0.0, layer.eps)
+            with torch._C.DisableTorchFunction():  # the layer's own statistics: not what _NoFunctionalBatchNorm seeks
+                return F.batch_norm(x, None, None, layer.weight, layer.bias, True, 0.0, layer.eps)
         if layer is self.target:
             self._gather(x)
             raise _StopForward
@@ -353,6 +357,21 @@ def normalized_with(stats: dict[_BatchNorm, Moments], sweep: _Sweep | None = Non
         yield
 
 
+class _NoFunctionalBatchNorm(TorchFunctionMode):
+    """Refuse a batch normalization with batch statistics that is not a BatchNorm module (``F.batch_norm(...,
+    training=True)`` in a forward): the scheme replaces BatchNorm modules only, so it would stay per micro-batch."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func in (F.batch_norm, torch.batch_norm, torch.native_batch_norm):
+            training = kwargs.get("training", args[5] if len(args) > 5 else False)
+            if training:
+                raise ValueError("the forward calls a batch normalization with batch statistics that is not a "
+                                 "BatchNorm module (F.batch_norm(..., training=True)); the scheme replaces BatchNorm "
+                                 "modules only, so it would normalize per micro-batch. Use an nn.BatchNorm module.")
+        return func(*args, **kwargs)
+
+
 def _statistics_pass(model: nn.Module, micro_batches: Sequence[torch.Tensor], names: dict[_BatchNorm, str],
                      rng: _Rng) -> dict[_BatchNorm, Moments]:
     """Full-batch input moments of every batch-statistics layer, in call order (see :func:`full_batch_statistics`)."""
@@ -364,11 +383,13 @@ def _statistics_pass(model: nn.Module, micro_batches: Sequence[torch.Tensor], na
     with torch.no_grad(), _patched(patch, list(names)):
         patch.discover = True  # sweep 1: call order, first layer's moments, RNG states (see _Rng)
         for i, xb in enumerate(micro_batches):
+            mode = _NoFunctionalBatchNorm() if i == 0 else contextlib.nullcontext()
             rng.at(i)
             patch.new_forward()
             patch.stop_after_first = i > 0 and not rng.random
             try:
-                model(xb)
+                with mode:
+                    model(xb)
             except _StopForward:
                 pass
             else:
@@ -530,17 +551,35 @@ class _Plan:
 
 
 _plans: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], _Plan]] = weakref.WeakKeyDictionary()
+_MODULE_STATE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_state_dict_hooks",
+                 "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"}
+
+
+def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
+    """What a trace reads besides the code: each module's mode, hooks, parameters, buffers and plain attributes
+    (numbers, strings, flags by value; any other object by identity)."""
+    def value(v: Any) -> Any:
+        return v if isinstance(v, (int, float, str, bool, type(None))) else id(v)
+
+    return tuple((id(m), m.training, _has_hooks(m), tuple(map(id, m.parameters(recurse=False))),
+                  tuple((n, id(b)) for n, b in m.named_buffers(recurse=False)),
+                  tuple((k, value(v)) for k, v in vars(m).items() if k not in _MODULE_STATE and "hook" not in k))
+                 for m in model.modules())
 
 
 def _plan(model: nn.Module, names: dict[_BatchNorm, str]) -> _Plan:
-    """The stages of ``model``, traced once and kept while the model lives, traced again when its modules, their
-    modes, hooks or parameters change (a trace reads them; a change of another attribute that the forward
-    branches on is not seen)."""
+    """The stages of ``model``, traced once and kept while the model lives; traced again when anything the trace
+    read changes (:func:`_fingerprint`: modules, modes, hooks, parameters, buffers, plain attributes). ValueError
+    for hooks the stages would skip: on the model (a forward pre-hook that only looks is allowed; one that changes
+    the input is refused when it runs, see :func:`_find_rng_starts`) and on the BatchNorm layers they replace."""
     if model._forward_hooks or model._backward_hooks or model._backward_pre_hooks:
         raise ValueError("the model has forward or backward hooks; cache=True runs a torch.fx trace of its forward, "
                          "which leaves them out (forward pre-hooks are allowed). Remove them or use cache=False.")
-    key = (tuple((id(m), m.training, _has_hooks(m)) for m in model.modules()), tuple(map(id, model.parameters())),
-           tuple(map(id, names)))
+    hooked = [name for layer, name in names.items() if _has_hooks(layer)]
+    if hooked:
+        raise ValueError(f"BatchNorm layer {_label(hooked[0])} has hooks; cache=True computes the layers it cuts at "
+                         "itself, so their hooks would not run. Remove them or use cache=False.")
+    key = (_fingerprint(model), tuple(map(id, names)))
     kept = _plans.get(model)
     if kept is not None and kept[0] == key:
         return kept[1]
@@ -549,15 +588,47 @@ def _plan(model: nn.Module, names: dict[_BatchNorm, str]) -> _Plan:
     return plan
 
 
+@contextmanager
+def _grad_mode_watch() -> Iterator[list[str]]:
+    """Record every change of autograd's mode (``torch.no_grad``, ``enable_grad``, ``set_grad_enabled``,
+    ``inference_mode``) made while the body runs: a torch.fx trace does not record them."""
+    seen: list[str] = []
+    set_grad, inference = torch._C._set_grad_enabled, torch._C._InferenceMode
+
+    def watched_set_grad(mode: bool) -> None:
+        seen.append(f"set_grad_enabled({mode})")
+        set_grad(mode)
+
+    def watched_inference(*args: Any, **kwargs: Any) -> Any:
+        seen.append("inference_mode")
+        return inference(*args, **kwargs)
+
+    torch._C._set_grad_enabled, torch._C._InferenceMode = watched_set_grad, watched_inference  # type: ignore[misc,assignment]
+    try:
+        yield seen
+    finally:
+        torch._C._set_grad_enabled, torch._C._InferenceMode = set_grad, inference  # type: ignore[misc]
+
+
 def _trace(model: nn.Module, names: dict[_BatchNorm, str]) -> _Plan:
     """Trace ``model`` and cut it into stages (ValueError, saying why, for a model the cache cannot run)."""
+    state = random.getstate()
     try:
-        graph = _Tracer().trace(model)
+        with _grad_mode_watch() as changes:
+            graph = _Tracer().trace(model)
     except _Refused:
         raise
     except Exception as e:
         raise ValueError(f"cache=True cuts the model's forward at its BatchNorm layers with torch.fx, which cannot "
                          f"trace this model ({type(e).__name__}: {e}). Use cache=False.") from e
+    if random.getstate() != state:
+        random.setstate(state)
+        raise ValueError("the forward draws from Python's random module; a torch.fx trace would freeze the value "
+                         "drawn while tracing. Use cache=False (or torch's generators, which the scheme replays).")
+    if changes:
+        raise ValueError(f"the forward changes autograd's mode ({changes[0]}, e.g. a torch.no_grad() block); a "
+                         "torch.fx trace does not record that, so cache=True would compute gradients the model "
+                         "switched off. Use cache=False.")
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
         raise ValueError(f"cache=True runs models called as model(x); this forward takes {len(placeholders)} "
@@ -613,14 +684,24 @@ def _find_rng_starts(model: nn.Module, micro_batches: Sequence[torch.Tensor], na
     0's whole forward, and, if it drew random numbers, every micro-batch's."""
     patch = _Patch(names, {})
     patch.discover = True
-    with torch.no_grad(), _patched(patch, list(names)):
-        for i, xb in enumerate(micro_batches):
-            if i > 0 and not rng.random:
-                break
-            rng.at(i)
-            patch.new_forward()
-            model(xb)
-            rng.ended(i)
+    received: list[Any] = []
+    last = model.register_forward_pre_hook(lambda _m, args: received.append(args[0] if args else None))
+    try:
+        with torch.no_grad(), _patched(patch, list(names)):
+            for i, xb in enumerate(micro_batches):
+                if i > 0 and not rng.random:
+                    break
+                rng.at(i)
+                patch.new_forward()
+                with _NoFunctionalBatchNorm() if i == 0 else contextlib.nullcontext():
+                    model(xb)
+                rng.ended(i)
+                if received[-1] is not xb:
+                    raise ValueError("a forward pre-hook on the model changes its input; cache=True runs the "
+                                     "traced stages on the micro-batches themselves. Remove the hook or use "
+                                     "cache=False.")
+    finally:
+        last.remove()
 
 
 def _holds_tensors(v: Any) -> bool:
@@ -895,9 +976,10 @@ def saved_activation_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor], exclude: Set[int] = frozenset()) -> int:
-    """Bytes the ``tensors`` occupy, every byte counted once: per storage, the union of the byte ranges the
-    tensors view (a slice of a dataset counts its own rows, not the whole dataset's storage; two views of one
-    buffer count it once). Storages whose ``data_ptr`` is in ``exclude`` are left out."""
+    """Bytes the ``tensors`` occupy, every byte counted once: per storage, the union of the byte spans the
+    tensors view, each from its first to its last element (a slice of a dataset counts its own rows, not the
+    whole dataset's storage; two views of one buffer count it once; a strided view such as a column counts the
+    span it crosses, an upper bound). Storages whose ``data_ptr`` is in ``exclude`` are left out."""
     spans: dict[int, list[tuple[int, int]]] = {}
     for t in tensors:
         ptr = t.untyped_storage().data_ptr()
@@ -970,10 +1052,13 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
     the same cost as the exact one. The model's ``forward`` itself is called once (micro-batch 0, which shows
     whether the model draws random numbers) or K times (it does: each micro-batch's generator state is found as
     without the cache); the stages call the model's submodules that torch.fx keeps whole (torch.nn layers),
-    whose hooks run. ValueError, saying to use ``cache=False``, for a model torch.fx cannot trace (Python
-    control flow on tensor values), with more than one input, with hooks torch.fx would leave out (a forward
-    pre-hook on the model itself is allowed and sees the calls above), or whose values read across a cut are
-    changed in place.
+    whose hooks run. The trace is kept with the model and made again when anything it read changes (modules,
+    modes, hooks, parameters, buffers, plain attributes). ValueError, saying to use ``cache=False``, for a model
+    torch.fx cannot trace (Python control flow on tensor values), with more than one input, whose forward changes
+    autograd's mode (a ``torch.no_grad()`` block: a trace does not record it) or draws from Python's ``random``,
+    with hooks the stages would skip (on the model, on the BatchNorm layers; a forward pre-hook on the model that
+    leaves the input alone is allowed and sees the calls above), or whose values read across a cut are changed in
+    place.
 
     Layers are treated as ``nn.BatchNorm`` treats them: a training-mode layer (or an eval-mode one without
     running statistics) normalizes with the full batch's statistics; an eval-mode layer with running statistics
@@ -981,8 +1066,12 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
     ``track_running_stats``. Dropout draws the same masks in every sweep (see :func:`full_batch_statistics`), so
     the result is the full-batch gradient with the masks plain accumulation would draw. ValueError, naming the
     layer, for what the scheme cannot reproduce: a BatchNorm called twice per forward, a BatchNorm subclass with
-    its own forward (or SyncBatchNorm under torch.distributed), a BatchNorm input modified in place after the
-    layer read it (``exact=True``), a model in eval mode.
+    its own forward (or SyncBatchNorm under torch.distributed), a functional batch norm with batch statistics in
+    the forward (``F.batch_norm(..., training=True)``: only modules are replaced), a BatchNorm input modified in
+    place after the layer read it (``exact=True``), a model in eval mode. ``loss_fn`` must not draw random
+    numbers (the generator states are replayed around the model's forward, not the loss). Hooks on the model's
+    layers run in every pass of the uncached scheme (L + 1 or more times per micro-batch), so hooks that record
+    activations see each micro-batch several times.
     """
     return _step(model, loss_fn, x, y, k, exact, cache)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 from torch.nn.modules.batchnorm import _BatchNorm
 
 #: The implementations ``GhostBatchNorm(impl=...)`` accepts.
@@ -83,8 +83,11 @@ class _Loop(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # backward(create_graph=True): the saved statistics carry no graph
+            raise ValueError("GhostBatchNorm's 'loop' implementation (impl='loop', or what impl='auto' picks for "
+                             "large ghost batches on the CPU) is differentiable once; for a double backward "
+                             "(create_graph=True) construct the layer with impl='fold'.")
         x, weight, save_mean, save_invstd = ctx.saved_tensors
         mask = list(ctx.needs_input_grad[:3])
         grads = [torch.ops.aten.native_batch_norm_backward(go, xi, weight, None, None, save_mean[i], save_invstd[i],
@@ -219,9 +222,10 @@ def ghostify(model: nn.Module, virtual_batch_size: int, impl: str = "auto") -> n
     """A copy of ``model`` whose BatchNorm layers are :class:`GhostBatchNorm` with the same parameters and
     running statistics, and implementation ``impl``.
 
-    Supported: ``nn.BatchNorm1d`` on (N, C) inputs and ``nn.BatchNorm2d``, with running statistics. Refused with a
-    ``ValueError`` naming the layer, before anything is copied: ``BatchNorm3d``, ``SyncBatchNorm``, other
-    subclasses, ``track_running_stats=False``, and a model that is itself a BatchNorm layer (wrap it in a
+    Supported: ``nn.BatchNorm1d`` on (N, C) inputs and ``nn.BatchNorm2d``, with running statistics; a layer used
+    in several places stays one layer, and frozen parameters stay frozen. Refused with a ``ValueError`` naming the
+    layer, before anything is copied: ``BatchNorm3d``, ``SyncBatchNorm``, other subclasses,
+    ``track_running_stats=False``, a layer with hooks, and a model that is itself a BatchNorm layer (wrap it in a
     container). A ``BatchNorm1d`` applied to (N, C, L) inputs is refused at its first forward pass.
     """
     if isinstance(model, _BatchNorm):
@@ -234,18 +238,25 @@ def ghostify(model: nn.Module, virtual_batch_size: int, impl: str = "auto") -> n
             if not layer.track_running_stats:
                 raise ValueError(f"layer {name!r} keeps no running statistics (track_running_stats=False); "
                                  "GhostBatchNorm needs them: construct the layer with track_running_stats=True.")
+            if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
+                raise ValueError(f"layer {name!r} has hooks, which a new GhostBatchNorm would not carry over; remove "
+                                 "them, ghostify, and register them on the new layer.")
     model = copy.deepcopy(model)
-    replaced = 0
+    ghosts: dict[int, GhostBatchNorm] = {}  # a layer used in two places stays one layer
     for _name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
+        for child_name, child in list(module._modules.items()):  # every slot (named_children skips repeats)
             if isinstance(child, _BatchNorm) and not isinstance(child, GhostBatchNorm):
-                dims = 1 if isinstance(child, nn.BatchNorm1d) else 2
-                ghost = GhostBatchNorm(child.num_features, virtual_batch_size, dims=dims,
-                                       eps=child.eps, momentum=child.momentum, affine=child.affine, impl=impl)
-                ghost.load_state_dict(child.state_dict())
-                ghost.to(next(child.buffers()).device, next(child.buffers()).dtype)
-                setattr(module, child_name, ghost.train(child.training))
-                replaced += 1
-    if not replaced:
+                ghost = ghosts.get(id(child))
+                if ghost is None:
+                    dims = 1 if isinstance(child, nn.BatchNorm1d) else 2
+                    ghost = GhostBatchNorm(child.num_features, virtual_batch_size, dims=dims, eps=child.eps,
+                                           momentum=child.momentum, affine=child.affine, impl=impl)
+                    ghost.load_state_dict(child.state_dict())
+                    ghost.to(next(child.buffers()).device, next(child.buffers()).dtype)
+                    for p_new, p_old in zip(ghost.parameters(), child.parameters()):
+                        p_new.requires_grad_(p_old.requires_grad)  # frozen stays frozen
+                    ghosts[id(child)] = ghost.train(child.training)
+                setattr(module, child_name, ghost)
+    if not ghosts:
         raise ValueError("the model has no BatchNorm layer to turn into GhostBatchNorm.")
     return model

@@ -263,16 +263,20 @@ def aux_covariance(x: torch.Tensor, k: int, n: int = 64, seed: int = 0) -> float
     window of ``n`` digits, of each expert's routing fraction and mean probability. Because the micro-batches'
     :math:`f^k` and :math:`P^k` average to the window's, the mean of the per-micro-batch losses exceeds the
     window's loss by exactly this."""
+    probs = _window_probs(x, k, n, seed)
+    experts = probs.shape[1]
+    f = torch.stack([coupled.expert_fractions(p.argmax(1), experts) for p in probs.chunk(k)])
+    p_mean = torch.stack([p.mean(0) for p in probs.chunk(k)])
+    return float(experts * ((f - f.mean(0)) * (p_mean - p_mean.mean(0))).sum(1).mean())
+
+
+def _window_probs(x: torch.Tensor, k: int, n: int, seed: int) -> torch.Tensor:
+    """The router's probabilities for a window of the first ``n`` digits, which K micro-batches must cut evenly."""
     require_k(k)
     if n % k:
         raise ValueError(f"K = {k} does not divide the {n} tokens of the window; pick a K that divides {n}.")
-    r = router(seed)
     with torch.no_grad():
-        probs = r(flat_digits(x[:n])).softmax(1)
-        experts = r.out_features
-        f = torch.stack([coupled.expert_fractions(p.argmax(1), experts) for p in probs.chunk(k)])
-        p_mean = torch.stack([p.mean(0) for p in probs.chunk(k)])
-        return float(experts * ((f - f.mean(0)) * (p_mean - p_mean.mean(0))).sum(1).mean())
+        return router(seed)(flat_digits(x[:n])).softmax(1)
 
 
 def plot_aux(ks: Sequence[int], losses: dict[str, list[float]]):
@@ -290,14 +294,9 @@ def plot_aux(ks: Sequence[int], losses: dict[str, list[float]]):
 def plot_aux_window(x: torch.Tensor, k: int, n: int = 64, seed: int = 0):
     """The widget's picture: each micro-batch's load-balancing loss (what plain accumulation averages), the
     window's loss, and the fractions each micro-batch counts, for ``n`` digits cut into K micro-batches."""
-    require_k(k)
-    if n % k:
-        raise ValueError(f"K = {k} does not divide the {n} tokens of the window; pick a K that divides {n}.")
-    r = router(seed)
-    with torch.no_grad():
-        probs = r(flat_digits(x[:n])).softmax(1)
-        micro = [coupled.switch_aux_loss(p) for p in probs.chunk(k)]
-        window = float(coupled.switch_aux_loss(probs))
+    probs = _window_probs(x, k, n, seed)
+    micro = [coupled.switch_aux_loss(p) for p in probs.chunk(k)]
+    window = float(coupled.switch_aux_loss(probs))
     fig, (ax,) = figure(1, 6.4, 3.2)
     plain = float(sum(micro)) / k
     ax.bar(range(1, k + 1), [float(v) for v in micro], color=PALETTE["vermillion"], label="per micro-batch")
@@ -355,13 +354,7 @@ def checkpoint_window(x: torch.Tensor, y: torch.Tensor, k: int, b: int, momentum
     ce = nn.CrossEntropyLoss()
     for xb, yb in zip(xs.chunk(k), ys.chunk(k)):
         for name, net in nets.items():
-            if name == "no checkpointing":
-                out = net(xb)
-            elif name == "checkpoint, statistics kept":
-                out = coupled.checkpoint_keeping_bn_stats(net, xb)
-            else:
-                out = checkpoint(net, xb, use_reentrant=False)
-            (ce(out, yb) / k).backward()
+            (ce(_run_block(net, xb, name), yb) / k).backward()
     ref = nets["no checkpointing"]
     rel = lambda a, c: float((a - c).norm() / c.norm())  # noqa: E731
     return CheckpointRun(
@@ -371,17 +364,17 @@ def checkpoint_window(x: torch.Tensor, y: torch.Tensor, k: int, b: int, momentum
     )
 
 
-@torch.no_grad()
+def _run_block(net: nn.Module, xb: torch.Tensor, method: str) -> torch.Tensor:
+    """``net(xb)`` as ``method`` runs it: plainly, under ``torch.utils.checkpoint``, or with the statistics kept."""
+    if method == "no checkpointing":
+        return net(xb)
+    if method == "checkpoint, statistics kept":
+        return coupled.checkpoint_keeping_bn_stats(net, xb)
+    return checkpoint(net, xb, use_reentrant=False)
+
+
 def _forward_keep_graph(net: nn.Module, xb: torch.Tensor, method: str) -> None:
-    with torch.enable_grad():
-        xb = xb.clone().requires_grad_()
-        if method == "no checkpointing":
-            out = net(xb)
-        elif method == "checkpoint, statistics kept":
-            out = coupled.checkpoint_keeping_bn_stats(net, xb)
-        else:
-            out = checkpoint(net, xb, use_reentrant=False)
-        out.sum().backward()  # the rerun happens here
+    _run_block(net, xb.clone().requires_grad_(), method).sum().backward()  # the rerun happens in backward
 
 
 #: The four ways of the checkpointing section.
