@@ -35,8 +35,8 @@ def auto_impl(x: torch.Tensor, virtual_batch_size: int) -> str:
 
     Measured on the book's 2-core CPU, one thread (``gradaccum/book/ghost_bn_cpu.json``, written by
     ``benchmarks/ghost_bn.py``; forward + backward relative to one ``nn.BatchNorm`` call on the whole batch):
-    256×64×16×16 with v=32 (524,288 values per ghost batch), loop 1.12×, fold 1.40×; 64×16×8×8 with v=4 (4,096),
-    loop 4.5×, fold 2.1×; 4096×256 with v=32 (8,192), loop 3.5×, fold 2.6×. The loop writes each ghost batch
+    256×64×16×16 with v=32 (524,288 values per ghost batch), loop 0.96×, fold 1.28×; 64×16×8×8 with v=4 (4,096),
+    loop 3.3×, fold 1.9×; 4096×256 with v=32 (8,192), loop 3.5×, fold 2.6×. The loop writes each ghost batch
     straight into its slice of the output, so for large ghost batches it costs little more than BatchNorm; for
     small ones its G kernel calls cost more than the fold's copies in and out of the folded layout (the
     crossover, between 32,768 and 131,072 values, was measured on more shapes while choosing). On CUDA the fold
