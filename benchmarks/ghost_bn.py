@@ -21,7 +21,6 @@ draws random numbers, and then runs the torch.fx stages it traced).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from collections.abc import Callable
@@ -31,11 +30,9 @@ import torch
 from torch import nn
 
 from gradaccum import ghost_bn
-from gradaccum.accumulate import accumulate_backward
+from gradaccum.book.ch02_ghost_batchnorm import step_functions
 from gradaccum.book.data import load_digits_split
-from gradaccum.book.models import make_cnn
-from gradaccum.fullbatch_bn import full_batch_stats_backward
-from gradaccum.ghost_bn import GhostBatchNorm, LoopGhostBatchNorm, auto_impl, ghostify
+from gradaccum.ghost_bn import GhostBatchNorm, LoopGhostBatchNorm, auto_impl
 from gradaccum.timing import interleaved_medians
 
 #: (shape, virtual batch size) of the layer tables: a large batch of feature maps, the book's small CNN, features.
@@ -95,38 +92,24 @@ def layer_table(device: torch.device, compile_: bool, quick: bool, shape: tuple[
             **rows(measure(fns, device, quick))}
 
 
+#: The step table's rows: chapter 2's methods (:func:`gradaccum.book.ch02_ghost_batchnorm.step_functions`), named
+#: as the recorded JSON names them.
+STEP_ROWS = {"plain accumulation": "plain accumulation (K={k})", "full batch": "full batch (K=1)",
+             "ghost BN, 1 update/step": "ghost BN via ghostify (v={v}, 1 update/step)",
+             "full-batch stats": "full-batch stats, constants (K={k})",
+             "exact full-batch stats": "exact full-batch stats (K={k})", "exact, cached": "exact, cached (K={k})"}
+
+
 def step_table(device: torch.device, quick: bool, k: int = 16) -> dict:
     split = load_digits_split(dtype=torch.float32, device=device)
-    x, y = split.x_train[:64], split.y_train[:64]
-    loss_fn = nn.CrossEntropyLoss()
-    cnn = functools.partial(make_cnn, "batch", dtype=torch.float32, device=device)
-    schemes: dict[str, tuple[nn.Module, Callable[..., float], int]] = {
-        f"plain accumulation (K={k})": (cnn(), accumulate_backward, k),
-        "full batch (K=1)": (cnn(), accumulate_backward, 1),
-        f"ghost BN via ghostify (v={64 // k}, 1 update/step)": (ghostify(cnn(), 64 // k), accumulate_backward, 1),
-        f"full-batch stats, constants (K={k})": (cnn(), full_batch_stats_backward, k),
-        f"exact full-batch stats (K={k})": (cnn(), functools.partial(full_batch_stats_backward, exact=True), k),
-    }
-    cached = functools.partial(full_batch_stats_backward, exact=True, cache=True)
-    try:
-        cached(cnn().train(), loss_fn, x, y, k)
-        schemes[f"exact, cached (K={k})"] = (cnn(), cached, k)
-    except TypeError as err:
-        print(f"exact, cached: left out, full_batch_stats_backward has no cache= here ({err})", file=sys.stderr)
+    steps, counts = step_functions(split.x_train[:64], split.y_train[:64], k, list(STEP_ROWS), torch.float32)
     fns, forward_calls, peak = {}, {}, {}
-    for name, (model, fn, kk) in schemes.items():
-        model.train()
-        calls = [0]
-        model.register_forward_pre_hook(lambda *_, calls=calls: calls.__setitem__(0, calls[0] + 1))
-
-        def step(m: nn.Module = model, f: Callable[..., float] = fn, kk: int = kk) -> None:
-            m.zero_grad(set_to_none=True)
-            f(m, loss_fn, x, y, kk)
-
+    for method, step in steps.items():
+        name = STEP_ROWS[method].format(k=k, v=64 // k)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         step()
-        forward_calls[name] = calls[0]
+        forward_calls[name] = counts[method][0]
         if device.type == "cuda":
             peak[name] = torch.cuda.max_memory_allocated(device)
         fns[name] = step

@@ -486,26 +486,22 @@ class StepCost:
     time_ratio: float
 
 
-def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: int = 7,
-               methods: Sequence[str] = ("full batch", "plain accumulation", "ghost BN, 1 update/step",
-                                         "full-batch stats", "exact full-batch stats", "exact, cached"),
-               ) -> list[StepCost]:
-    """Count the passes and time one optimizer step of each method on the same batch (SmallCNN, float64).
-    "exact, cached" is the exact scheme with ``cache=True``: its stages call the layers, not the model, which it
-    calls once (to learn whether the forward draws random numbers).
+#: The methods :func:`step_functions` can time, in the order of the cost table.
+STEP_METHODS = ("full batch", "plain accumulation", "ghost BN, 1 update/step", "full-batch stats",
+                "exact full-batch stats", "exact, cached")
 
-    Timing is interleaved: each round runs every method once, in turn, and each method's time is the median
-    over ``repeat`` rounds (after one untimed round), so a machine that slows down or speeds up during the
-    measurement affects every method alike.
-    """
 
+def step_functions(x: torch.Tensor, y: torch.Tensor, k: int, methods: Sequence[str] = STEP_METHODS,
+                   dtype: torch.dtype = torch.float64) -> tuple[dict[str, Callable[[], object]], dict[str, list[int]]]:
+    """One optimizer step's gradient of each method on the batch ``x, y`` (a fresh SmallCNN each, seed 0), as a
+    function of no arguments, and a counter of the model's forward calls per method (a forward pre-hook)."""
     require_k(k)
-    x, y = split.x_train[:batch_size], split.y_train[:batch_size]
+    batch_size = x.shape[0]
     loss_fn = nn.CrossEntropyLoss()
     counts: dict[str, list[int]] = {}
     steps: dict[str, Callable[[], object]] = {}
     for method in methods:
-        model: nn.Module = make_cnn("batch", seed=0, device=x.device).train()
+        model: nn.Module = make_cnn("batch", seed=0, dtype=dtype, device=x.device).train()
         steps_k, backward = k, accumulate_backward
         if method == "full batch":
             steps_k = 1
@@ -518,7 +514,7 @@ def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: in
         elif method == "exact, cached":
             backward = functools.partial(full_batch_stats_backward, exact=True, cache=True)
         elif method != "plain accumulation":
-            raise ValueError(f"no step cost for {method!r}; choose among the BatchNorm methods of METHODS.")
+            raise ValueError(f"no step cost for {method!r}; choose among {list(STEP_METHODS)}.")
         counter = counts.setdefault(method, [0])
         model.register_forward_pre_hook(lambda *_, c=counter: c.__setitem__(0, c[0] + 1))
 
@@ -527,6 +523,20 @@ def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: in
             fn(m, loss_fn, x, y, kk)
 
         steps[method] = step
+    return steps, counts
+
+
+def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: int = 7,
+               methods: Sequence[str] = STEP_METHODS) -> list[StepCost]:
+    """Count the passes and time one optimizer step of each method on the same batch (SmallCNN, float64).
+    "exact, cached" is the exact scheme with ``cache=True``: its stages call the layers, not the model, which it
+    calls once (to learn whether the forward draws random numbers).
+
+    Timing is interleaved: each round runs every method once, in turn, and each method's time is the median
+    over ``repeat`` rounds (after one untimed round), so a machine that slows down or speeds up during the
+    measurement affects every method alike.
+    """
+    steps, counts = step_functions(split.x_train[:batch_size], split.y_train[:batch_size], k, methods)
     for method, step_fn in steps.items():  # one counted step per method
         counts[method][0] = 0
         step_fn()
