@@ -93,17 +93,30 @@ def test_every_impl_matches_the_reference(impl, dims, g, v, c, hw, affine, momen
     assert_matches_reference(impl, dims, g, v, c, hw, affine, momentum, dtype, channels_last and dims == 2)
 
 
-@pytest.mark.parametrize("dims, affine, momentum, dtype", [(2, True, 0.1, torch.float64),
-                                                           (1, False, None, torch.float32)])
-def test_compiled_fold_matches_the_reference(dims, affine, momentum, dtype):
-    assert_matches_reference("compile", dims, 3, 4, 3, (2, 3), affine, momentum, dtype)
+@pytest.mark.parametrize("dims, g, v, c, hw, affine, momentum, dtype, channels_last",
+                         [(2, 3, 4, 3, (2, 3), True, 0.1, torch.float64, True),
+                          (1, 3, 4, 3, (1, 1), False, None, torch.float32, False),
+                          (2, 2, 2, 1, (1, 1), True, None, torch.float32, False)])
+def test_compiled_kernel_matches_the_reference(dims, g, v, c, hw, affine, momentum, dtype, channels_last):
+    assert_matches_reference("compile", dims, g, v, c, hw, affine, momentum, dtype, channels_last)
+
+
+def test_compiled_kernel_refuses_a_double_backward():
+    layer = GhostBatchNorm(3, 2, dims=1, impl="compile").double()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(layer(x).pow(3).sum(), x, create_graph=False)
+    assert grad.shape == x.shape
+    with pytest.raises(ValueError, match="impl='fold'"):
+        torch.autograd.grad(layer(x).pow(3).sum(), x, create_graph=True)
 
 
 def test_failed_compile_falls_back_once_with_the_same_results(monkeypatch):
-    def broken(*args):
-        raise RuntimeError("no compiler here")
+    def broken(fn):
+        def fail(*args):
+            raise RuntimeError("no compiler here")
+        return fail
 
-    monkeypatch.setattr(ghost_bn, "_compiled_fold", lambda: broken)
+    monkeypatch.setattr(ghost_bn, "_compiled", broken)
     monkeypatch.setattr(ghost_bn, "_compile_failed", False)
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         assert_matches_reference("compile", 2, 3, 4, 3, (2, 2), True, 0.1, torch.float64)

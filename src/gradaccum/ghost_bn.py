@@ -11,6 +11,7 @@ import copy
 import functools
 import warnings
 from collections.abc import Callable
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +36,15 @@ def auto_impl(x: torch.Tensor, virtual_batch_size: int) -> str:
 
     Measured on the book's 2-core CPU, one thread (``gradaccum/book/ghost_bn_cpu.json``, written by
     ``benchmarks/ghost_bn.py``; forward + backward relative to one ``nn.BatchNorm`` call on the whole batch):
-    256×64×16×16 with v=32 (524,288 values per ghost batch), loop 0.96×, fold 1.28×; 64×16×8×8 with v=4 (4,096),
-    loop 3.3×, fold 1.9×; 4096×256 with v=32 (8,192), loop 3.5×, fold 2.6×. The loop writes each ghost batch
+    256×64×16×16 with v=32 (524,288 values per ghost batch), loop 0.89×, fold 1.54×; 64×16×8×8 with v=4 (4,096),
+    loop 3.8×, fold 2.2×; 4096×256 with v=32 (8,192), loop 4.3×, fold 2.8×. The loop writes each ghost batch
     straight into its slice of the output, so for large ghost batches it costs little more than BatchNorm; for
     small ones its G kernel calls cost more than the fold's copies in and out of the folded layout (the
     crossover, between 32,768 and 131,072 values, was measured on more shapes while choosing). On CUDA the fold
     measured 1.4× on an H200, against 2.7–4.4× for a loop of ``nn.BatchNorm2d``; this package's loop was not
-    measured there, so every device but the CPU gets the fold.
+    measured there, so every device but the CPU gets the fold. ``"compile"`` (0.68×, 2.3× and 1.35× on the three
+    shapes, timed between the other rows) is never picked: it takes seconds to compile every new input shape (6 to
+    18 s on this CPU with an empty compile cache) and needs a C++ compiler.
     """
     if x.device.type == "cpu" and x[:virtual_batch_size].numel() >= LOOP_MIN_VALUES:
         return "loop"
@@ -106,27 +109,103 @@ def _loop(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
     return _Loop.apply(x, weight, bias, mean, var, v, eps), mean.mean(0), var.mean(0)
 
 
+def _kernel_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, v: int,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Ghost BatchNorm written as array math on the (G, v, C, P) view of a contiguous input (P positions per
+    channel; 1 for features): per ghost batch and channel the mean :math:`\mu` and biased variance
+    :math:`\sigma^2` over the v·P values, then :math:`y = x\,s + (\beta - \mu s)` with
+    :math:`s = \gamma/\sqrt{\sigma^2+\epsilon}`. Returns the output; the mean over ghost batches of their
+    means and of their unbiased variances (the biased ones times m/(m−1), m = v·P), shape (C,); and the
+    (G, 1, C, 1) means and reciprocal standard deviations, for the backward pass."""
+    n, c = x.shape[0], x.shape[1]
+    xs = x.view(n // v, v, c, -1)
+    var, mean = torch.var_mean(xs, dim=(1, 3), keepdim=True, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    scale = rstd if weight is None else rstd * weight.view(1, 1, c, 1)
+    shift = -mean * scale if bias is None else bias.view(1, 1, c, 1) - mean * scale
+    m = xs.shape[1] * xs.shape[3]
+    unbiased = var.mean(dim=(0, 1, 3)) * (m / (m - 1))
+    return (xs * scale + shift).view(x.shape), mean.mean(dim=(0, 1, 3)), unbiased, mean, rstd
+
+
+def _kernel_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
+                     rstd: torch.Tensor, v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The gradients of :func:`_kernel_forward`, per ghost batch and channel over its m = v·P values:
+    with :math:`\hat x = (x-\mu)\,r` (r the reciprocal standard deviation),
+    :math:`\partial x = \gamma r\,(\partial y - \overline{\partial y} - \hat x\,\overline{\partial y\,\hat x})`
+    (bars: means over the m values); :math:`\partial\gamma = \sum \partial y\,\hat x`,
+    :math:`\partial\beta = \sum \partial y` over all N·P values."""
+    n, c = x.shape[0], x.shape[1]
+    xs = x.view(n // v, v, c, -1)
+    dys = grad_out.reshape(xs.shape)
+    xhat = (xs - mean) * rstd
+    m = xs.shape[1] * xs.shape[3]
+    sum_dy = dys.sum(dim=(1, 3), keepdim=True)
+    sum_dy_xhat = (dys * xhat).sum(dim=(1, 3), keepdim=True)
+    scale = rstd if weight is None else rstd * weight.view(1, 1, c, 1)
+    grad_x = scale * (dys - sum_dy / m - xhat * (sum_dy_xhat / m))
+    return grad_x.view(x.shape), sum_dy_xhat.sum(dim=(0, 1, 3)), sum_dy.sum(dim=(0, 1, 3))
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
 @functools.cache
-def _compiled_fold() -> Callable[..., _Result]:
-    return torch.compile(_fold)
+def _compiled(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    return cast(Callable[_P, _R], torch.compile(fn, dynamic=False))
 
 
 _compile_failed = False
 
 
-def _compile(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor,
-             v: int, eps: float) -> _Result:
-    """:func:`_fold` through ``torch.compile``; after its first failure, warned about once, the eager fold
-    (:func:`_fold` changes nothing, so a failed attempt leaves no trace in the layer)."""
+def _run_compiled(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    """``fn`` through ``torch.compile``; after the first failure, warned about once, ``fn`` itself (the same
+    formulas, eager: the results stay the same up to float rounding)."""
     global _compile_failed
     if not _compile_failed:
         try:
-            return _compiled_fold()(x, weight, bias, stats_like, v, eps)
+            return _compiled(fn)(*args, **kwargs)
         except Exception as err:  # any failure to compile (no C++ compiler, unsupported platform): fall back
             _compile_failed = True
             warnings.warn(f"torch.compile failed ({type(err).__name__}: {str(err)[:200]}); GhostBatchNorm("
-                          "impl='compile') runs the eager fold from now on.", RuntimeWarning, stacklevel=3)
-    return _fold(x, weight, bias, stats_like, v, eps)
+                          "impl='compile') runs the same formulas eagerly from now on (slower, same results).",
+                          RuntimeWarning, stacklevel=4)
+    return fn(*args, **kwargs)
+
+
+class _Kernel(torch.autograd.Function):
+    """:func:`_kernel_forward` and :func:`_kernel_backward`, each compiled by ``torch.compile`` into a few
+    fused loops (statistics, then the normalization; the two sums, then the input gradient). Once
+    differentiable."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, v: int,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = x.contiguous()
+        out, mean_c, var_c, mean, rstd = _run_compiled(_kernel_forward, x, weight, bias, v, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)  # type: ignore[arg-type]  # None: no affine
+        ctx.v = v  # type: ignore[attr-defined]
+        ctx.mark_non_differentiable(mean_c, var_c)
+        return out, mean_c, var_c
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # backward(create_graph=True): the compiled gradient carries no graph
+            raise ValueError("GhostBatchNorm's 'compile' implementation is differentiable once; for a double "
+                             "backward (create_graph=True) construct the layer with impl='fold'.")
+        x, weight, mean, rstd = ctx.saved_tensors
+        grad_x, grad_w, grad_b = _run_compiled(_kernel_backward, grad_out.contiguous(), x, weight, mean, rstd,
+                                               ctx.v)
+        keep = ctx.needs_input_grad
+        return (grad_x if keep[0] else None, grad_w if keep[1] else None, grad_b if keep[2] else None, None, None)
+
+
+def _compile(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor,
+             v: int, eps: float) -> _Result:
+    """:class:`_Kernel`: the output, and the means over ghost batches of their means and unbiased variances."""
+    out, mean, var = _Kernel.apply(x, weight, bias, v, eps)
+    return out, mean.to(stats_like.dtype), var.to(stats_like.dtype)
 
 
 _FORWARDS: dict[str, Callable[..., _Result]] = {"loop": _loop, "fold": _fold, "compile": _compile}
@@ -150,8 +229,9 @@ class GhostBatchNorm(_BatchNorm):
     ``impl`` chooses how, with equal results up to float rounding: ``"loop"``, one BatchNorm call per ghost
     batch writing into its slice of the output (once differentiable: no double backward); ``"fold"``, the ghost
     batches folded into the channel dimension — a copy of shape :math:`(v, G\cdot C, \dots)` — so that one
-    ``F.batch_norm`` call normalizes all of them; ``"compile"``, the fold through ``torch.compile`` (tens of
-    seconds to compile per input shape; after a failure to compile it warns once and runs the eager fold);
+    ``F.batch_norm`` call normalizes all of them; ``"compile"``, the formulas of ghost BatchNorm and of its
+    gradient written as array math and compiled by ``torch.compile`` (once differentiable; seconds to compile
+    per input shape; after a failure to compile it warns once and runs the same formulas eagerly);
     ``"auto"`` (default), :func:`auto_impl`: the loop on CPU for large ghost batches, the fold otherwise.
     """
 
