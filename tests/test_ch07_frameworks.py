@@ -37,7 +37,7 @@ def corpus():
 
 def test_step_weight_is_the_least_squares_factor():
     r = torch.tensor([1.0, 2.0, -1.0])
-    assert ch7.step_weight(0.375 * r, r) == pytest.approx(0.375)
+    assert fw.step_factor(0.375 * r, r) == pytest.approx(0.375)
 
 
 def test_measure_one_framework(digits, corpus):
@@ -49,7 +49,8 @@ def test_measure_one_framework(digits, corpus):
     assert s.clip_error < ch7.EXACT and s.partial_weight == pytest.approx(1.0, abs=1e-6)
     assert 0.1 < s.token_error < 0.2 and s.recipe_error < ch7.EXACT
     assert s.bn_per_step == ch7.K and s.bn_error > 0.1
-    assert s.fp16 == "not offered" and s.logged == "nothing (you log)"
+    assert s.fp16 == "not offered" and s.logged == "the last micro-batch's mean"
+    assert s.kwargs_mean_factor is None  # the Trainer only
     linear = [fw.LR * min(1, (i + 1) / 8) for i in range(10)]
     assert s.lrs == pytest.approx(linear)
 

@@ -254,6 +254,10 @@ def test_the_recorder_reads_closures_and_skips_optimizer_wrappers():
         (lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), [(x[:3], y[:3]), (x[3:], y[3:])], 2),
          "one size"),
         (lambda m, x, y: fw.split(x, y, 3), "does not divide"),
+        (lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, loss_kwargs=True),
+         "loss_kwargs is the Transformers Trainer's"),
+        (lambda m, x, y: fw.run("trainer", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, loss_kwargs=1),
+         "True or False"),
         (lambda m, x, y: fw.framework_step("keras"), "unknown framework"),
         (lambda m, x, y: fw.tiny_causal_lm("bert", 10, 8), "gpt2"),
         (lambda m, x, y: fw.trainer_on_causal_lm(m, x, y, 3), "does not divide"),
@@ -280,6 +284,24 @@ def test_two_processes():
     assert all(r.allreduces == r.optimizer_steps == 1 for r in by.values())
     assert all(r.token_error > 0.01 for r in by.values())
     assert all(by[n].recipe_error < 1e-5 for n in ("accelerate", "trainer", "timm"))
+    # a **kwargs model returning its mean: not divided by K = 2, multiplied by the 2 processes
+    assert by["trainer"].kwargs_mean_factor == pytest.approx(4, rel=1e-5)
+    assert all(by[n].kwargs_mean_factor is None for n in by if n != "trainer")
+
+
+def test_trainer_with_a_kwargs_model_that_returns_its_mean():
+    """One process, K = 3: the Trainer hands the count to a model that accepts loss kwargs and does not divide
+    its loss by K; a model that returns its mean anyway gets K times the default step. The timm-style loop logs
+    the last micro-batch's mean."""
+    x, y = padded(n=6)
+    default = fw.run("trainer", LM(), token_loss, fw.split(x, y, 3), 3, lr=0.0)
+    kwargs_mean = fw.run("trainer", LM(), token_loss, fw.split(x, y, 3), 3, lr=0.0, loss_kwargs=True)
+    assert fw.step_factor(kwargs_mean.grads[0], default.grads[0]) == pytest.approx(3, rel=1e-5)
+    assert fw.relative_error(kwargs_mean.grads[0], 3 * default.grads[0]) < 1e-5
+    timm = fw.run("timm", LM(), token_loss, fw.split(x, y, 3), 3, lr=0.0)
+    with torch.no_grad():
+        last = float(token_loss(LM()(x[4:]), y[4:]))
+    assert timm.logged == pytest.approx([last], rel=1e-6)
 
 
 def test_epochs_cosine_and_parameter_snapshots():

@@ -166,6 +166,7 @@ class Options:
     warmup: int = 0
     cosine: int = 0
     epochs: int = 1
+    loss_kwargs: bool | None = None
 
 
 def _world() -> tuple[int, int]:
@@ -231,7 +232,7 @@ def _quiet() -> Iterator[None]:
 
 def run(framework: str, model: nn.Module, loss_fn: LossFn, micro: MicroBatches, k: int, *,
         clip: float | None = None, precision: str = "fp32", sum_loss: LossFn | None = None,
-        lr: float = LR, warmup: int = 0, cosine: int = 0, epochs: int = 1) -> Run:
+        lr: float = LR, warmup: int = 0, cosine: int = 0, epochs: int = 1, loss_kwargs: bool | None = None) -> Run:
     """Train ``model`` in place for ``epochs`` epochs over ``micro`` (each rank's list when a process group is
     initialized), in order, with ``framework`` accumulating ``k`` micro-batches per optimizer step.
 
@@ -241,7 +242,9 @@ def run(framework: str, model: nn.Module, loss_fn: LossFn, micro: MicroBatches, 
     uses the framework's token-level recipe (the window's tokens, counted across ranks) instead of ``loss_fn``, or
     raises ``ValueError`` where the framework has none. ``warmup``, ``cosine``: the scheduler's
     (:class:`CountingLR`) linear warmup and cosine decay, in its own steps. The nanoGPT-style loop has no epochs:
-    it runs ``epochs · len(micro) // k`` iterations over the micro-batches in a cycle.
+    it runs ``epochs · len(micro) // k`` iterations over the micro-batches in a cycle. ``loss_kwargs`` (the
+    Trainer only): the model's ``accepts_loss_kwargs`` (:class:`HFWrapper`); ``True`` without ``sum_loss`` is a
+    model that takes the token count and returns its mean loss anyway.
     """
     _validate(model, micro, k, framework, precision)
     if clip is not None and not (isinstance(clip, (int, float)) and clip > 0 and math.isfinite(clip)):
@@ -249,7 +252,10 @@ def run(framework: str, model: nn.Module, loss_fn: LossFn, micro: MicroBatches, 
     for name, value in (("warmup", warmup), ("cosine", cosine), ("epochs", epochs)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "epochs" else 0):
             raise ValueError(f"{name} must be an int >= {1 if name == 'epochs' else 0}, got {value!r}.")
-    options = Options(clip, precision, sum_loss, lr, warmup, cosine, epochs)
+    if loss_kwargs is not None and (framework != "trainer" or not isinstance(loss_kwargs, bool)):
+        raise ValueError(f"loss_kwargs is the Transformers Trainer's model setting (True or False), got "
+                         f"{loss_kwargs!r} for {framework!r}: leave it None.")
+    options = Options(clip, precision, sum_loss, lr, warmup, cosine, epochs, loss_kwargs)
     runner = _RUNNERS[framework]
     _import(framework)  # before _quiet(): the loggers it silences are created on import
     before = bn_updates(model)
@@ -474,12 +480,15 @@ class HFWrapper(nn.Module):
 
     Without ``sum_loss`` its forward takes no other keyword, so the Trainer divides the mean loss by the
     accumulation steps; with ``sum_loss`` it accepts ``num_items_in_batch`` (the window's tokens, counted by the
-    Trainer) and returns the summed loss divided by it — what Transformers' own language models do."""
+    Trainer) and returns the summed loss divided by it — what Transformers' own language models do.
+    ``accepts_loss_kwargs=True`` without ``sum_loss``: a model that is handed the count and returns its mean loss
+    anyway (a custom ``forward(..., **kwargs)`` that ignores the count)."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, sum_loss: LossFn | None = None):
+    def __init__(self, model: nn.Module, loss_fn: LossFn, sum_loss: LossFn | None = None,
+                 accepts_loss_kwargs: bool | None = None):
         super().__init__()
         self.model, self.loss_fn, self.sum_loss = model, loss_fn, sum_loss
-        self.accepts_loss_kwargs = sum_loss is not None
+        self.accepts_loss_kwargs = sum_loss is not None if accepts_loss_kwargs is None else accepts_loss_kwargs
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> dict[str, Any]:
         out = self.model(x)
@@ -517,7 +526,7 @@ def _run_trainer(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Opti
     clip, precision, sum_loss, lr, warmup = o.clip, o.precision, o.sum_loss, o.lr, o.warmup
     from transformers import PrinterCallback, TrainingArguments
 
-    wrapped = HFWrapper(model, loss_fn, sum_loss)
+    wrapped = HFWrapper(model, loss_fn, sum_loss, o.loss_kwargs)
     opt = RecordingSGD(model.parameters(), lr)
     sched = CountingLR(opt, warmup, o.cosine)
     b = len(micro[0][0])
@@ -602,7 +611,8 @@ def _run_nanogpt(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Opti
 def _run_timm(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Options) -> Run:
     """In the style of timm's ``train.py``: backward under ``no_sync()`` except on update steps, the loss divided
     by the number of micro-batches the window really holds (the last window of an epoch may hold fewer), clip
-    once, the scheduler stepped once per update."""
+    once, the scheduler stepped once per update; at each update it logs what timm's log line shows first, the
+    last micro-batch's loss times the micro-batches divided by (its mean loss)."""
     clip, precision, sum_loss, lr, warmup = o.clip, o.precision, o.sum_loss, o.lr, o.warmup
     net, comm = _ddp(model)
     opt = RecordingSGD(model.parameters(), lr)
@@ -634,6 +644,7 @@ def _run_timm(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Options
                 opt.step()
                 opt.zero_grad()
                 sched.step()
+                result.logged.append(float(loss.detach()) * accum)
     return _finish(result, opt, sched, comm)
 
 
@@ -723,6 +734,11 @@ def lightning_module_step(k: int | None = None, **trainer_options: Any) -> Calla
 # ------------------------------------------------------------------------------------------- measurements
 
 
+def step_factor(grad: torch.Tensor, reference: torch.Tensor) -> float:
+    """The factor ``c`` with ``grad ≈ c · reference`` (least squares): 1 for a correctly weighted step."""
+    return float(grad.double() @ reference.double() / (reference.double() @ reference.double()))
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in float64."""
     a, b = a.double(), b.double()
@@ -757,6 +773,9 @@ class RankResult:
     token_error: float  # per-micro-batch mean loss against the global token mean
     recipe_error: float | None  # the framework's token recipe (None: it has none)
     lrs: list[float]  # learning rate at each optimizer step under a linear warmup (``warmup`` scheduler steps)
+    # the Trainer only: a model that accepts loss kwargs and returns its mean loss, its step as a multiple of
+    # the default's (the mean of micro-batch means)
+    kwargs_mean_factor: float | None = None
 
 
 def _distributed_env(rank: int, world_size: int) -> None:
@@ -801,8 +820,12 @@ def rank_task(rank: int, world_size: int, x: torch.Tensor, y: torch.Tensor, k: i
         except ValueError:
             pass
         longer = run(framework, fresh(), mean, list(own) * windows, k, warmup=warmup)
+        factor = None
+        if framework == "trainer":
+            kwargs_mean = run(framework, fresh(), mean, own, k, loss_kwargs=True)
+            factor = step_factor(kwargs_mean.grads[0], plain.grads[0])
         results.append(RankResult(framework, plain.optimizer_steps, plain.scheduler_steps, plain.allreduces,
-                                  relative_error(plain.grads[0], reference), recipe, longer.lrs))
+                                  relative_error(plain.grads[0], reference), recipe, longer.lrs, factor))
     return results
 
 
