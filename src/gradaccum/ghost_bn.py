@@ -8,7 +8,6 @@ BatchNorm layer of a model for one. The opposite wish, full-batch statistics und
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar, cast
@@ -36,13 +35,13 @@ def auto_impl(x: torch.Tensor, virtual_batch_size: int) -> str:
 
     Measured on the book's 2-core CPU, one thread (``gradaccum/book/ghost_bn_cpu.json``, written by
     ``benchmarks/ghost_bn.py``; forward + backward relative to one ``nn.BatchNorm`` call on the whole batch):
-    256×64×16×16 with v=32 (524,288 values per ghost batch), loop 0.89×, fold 1.54×; 64×16×8×8 with v=4 (4,096),
-    loop 3.8×, fold 2.2×; 4096×256 with v=32 (8,192), loop 4.3×, fold 2.8×. The loop writes each ghost batch
+    256×64×16×16 with v=32 (524,288 values per ghost batch), loop 1.13×, fold 1.61×; 64×16×8×8 with v=4 (4,096),
+    loop 3.2×, fold 1.9×; 4096×256 with v=32 (8,192), loop 3.5×, fold 2.6×. The loop writes each ghost batch
     straight into its slice of the output, so for large ghost batches it costs little more than BatchNorm; for
     small ones its G kernel calls cost more than the fold's copies in and out of the folded layout (the
     crossover, between 32,768 and 131,072 values, was measured on more shapes while choosing). On CUDA the fold
     measured 1.4× on an H200, against 2.7–4.4× for a loop of ``nn.BatchNorm2d``; this package's loop was not
-    measured there, so every device but the CPU gets the fold. ``"compile"`` (0.68×, 2.3× and 1.35× on the three
+    measured there, so every device but the CPU gets the fold. ``"compile"`` (0.80×, 1.9× and 1.7× on the three
     shapes, timed between the other rows) is never picked: it takes seconds to compile every new input shape (6 to
     18 s on this CPU with an empty compile cache) and needs a C++ compiler.
     """
@@ -112,20 +111,23 @@ def _loop(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
 def _kernel_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, v: int,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Ghost BatchNorm written as array math on the (G, v, C, P) view of a contiguous input (P positions per
-    channel; 1 for features): per ghost batch and channel the mean :math:`\mu` and biased variance
-    :math:`\sigma^2` over the v·P values, then :math:`y = x\,s + (\beta - \mu s)` with
-    :math:`s = \gamma/\sqrt{\sigma^2+\epsilon}`. Returns the output; the mean over ghost batches of their
-    means and of their unbiased variances (the biased ones times m/(m−1), m = v·P), shape (C,); and the
-    (G, 1, C, 1) means and reciprocal standard deviations, for the backward pass."""
+    channel; 1 for features), in float32 for float16 and bfloat16 inputs: per ghost batch and channel the mean
+    :math:`\mu` and then the biased variance :math:`\sigma^2` over the v·P values (two passes), then
+    :math:`y = x\,s + (\beta - \mu s)` with :math:`s = \gamma/\sqrt{\sigma^2+\epsilon}`. Returns the output;
+    the mean over ghost batches of their means and of their unbiased variances (the biased ones times m/(m−1),
+    m = v·P), shape (C,); and the (G, 1, C, 1) means and reciprocal standard deviations, for the backward
+    pass."""
     n, c = x.shape[0], x.shape[1]
-    xs = x.view(n // v, v, c, -1)
-    var, mean = torch.var_mean(xs, dim=(1, 3), keepdim=True, correction=0)
+    xs = x.view(n // v, v, c, -1).to(_accumulate_in(x.dtype))
+    mean = xs.mean(dim=(1, 3), keepdim=True)
+    var = (xs - mean).square().mean(dim=(1, 3), keepdim=True)  # two passes, as BatchNorm's CPU kernel
     rstd = torch.rsqrt(var + eps)
-    scale = rstd if weight is None else rstd * weight.view(1, 1, c, 1)
-    shift = -mean * scale if bias is None else bias.view(1, 1, c, 1) - mean * scale
+    scale = rstd if weight is None else rstd * weight.view(1, 1, c, 1).to(rstd.dtype)
+    shift = -mean * scale if bias is None else bias.view(1, 1, c, 1).to(rstd.dtype) - mean * scale
     m = xs.shape[1] * xs.shape[3]
     unbiased = var.mean(dim=(0, 1, 3)) * (m / (m - 1))
-    return (xs * scale + shift).view(x.shape), mean.mean(dim=(0, 1, 3)), unbiased, mean, rstd
+    out = (xs * scale + shift).to(x.dtype).view(x.shape)
+    return out, mean.mean(dim=(0, 1, 3)), unbiased, mean, rstd
 
 
 def _kernel_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
@@ -136,24 +138,32 @@ def _kernel_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     (bars: means over the m values); :math:`\partial\gamma = \sum \partial y\,\hat x`,
     :math:`\partial\beta = \sum \partial y` over all N·P values."""
     n, c = x.shape[0], x.shape[1]
-    xs = x.view(n // v, v, c, -1)
-    dys = grad_out.reshape(xs.shape)
+    xs = x.view(n // v, v, c, -1).to(rstd.dtype)
+    dys = grad_out.reshape(xs.shape).to(rstd.dtype)
     xhat = (xs - mean) * rstd
     m = xs.shape[1] * xs.shape[3]
     sum_dy = dys.sum(dim=(1, 3), keepdim=True)
     sum_dy_xhat = (dys * xhat).sum(dim=(1, 3), keepdim=True)
-    scale = rstd if weight is None else rstd * weight.view(1, 1, c, 1)
+    scale = rstd if weight is None else rstd * weight.view(1, 1, c, 1).to(rstd.dtype)
     grad_x = scale * (dys - sum_dy / m - xhat * (sum_dy_xhat / m))
-    return grad_x.view(x.shape), sum_dy_xhat.sum(dim=(0, 1, 3)), sum_dy.sum(dim=(0, 1, 3))
+    return grad_x.to(x.dtype).view(x.shape), sum_dy_xhat.sum(dim=(0, 1, 3)), sum_dy.sum(dim=(0, 1, 3))
 
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_COMPILED: dict[Callable[..., object], Callable[..., object]] = {}
 
 
-@functools.cache
+def _accumulate_in(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the compiled kernel computes in: float32 for float16 and bfloat16 inputs (as BatchNorm does),
+    else the input's."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _compiled(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    return cast(Callable[_P, _R], torch.compile(fn, dynamic=False))
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return cast(Callable[_P, _R], _COMPILED[fn])
 
 
 _compile_failed = False
@@ -161,22 +171,26 @@ _compile_failed = False
 
 def _run_compiled(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
     """``fn`` through ``torch.compile``; after the first failure, warned about once, ``fn`` itself (the same
-    formulas, eager: the results stay the same up to float rounding)."""
+    formulas, eager: the results stay the same up to float rounding). A failure that the eager formulas share
+    is the input's, not the compiler's: it is raised as it is, and compiling stays on."""
     global _compile_failed
     if not _compile_failed:
         try:
             return _compiled(fn)(*args, **kwargs)
         except Exception as err:  # any failure to compile (no C++ compiler, unsupported platform): fall back
+            result = fn(*args, **kwargs)  # raises if the input itself is at fault
             _compile_failed = True
             warnings.warn(f"torch.compile failed ({type(err).__name__}: {str(err)[:200]}); GhostBatchNorm("
                           "impl='compile') runs the same formulas eagerly from now on (slower, same results).",
                           RuntimeWarning, stacklevel=4)
+            return result
     return fn(*args, **kwargs)
 
 
 class _Kernel(torch.autograd.Function):
     """:func:`_kernel_forward` and :func:`_kernel_backward`, each compiled by ``torch.compile`` into a few
-    fused loops (statistics, then the normalization; the two sums, then the input gradient). Once
+    fused loops (the mean, the variance, then the normalization; the two sums, then the input gradient). The
+    output and the input gradient have the input's dtype, the parameter gradients the parameters'. Once
     differentiable."""
 
     @staticmethod
@@ -197,6 +211,8 @@ class _Kernel(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         grad_x, grad_w, grad_b = _run_compiled(_kernel_backward, grad_out.contiguous(), x, weight, mean, rstd,
                                                ctx.v)
+        if weight is not None:
+            grad_w, grad_b = grad_w.to(weight.dtype), grad_b.to(weight.dtype)
         keep = ctx.needs_input_grad
         return (grad_x if keep[0] else None, grad_w if keep[1] else None, grad_b if keep[2] else None, None, None)
 
@@ -247,7 +263,9 @@ class GhostBatchNorm(_BatchNorm):
         if isinstance(virtual_batch_size, bool) or not isinstance(virtual_batch_size, int) or virtual_batch_size < 2:
             raise ValueError(
                 f"virtual_batch_size must be an int >= 2, got {virtual_batch_size!r}: a ghost batch of one sample "
-                "has zero variance. Use 2 or more (Hoffer et al. used 128 on ImageNet)."
+                "has zero variance on features, and on feature maps it normalizes each sample over its own "
+                "positions (instance normalization), not over a batch. Use 2 or more (Hoffer et al. used 128 on "
+                "ImageNet)."
             )
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}; 'auto' picks the "
@@ -261,6 +279,10 @@ class GhostBatchNorm(_BatchNorm):
         expected = 4 if self.dims == 2 else 2
         if x.dim() != expected:
             raise ValueError(f"GhostBatchNorm(dims={self.dims}) expects a {expected}-D input, got {x.dim()}-D.")
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"GhostBatchNorm({self.num_features}, ...) got an input with {x.shape[1]} channels "
+                             f"(shape {tuple(x.shape)}): its dimension 1 must hold the {self.num_features} "
+                             "channels.")
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, virtual_batch_size={self.virtual_batch_size}, impl={self.impl!r}"
