@@ -1,12 +1,17 @@
-"""Shared fixtures: one thread (as in the chapters), float64 digits loaded once, the site built once."""
+"""Shared fixtures: one thread (as in the chapters), float64 digits loaded once, the site and the student site
+each built once per test run (shared by the pytest-xdist workers)."""
 
+import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from layout import ROOT, shadow_packages
 
 from gradaccum.book.data import load_digits_split
@@ -29,6 +34,7 @@ def loss_fn():
 
 
 def _build(source: Path, out: Path, blocked: Path) -> Path:
+    blocked.mkdir(parents=True, exist_ok=True)
     env = shadow_packages(blocked, ("torch", "gradaccum", "sklearn"), "the site build must not import ")
     jb = Path(sys.executable).with_name("jupyter-book")
     proc = subprocess.run([str(jb), "build", str(source), "--path-output", str(out), "-n", "-W", "--keep-going"],
@@ -39,14 +45,35 @@ def _build(source: Path, out: Path, blocked: Path) -> Path:
     return out / "_build" / "html"
 
 
+def _once(tmp_path_factory, name: str, make: Callable[[Path], Path]) -> Path:
+    """``make(folder)``, run once per test run in a folder every pytest-xdist worker shares (the parent of the
+    workers' own temporary folders): the first worker to ask builds, the others wait on a file lock and reuse what
+    it built. A build that fails records nothing, so a worker that asks later builds again and fails with its own
+    log."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with FileLock(str(shared / f"{name}.lock")):
+        folder, done = shared / name, shared / f"{name}.done"
+        if done.exists():
+            return Path(done.read_text())
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        result = make(folder)
+        done.write_text(str(result))
+        return result
+
+
+def _student_site(folder: Path) -> Path:
+    from gradaccum.book import course
+
+    course.write_student_edition(ROOT, folder / "book")
+    return _build(folder / "book", folder / "site", folder / "blocked")
+
+
 @pytest.fixture(scope="session")
 def built_student_site(tmp_path_factory):
     """The student edition's site, built the same way."""
-    from gradaccum.book import course
-
-    book = tmp_path_factory.mktemp("student") / "book"
-    course.write_student_edition(ROOT, book)
-    return _build(book, tmp_path_factory.mktemp("student-site"), tmp_path_factory.mktemp("blocked"))
+    return _once(tmp_path_factory, "student-site", _student_site)
 
 
 @pytest.fixture(scope="session")
@@ -54,4 +81,4 @@ def built_site(tmp_path_factory):
     """The site built from the stored outputs, as `make book` builds it (no warnings allowed), with torch and the
     book's package made unimportable: `make book` installs neither (requirements-site.txt), so the build must not
     need them."""
-    return _build(ROOT, tmp_path_factory.mktemp("site"), tmp_path_factory.mktemp("blocked"))
+    return _once(tmp_path_factory, "site", lambda folder: _build(ROOT, folder / "site", folder / "blocked"))

@@ -120,6 +120,17 @@ def test_microbatch_effect(digits):
         ch1.microbatch_effect(4, 1, digits.x_train, digits.y_train)
 
 
+def test_run_fingerprint_in_two_processes_gives_the_runs_one_after_the_other(digits):
+    """The chapter runs its table in two spawned processes: the same runs, to the bit (b = 2 included, whose
+    digits are chaotic), in the same order."""
+    plan = {"batch": (2,), "group": (64,)}
+    one = ch1.run_fingerprint(digits, plan, seeds=(1,), epochs=1)
+    two = ch1.run_fingerprint(digits, plan, seeds=(1,), epochs=1, workers=2)
+    assert one == two and [(r.norm, r.b, r.seed) for r in two] == [("batch", 2, 1), ("group", 64, 1)]
+    with pytest.raises(ValueError, match="does not divide"):  # refused before any process starts
+        ch1.run_fingerprint(digits, {"batch": (64, 6)}, seeds=(0,), epochs=1, workers=2)
+
+
 def test_run_fingerprint_small(digits):
     runs = ch1.run_fingerprint(digits, {"batch": (64, 8), "group": (8,)}, seeds=(0,), epochs=1)
     assert [(r.norm, r.b, r.k, r.steps) for r in runs] == [

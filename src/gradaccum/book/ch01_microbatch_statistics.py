@@ -26,6 +26,7 @@ from gradaccum.bn_statistics import (
 )
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import NormKind, batch_coupled_layers, make_cnn
+from gradaccum.book.parallel import run_jobs
 from gradaccum.book.plotting import (
     NORM_COLORS,
     NORM_MARKERS,
@@ -163,6 +164,18 @@ class FingerprintRun:
         return self.val_acc_train_mode - self.val_acc
 
 
+def fingerprint_run(split: DigitsSplit, norm: NormKind, b: int, seed: int, batch_size: int = 64, epochs: int = 8,
+                    lr: float = 0.05) -> FingerprintRun:
+    """One run of :func:`run_fingerprint`: a fresh SmallCNN with ``norm`` layers, micro-batches of ``b``."""
+    require_micro_batch(b, batch_norm=norm == "batch")
+    if batch_size % b:
+        raise ValueError(f"micro-batch size {b} does not divide the batch size {batch_size}.")
+    model = make_cnn(norm, seed=seed, device=split.x_train.device)
+    r = train(model, split.x_train, split.y_train, split.x_val, split.y_val,
+              batch_size=batch_size, k=batch_size // b, epochs=epochs, lr=lr, seed=seed)
+    return FingerprintRun(norm, b, r.k, seed, r.optimizer_steps, r.val_acc, r.val_acc_train_mode)
+
+
 def run_fingerprint(
     split: DigitsSplit,
     plan: dict[NormKind, tuple[int, ...]],
@@ -170,25 +183,22 @@ def run_fingerprint(
     batch_size: int = 64,
     epochs: int = 8,
     lr: float = 0.05,
+    workers: int = 1,
 ) -> list[FingerprintRun]:
     """Train a fresh SmallCNN for every (norm, micro-batch size b, seed) in ``plan`` × ``seeds``.
 
     Every run sees the same batches of ``batch_size`` images in the same order (for a given seed) and takes
-    one optimizer step per batch, with K = batch_size / b micro-batches: only b changes between runs.
+    one optimizer step per batch, with K = batch_size / b micro-batches: only b changes between runs. The runs
+    go to ``workers`` processes (:func:`gradaccum.book.parallel.run_jobs`: the same results, bit for bit).
     """
-
-    runs = []
-    for seed in seeds:
-        for norm, sizes in plan.items():
-            for b in sizes:
-                require_micro_batch(b, batch_norm=norm == "batch")
-                if batch_size % b:
-                    raise ValueError(f"micro-batch size {b} does not divide the batch size {batch_size}.")
-                model = make_cnn(norm, seed=seed, device=split.x_train.device)
-                r = train(model, split.x_train, split.y_train, split.x_val, split.y_val,
-                          batch_size=batch_size, k=batch_size // b, epochs=epochs, lr=lr, seed=seed)
-                runs.append(FingerprintRun(norm, b, r.k, seed, r.optimizer_steps, r.val_acc, r.val_acc_train_mode))
-    return runs
+    for norm, sizes in plan.items():  # refuse a bad plan before training anything
+        for b in sizes:
+            require_micro_batch(b, batch_norm=norm == "batch")
+            if batch_size % b:
+                raise ValueError(f"micro-batch size {b} does not divide the batch size {batch_size}.")
+    jobs = [dict(split=split, norm=norm, b=b, seed=seed, batch_size=batch_size, epochs=epochs, lr=lr)
+            for seed in seeds for norm, sizes in plan.items() for b in sizes]
+    return run_jobs(fingerprint_run, jobs, workers)
 
 
 def summarize_fingerprint(runs: list[FingerprintRun]) -> dict[tuple[str, int], dict[str, float]]:

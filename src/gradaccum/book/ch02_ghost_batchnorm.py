@@ -9,10 +9,8 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import multiprocessing
 import re
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, cast
@@ -34,6 +32,7 @@ from gradaccum.accumulate import (
 from gradaccum.bn_statistics import corrected_momentum, layer_inputs, set_bn_momentum
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import NormKind, make_cnn
+from gradaccum.book.parallel import run_jobs
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.book.tables import Table
 from gradaccum.fullbatch_bn import (
@@ -44,7 +43,6 @@ from gradaccum.fullbatch_bn import (
 )
 from gradaccum.ghost_bn import GhostBatchNorm, LoopGhostBatchNorm, ghostify
 from gradaccum.precise_bn import precise_bn
-from gradaccum.runtime import DEFAULT_THREADS
 from gradaccum.timing import interleaved_medians, median_time
 
 
@@ -347,25 +345,12 @@ def train_methods(split: DigitsSplit, k: int, batch_size: int = 64, epochs: int 
     return [runs[m] for m in METHODS if m in methods]
 
 
-def _one_thread() -> None:
-    torch.set_num_threads(DEFAULT_THREADS)  # as gradaccum.setup() does: results do not depend on the core count
-
-
-def _train_job(split: DigitsSplit, job: dict) -> list[MethodRun]:
-    return train_methods(split, **job)
-
-
 def train_many(split: DigitsSplit, jobs: Sequence[dict], workers: int = 1) -> list[list[MethodRun]]:
-    """:func:`train_methods` ``(split, **job)`` for every job, in order. With ``workers > 1`` the jobs run in that
-    many spawned processes with one torch thread each: every run seeds itself, so the results are the ones the
-    jobs give one after the other (a test checks it), in about ``1/workers`` of the time on as many cores."""
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive int, got {workers!r}.")
-    if workers == 1 or len(jobs) < 2:
-        return [train_methods(split, **job) for job in jobs]
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_one_thread) as pool:
-        return list(pool.map(functools.partial(_train_job, split), jobs))
+    """:func:`train_methods` ``(split, **job)`` for every job, in order; with ``workers > 1`` in that many
+    spawned processes (:func:`gradaccum.book.parallel.run_jobs`): every run seeds itself, so the results are the
+    ones the jobs give one after the other (a test checks it), in about ``1/workers`` of the time on as many
+    cores."""
+    return run_jobs(train_methods, [dict(split=split, **job) for job in jobs], workers)
 
 
 def study_jobs(seeds: Sequence[int] = (0, 1, 2), schedules: Sequence[str] = ("constant", "cosine"), k: int = 16,

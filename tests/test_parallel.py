@@ -1,0 +1,27 @@
+"""gradaccum.book.parallel.run_jobs: the jobs' results in order, the same in spawned processes as here."""
+
+import pytest
+import torch
+
+from gradaccum.book.parallel import run_jobs
+
+
+def seeded_draw(seed: int, n: int) -> list[float]:
+    """A job that seeds its own generator (as every study's run does) and reports its thread count."""
+    g = torch.Generator().manual_seed(seed)
+    return [*torch.randn(n, generator=g, dtype=torch.float64).cumsum(0).tolist(), float(torch.get_num_threads())]
+
+
+def test_jobs_in_two_processes_give_the_results_of_one_after_the_other():
+    jobs = [dict(seed=s, n=n) for s, n in ((3, 5), (1, 2), (4, 7), (1, 2))]
+    here = run_jobs(seeded_draw, jobs)
+    assert here == [seeded_draw(**job) for job in jobs]
+    there = run_jobs(seeded_draw, jobs, workers=2)
+    assert there == here and all(r[-1] == 1.0 for r in there)  # one thread in each process, as setup() sets
+    assert run_jobs(seeded_draw, [], workers=2) == [] and run_jobs(seeded_draw, jobs[:1], workers=2) == here[:1]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_a_bad_worker_count_is_refused(bad):
+    with pytest.raises(ValueError, match="workers must be a positive int"):
+        run_jobs(seeded_draw, [dict(seed=0, n=1)], workers=bad)
