@@ -66,6 +66,13 @@ def test_contrastive_training_and_scoring(split):
     a = ch8.train_contrastive("full", split.x_train[:64], 4, 4, 0, "constant", epochs=1)
     b = ch8.train_contrastive("gradcache", split.x_train[:64], 4, 4, 0, "constant", epochs=1)
     assert ch8.max_parameter_difference(a, b) < 1e-12
+    # plain accumulation in one pass (the study's runs) trains the model that accumulating trains
+    for k, b in ((16, 2), (4, 8)):
+        one, acc = (ch8.train_contrastive("plain", split.x_train[:128], k, b, 1, "cosine", epochs=2, one_pass=flag)
+                    for flag in (True, False))
+        assert ch8.max_parameter_difference(one, acc) < 1e-10
+        assert ch8.max_parameter_difference(one, ch8.train_contrastive("full", split.x_train[:128], k, b, 1,
+                                                                        "cosine", epochs=2)) > 1e-3
 
 
 def test_figures_and_widget(split):

@@ -106,6 +106,39 @@ def test_grad_cache_on_generated_encoders(widths, k, b, seed, temperature):
     assert rel(grads(*encs), reference) < 1e-11
 
 
+@settings(max_examples=25, deadline=None)
+@given(widths=st.lists(st.integers(2, 9), min_size=1, max_size=3), k=st.integers(1, 6), b=st.integers(1, 5),
+       seed=st.integers(0, 10_000), temperature=st.floats(0.05, 2.0))
+def test_micro_batch_info_nce_is_plain_accumulation_in_one_pass(widths, k, b, seed, temperature):
+    """The masked one-pass loss: the value and the gradient of plain accumulation (b = 1 included: no negative, a
+    zero loss), on generated encoders and temperatures."""
+    xa, xb = pair(k * b, seed)
+    encs = [encoder(6, widths, seed), encoder(6, widths, seed + 1)]
+    twins = [copy.deepcopy(e) for e in encs]
+    loss = lambda a, c: coupled.info_nce(a, c, temperature)  # noqa: E731
+    total = coupled.plain_accumulation_backward(encs, [xa, xb], k, loss)
+    one_pass = coupled.micro_batch_info_nce(twins[0](xa), twins[1](xb), k, temperature)
+    one_pass.backward()
+    assert float(one_pass.detach()) == pytest.approx(total, rel=1e-12, abs=1e-15)
+    reference = grads(*encs)
+    assert (grads(*twins) - reference).norm() <= 1e-11 * max(float(reference.norm()), 1e-300)
+    if k > 1 and b > 1:  # not the full batch's loss
+        with torch.no_grad():
+            assert float(coupled.info_nce(twins[0](xa), twins[1](xb), temperature)) > float(one_pass)
+
+
+def test_micro_batch_info_nce_refuses_what_plain_accumulation_refuses():
+    a = torch.randn(12, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="K = 5 does not divide the batch of 12"):
+        coupled.micro_batch_info_nce(a, a, 5)
+    with pytest.raises(ValueError, match="same shape"):
+        coupled.micro_batch_info_nce(a, a[:6], 2)
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        coupled.micro_batch_info_nce(a, a, 2, temperature=0.0)
+    with pytest.raises(ValueError, match="K"):
+        coupled.micro_batch_info_nce(a, a, 0)
+
+
 def test_grad_cache_refuses_batchnorm_in_training_and_bad_input():
     xa, xb = pair(8)
     bn = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)).double()

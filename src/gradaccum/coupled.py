@@ -37,8 +37,9 @@ from torch.utils.checkpoint import checkpoint
 
 from gradaccum._validate import require_k
 
-__all__ = ["info_nce", "plain_accumulation_backward", "grad_cache_backward", "expert_fractions", "switch_aux_loss",
-           "window_fractions", "checkpoint_keeping_bn_stats", "recompute_momentum"]
+__all__ = ["info_nce", "micro_batch_info_nce", "plain_accumulation_backward", "grad_cache_backward",
+           "expert_fractions", "switch_aux_loss", "window_fractions", "checkpoint_keeping_bn_stats",
+           "recompute_momentum"]
 
 _BN = nn.modules.batchnorm._BatchNorm
 
@@ -54,6 +55,27 @@ def info_nce(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.1) -> torc
         raise ValueError(f"temperature must be positive, got {temperature}.")
     logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / temperature
     return F.cross_entropy(logits, torch.arange(len(a), device=a.device))
+
+
+def micro_batch_info_nce(a: torch.Tensor, b: torch.Tensor, k: int, temperature: float = 0.1) -> torch.Tensor:
+    r"""The loss plain accumulation optimizes, in one pass: the mean over the K micro-batches (consecutive
+    blocks of n/K rows) of their own InfoNCE, :math:`rac1K\sum_k L(B_k)`. It is InfoNCE with every similarity
+    outside a sample's own block masked out (:math:`s_{ij} = -\infty`): each row's softmax sees only its
+    micro-batch's b − 1 negatives, and the mean over all n rows is the mean over blocks of their means. Its
+    gradient is :func:`plain_accumulation_backward`'s with ``info_nce``, to rounding."""
+    n = len(a)
+    require_k(k)
+    if a.shape != b.shape or a.dim() != 2:
+        raise ValueError(f"a and b must be (n, d) embeddings of the same shape, got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}.")
+    if n % k:
+        raise ValueError(f"K = {k} does not divide the batch of {n}; pick a batch that K divides.")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}.")
+    logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / temperature
+    block = torch.arange(n, device=a.device) // (n // k)
+    logits = logits.masked_fill(block[:, None] != block[None, :], float("-inf"))
+    return F.cross_entropy(logits, torch.arange(n, device=a.device))
 
 
 def _split(inputs: Sequence[torch.Tensor], k: int) -> list[tuple[torch.Tensor, ...]]:

@@ -142,10 +142,12 @@ def few_label_accuracy(enc: nn.Module, x_train: torch.Tensor, y_train: torch.Ten
 
 
 def train_contrastive(method: str, x: torch.Tensor, k: int, b: int, seed: int, schedule: str, epochs: int = 4,
-                      lr: float = 0.05) -> nn.Module:
+                      lr: float = 0.05, one_pass: bool = True) -> nn.Module:
     """Contrastive training of :func:`encoder` on the training digits: SGD with momentum 0.9, batches of
-    ``k · b`` digits (two views each), ``"full"`` batch or ``"plain"`` accumulation of ``k`` micro-batches,
-    learning rate constant or cosine-decayed to 0."""
+    ``k · b`` digits (two views each), ``"full"`` batch, ``"plain"`` accumulation of ``k`` micro-batches or
+    ``"gradcache"``, learning rate constant or cosine-decayed to 0. With ``one_pass`` (the default), plain
+    accumulation is computed in one pass as :func:`gradaccum.coupled.micro_batch_info_nce`, the same gradient as
+    :func:`gradaccum.coupled.plain_accumulation_backward` to rounding (a test trains both ways)."""
     if method not in ("full", "plain", "gradcache"):
         raise ValueError(f"method must be 'full', 'plain' or 'gradcache', got {method!r}.")
     if schedule not in ("constant", "cosine"):
@@ -167,6 +169,8 @@ def train_contrastive(method: str, x: torch.Tensor, k: int, b: int, seed: int, s
             opt.zero_grad()
             if method == "full":
                 loss(enc(xa), enc(xb)).backward()
+            elif method == "plain" and one_pass:  # the same gradient as accumulating, to rounding
+                coupled.micro_batch_info_nce(enc(xa), enc(xb), k, TAU).backward()
             elif method == "plain":
                 coupled.plain_accumulation_backward([enc, enc], [xa, xb], k, loss)
             else:
