@@ -53,6 +53,7 @@ class PageReport:
     links: list[str] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
     explorers: list[dict] = field(default_factory=list)
+    settled: bool = False
 
 
 def chromium_available() -> bool:
@@ -97,27 +98,48 @@ def browser(width: int, height: int) -> Iterator[object]:
         driver.quit()
 
 
-def wait_settled(driver, timeout: float = 20.0) -> None:
-    """Wait for the page's load event and MathJax's first typeset."""
+#: True once a page other than the one marked :data:`LEAVING` is loaded and MathJax's first typeset has settled.
+#: The hook is set on each page's own ``window``: ``driver.get`` can return before the browser has left the
+#: previous page (it did, after pages with explorers, at 320 px), whose flags must not count.
+SETTLED = """
+if (window.__gaLeaving || document.readyState !== 'complete') return false;
+if (!window.__gaHooked) {
+  window.__gaHooked = true;
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    const done = () => { window.__gaSettled = true; };
+    MathJax.startup.promise.then(done, done);
+  } else {
+    window.__gaSettled = true;
+  }
+}
+return window.__gaSettled === true;
+"""
+
+
+LEAVING = "window.__gaLeaving = true;"
+
+
+def wait_settled(driver, timeout: float = 20.0) -> bool:
+    """After ``driver.execute_script(LEAVING)`` and ``driver.get(...)``: wait until the new page is loaded and
+    MathJax's first typeset has settled; False on a timeout."""
     import time
 
     deadline = time.monotonic() + timeout
-    script = ("return document.readyState === 'complete' && (!window.MathJax || !MathJax.startup || "
-              "MathJax.startup.promise === undefined || window.__mjDone === true);")
-    driver.execute_script("if (window.MathJax && MathJax.startup && MathJax.startup.promise) "
-                          "{ MathJax.startup.promise.then(() => { window.__mjDone = true; }); }")
     while time.monotonic() < deadline:
-        if driver.execute_script(script):
-            break
-        time.sleep(0.2)
-    time.sleep(0.2)  # the explorers' inline scripts have run by load; a moment for MathJax's last layout
+        if driver.execute_script(SETTLED):
+            time.sleep(0.2)  # the explorers' inline scripts have run by load; a moment for MathJax's last layout
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def inspect_page(driver, url: str, path: str, screenshot: Path | None = None) -> PageReport:
+    driver.execute_script(LEAVING)
     driver.get(url)
-    wait_settled(driver)
+    settled = wait_settled(driver)
     data = driver.execute_script(PAGE_PROBE)
     report = PageReport(path)
+    report.settled = settled
     report.console_errors = [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
     text = data["text"]
     report.raw_tex = [text[max(0, i - 30):i + 30] for d in RAW_TEX for i in _find_all(text, d)][:10]

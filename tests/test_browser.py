@@ -48,6 +48,7 @@ def reports(request) -> tuple[str, dict[str, PageReport], str]:
 def test_every_page_is_seen(reports):
     _, out, _ = reports
     assert len(out) >= 9 and SHOT_PAGE in out and "references.html" in out
+    assert not [path for path, r in out.items() if not r.settled], "pages not loaded and typeset within 20 s"
 
 
 def test_console_is_clean(reports):
