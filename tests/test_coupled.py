@@ -127,16 +127,21 @@ def test_micro_batch_info_nce_is_plain_accumulation_in_one_pass(widths, k, b, se
             assert float(coupled.info_nce(twins[0](xa), twins[1](xb), temperature)) > float(one_pass)
 
 
-def test_micro_batch_info_nce_refuses_what_plain_accumulation_refuses():
+def test_micro_batch_info_nce_refuses_bad_input_with_what_to_do():
     a = torch.randn(12, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="K = 5 does not divide the batch of 12"):
         coupled.micro_batch_info_nce(a, a, 5)
-    with pytest.raises(ValueError, match="same shape"):
-        coupled.micro_batch_info_nce(a, a[:6], 2)
-    with pytest.raises(ValueError, match="temperature must be positive"):
-        coupled.micro_batch_info_nce(a, a, 2, temperature=0.0)
-    with pytest.raises(ValueError, match="K"):
-        coupled.micro_batch_info_nce(a, a, 0)
+    with pytest.raises(ValueError, match="does not divide the batch of 0"):
+        coupled.micro_batch_info_nce(a[:0], a[:0], 2)
+    for bad_a, bad_b in ((a, a[:6]), (a[:, 0], a[:, 0]), (a[0, 0], a[0, 0]), (a[None], a[None])):
+        with pytest.raises(ValueError, match="must be \\(n, d\\) embeddings of the same shape"):
+            coupled.micro_batch_info_nce(bad_a, bad_b, 2)
+    for bad_t in (0.0, -0.1, float("nan"), float("inf"), None, "0.1", True):
+        with pytest.raises(ValueError, match="temperature must be a positive finite number"):
+            coupled.micro_batch_info_nce(a, a, 2, temperature=bad_t)
+    for bad_k in (0, -1, 2.0, True, torch.tensor(2)):
+        with pytest.raises(ValueError, match="K \\(accumulation steps\\) must be an int >= 1"):
+            coupled.micro_batch_info_nce(a, a, bad_k)
 
 
 def test_grad_cache_refuses_batchnorm_in_training_and_bad_input():

@@ -28,6 +28,7 @@ statistics frozen.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -59,19 +60,26 @@ def info_nce(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.1) -> torc
 
 def micro_batch_info_nce(a: torch.Tensor, b: torch.Tensor, k: int, temperature: float = 0.1) -> torch.Tensor:
     r"""The loss plain accumulation optimizes, in one pass: the mean over the K micro-batches (consecutive
-    blocks of n/K rows) of their own InfoNCE, :math:`rac1K\sum_k L(B_k)`. It is InfoNCE with every similarity
-    outside a sample's own block masked out (:math:`s_{ij} = -\infty`): each row's softmax sees only its
-    micro-batch's b − 1 negatives, and the mean over all n rows is the mean over blocks of their means. Its
-    gradient is :func:`plain_accumulation_backward`'s with ``info_nce``, to rounding."""
-    n = len(a)
-    require_k(k)
-    if a.shape != b.shape or a.dim() != 2:
+    blocks of m = n/K rows, as ``torch.chunk`` cuts them) of their own InfoNCE, :math:`\frac1K\sum_k L(B_k)`. It
+    is InfoNCE with every similarity outside a sample's own block masked out (:math:`s_{ij} = -\infty`): each
+    row's softmax sees only its micro-batch's m − 1 negatives, and the mean over all n rows is the mean over the
+    blocks of their means (equal blocks).
+
+    Its gradient is :func:`plain_accumulation_backward`'s with ``info_nce``, to rounding, when the embeddings
+    come from encoders that treat each sample on its own and draw no random numbers (no dropout, no BatchNorm
+    with batch statistics): those give each micro-batch the embeddings it would get alone. It saves time, not
+    memory: the whole batch's graph and an n × n similarity matrix are held, which accumulation avoids."""
+    if a.dim() != 2 or a.shape != b.shape:
         raise ValueError(f"a and b must be (n, d) embeddings of the same shape, got {tuple(a.shape)} and "
                          f"{tuple(b.shape)}.")
-    if n % k:
-        raise ValueError(f"K = {k} does not divide the batch of {n}; pick a batch that K divides.")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}.")
+    n = len(a)
+    require_k(k)
+    if n == 0 or n % k:
+        raise ValueError(f"K = {k} does not divide the batch of {n} into non-empty micro-batches; pick a batch "
+                         "that K divides.")
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and 0 < temperature < math.inf):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}.")
     logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / temperature
     block = torch.arange(n, device=a.device) // (n // k)
     logits = logits.masked_fill(block[:, None] != block[None, :], float("-inf"))

@@ -152,11 +152,17 @@ def train_contrastive(method: str, x: torch.Tensor, k: int, b: int, seed: int, s
         raise ValueError(f"method must be 'full', 'plain' or 'gradcache', got {method!r}.")
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}.")
+    require_k(k)
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ValueError(f"the micro-batch size b must be an int >= 1, got {b!r}.")
     enc = encoder(seed)
     opt = torch.optim.SGD(enc.parameters(), lr=lr, momentum=0.9)
     g = torch.Generator().manual_seed(seed)
     xs, n = flat_digits(x), k * b
     per_epoch = len(xs) // n
+    if per_epoch == 0:
+        raise ValueError(f"a batch of K · b = {n} digits is more than the {len(xs)} given: no step would run; "
+                         "give more digits or a smaller K or b.")
     total, step = epochs * per_epoch, 0
     for _ in range(epochs):
         order = torch.randperm(len(xs), generator=g)
