@@ -102,8 +102,13 @@ def test_hung_worker_is_killed_at_the_deadline():
         ch5.launch("crash", world_size=2, timeout=5, crash_rank=0, how="hang", pg_timeout=120)
     assert time.perf_counter() - start < 20
     assert not multiprocessing.active_children()
-    ps = subprocess.run(["ps", "-eo", "ppid,cmd"], capture_output=True, text=True).stdout
-    assert not [line for line in ps.splitlines() if line.split()[0] == str(os.getpid()) and "spawn" in line]
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,cmd"], capture_output=True, text=True).stdout
+    rows = [(int(pid), int(ppid), cmd) for pid, ppid, cmd in (line.split(None, 2) for line in ps.splitlines()[1:])]
+    me = os.getpid()
+    servers = {pid for pid, ppid, cmd in rows if ppid == me and "forkserver" in cmd}
+    assert servers or ddp_workers.start_method() == "spawn"  # the workers' parent is looked at
+    left = [cmd for pid, ppid, cmd in rows if ppid in servers or (ppid == me and "spawn_main" in cmd)]
+    assert not left, left  # no worker left: neither forked by the fork server nor spawned
 
 
 def test_launch_arguments():
