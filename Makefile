@@ -20,17 +20,15 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # The site's build needs only requirements-site.txt (no torch): the site is built from stored outputs.
-# --no-compile: pip would byte-compile all ~18,000 modules of the stack (about 80 s on a 2-core machine); Python
-# compiles the ones that are imported, once, on first import.
 $(SITE_STAMP): requirements-site.txt | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -r requirements-site.txt
+	$(PY) -m pip install --quiet -r requirements-site.txt
 	touch $(SITE_STAMP)
 
 # Everything (tests, execution, the package): re-installed only when the requirements or the package change.
 $(STAMP): requirements.txt requirements-site.txt pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP) $(SITE_STAMP)
 

@@ -92,8 +92,8 @@ def test_fresh_environment_with_only_torch(tmp_path: Path):
     py = venv / "bin" / "python"
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     version = torch.__version__.split("+")[0]
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-compile", f"torch=={version}", "setuptools>=77"],
-                   check=True, timeout=900, env=env)  # --no-compile: no byte-compiling of torch's modules (~15 s)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", f"torch=={version}", "setuptools>=77"], check=True,
+                   timeout=900, env=env)
     repo = tmp_path / "repo"  # a copy: building in place would leave build/ and egg-info behind
     shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".venv", "_build", ".git", "*.egg-info", "__pycache__",
                                                               "chapters", ".hypothesis"))
