@@ -164,12 +164,16 @@ class FingerprintRun:
         return self.val_acc_train_mode - self.val_acc
 
 
-def fingerprint_run(split: DigitsSplit, norm: NormKind, b: int, seed: int, batch_size: int = 64, epochs: int = 8,
-                    lr: float = 0.05) -> FingerprintRun:
-    """One run of :func:`run_fingerprint`: a fresh SmallCNN with ``norm`` layers, micro-batches of ``b``."""
+def _check_micro_batch(norm: NormKind, b: int, batch_size: int) -> None:
     require_micro_batch(b, batch_norm=norm == "batch")
     if batch_size % b:
         raise ValueError(f"micro-batch size {b} does not divide the batch size {batch_size}.")
+
+
+def fingerprint_run(split: DigitsSplit, norm: NormKind, b: int, seed: int, batch_size: int = 64, epochs: int = 8,
+                    lr: float = 0.05) -> FingerprintRun:
+    """One run of :func:`run_fingerprint`: a fresh SmallCNN with ``norm`` layers, micro-batches of ``b``."""
+    _check_micro_batch(norm, b, batch_size)
     model = make_cnn(norm, seed=seed, device=split.x_train.device)
     r = train(model, split.x_train, split.y_train, split.x_val, split.y_val,
               batch_size=batch_size, k=batch_size // b, epochs=epochs, lr=lr, seed=seed)
@@ -193,9 +197,7 @@ def run_fingerprint(
     """
     for norm, sizes in plan.items():  # refuse a bad plan before training anything
         for b in sizes:
-            require_micro_batch(b, batch_norm=norm == "batch")
-            if batch_size % b:
-                raise ValueError(f"micro-batch size {b} does not divide the batch size {batch_size}.")
+            _check_micro_batch(norm, b, batch_size)
     jobs = [dict(split=split, norm=norm, b=b, seed=seed, batch_size=batch_size, epochs=epochs, lr=lr)
             for seed in seeds for norm, sizes in plan.items() for b in sizes]
     return run_jobs(fingerprint_run, jobs, workers)
