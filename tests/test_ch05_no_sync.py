@@ -102,7 +102,9 @@ def test_hung_worker_is_killed_at_the_deadline():
         ch5.launch("crash", world_size=2, timeout=5, crash_rank=0, how="hang", pg_timeout=120)
     assert time.perf_counter() - start < 20
     assert not multiprocessing.active_children()
-    ps = subprocess.run(["ps", "-eo", "pid,ppid,cmd"], capture_output=True, text=True).stdout
+    # -ww: the whole command line (piped, ps cuts it at $COLUMNS or 80 characters, where a long venv path can
+    # push "forkserver" out of sight)
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,cmd"], capture_output=True, text=True).stdout
     rows = [(int(pid), int(ppid), cmd) for pid, ppid, cmd in (line.split(None, 2) for line in ps.splitlines()[1:])]
     me = os.getpid()
     servers = {pid for pid, ppid, cmd in rows if ppid == me and "forkserver" in cmd}

@@ -22,3 +22,27 @@ def test_interleaved_medians_alternate_and_validate():
     assert calls == ["a", "b"] * 4 and set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     with pytest.raises(ValueError, match="repeat"):
         timing.interleaved_medians({}, repeat=1)
+
+
+def test_interleaved_times_clocks_and_statistics():
+    """The process clock counts this process's CPU seconds, not sleeping; ``min`` takes the fastest round."""
+    import time
+
+    fns = {"sleep": lambda: time.sleep(0.02), "spin": lambda: sum(range(200_000))}
+    wall = timing.interleaved_times(fns, repeat=3, clock="wall")
+    cpu = timing.interleaved_times(fns, repeat=3, clock="process", statistic="min")
+    assert wall["sleep"] >= 0.02 and cpu["sleep"] < 0.005  # a sleeping process uses no CPU
+    assert cpu["spin"] > 0
+    assert timing.interleaved_times(fns, repeat=3, clock="auto", statistic="min").keys() == fns.keys()
+    durations = iter([0.3, 0.1, 0.2])
+    fake = {"f": lambda: time.sleep(next(durations))}
+    assert timing.interleaved_times(fake, repeat=3, warmup=0, statistic="min")["f"] == pytest.approx(0.1, abs=0.05)
+
+
+def test_interleaved_times_refuses_bad_choices():
+    with pytest.raises(ValueError, match="clock must be one of"):
+        timing.interleaved_times({"a": lambda: None}, clock="cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="statistic one of"):
+        timing.interleaved_times({"a": lambda: None}, statistic="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="misses the GPU's work"):
+        timing.interleaved_times({"a": lambda: None}, device="cuda", clock="process")

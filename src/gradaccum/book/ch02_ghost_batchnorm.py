@@ -43,7 +43,7 @@ from gradaccum.fullbatch_bn import (
 )
 from gradaccum.ghost_bn import GhostBatchNorm, LoopGhostBatchNorm, ghostify
 from gradaccum.precise_bn import precise_bn
-from gradaccum.timing import interleaved_medians, median_time
+from gradaccum.timing import interleaved_times, median_time
 
 
 def layer_timings(shape: tuple[int, int, int, int] = (128, 16, 8, 8), v: int = 8, device: torch.device | str = "cpu",
@@ -463,8 +463,8 @@ def plot_study(runs: Sequence[MethodRun]):
 @dataclass(frozen=True)
 class StepCost:
     """What one optimizer step of a method costs on a batch of K·b images: the model's forward calls (each
-    micro-batch forward counts one, a forward stopped early by the statistics pass too) and wall time
-    relative to plain accumulation (median over interleaved repeats)."""
+    micro-batch forward counts one, a forward stopped early by the statistics pass too) and time relative to
+    plain accumulation (:func:`step_costs` says how it is measured)."""
 
     method: str
     forward_calls: int
@@ -517,23 +517,25 @@ def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: in
     "exact, cached" is the exact scheme with ``cache=True``: its stages call the layers, not the model, which it
     calls once (to learn whether the forward draws random numbers).
 
-    Timing is interleaved: each round runs every method once, in turn, and each method's time is the median
-    over ``repeat`` rounds (after one untimed round), so a machine that slows down or speeds up during the
-    measurement affects every method alike.
+    Timing is interleaved: each round runs every method once, in turn, so a machine that slows down or speeds
+    up during the measurement affects every method alike. Each method's time is its fastest of ``repeat``
+    rounds (after one untimed round), in CPU seconds of this process on the CPU (time spent waiting while
+    another process ran is not counted; :func:`gradaccum.timing.interleaved_times`) and wall seconds on CUDA.
     """
     steps, counts = step_functions(split.x_train[:batch_size], split.y_train[:batch_size], k, methods)
     for method, step_fn in steps.items():  # one counted step per method
         counts[method][0] = 0
         step_fn()
     calls = {m: c[0] for m, c in counts.items()}
-    times = interleaved_medians(steps, repeat=repeat, warmup=1)
+    device = split.x_train.device
+    times = interleaved_times(steps, device, repeat=repeat, warmup=1, clock="auto", statistic="min")
     base = times.get("plain accumulation") or next(iter(times.values()))
     return [StepCost(m, calls[m], times[m] / base) for m in methods]
 
 
 def precise_bn_cost(split: DigitsSplit, b: int = 4, k: int = 16, repeat: int = 5) -> float:
     """Seconds of one PreciseBN pass (over the training set in batches of b) divided by the seconds of one
-    plain-accumulation step (K micro-batches of b), interleaved medians."""
+    plain-accumulation step (K micro-batches of b), timed as :func:`step_costs` times."""
 
     model = make_cnn("batch", seed=0, device=split.x_train.device).train()
     x, y = split.x_train[: k * b], split.y_train[: k * b]
@@ -544,9 +546,9 @@ def precise_bn_cost(split: DigitsSplit, b: int = 4, k: int = 16, repeat: int = 5
         model.zero_grad(set_to_none=True)
         accumulate_backward(model, loss_fn, x, y, k)
 
-    times = interleaved_medians(
+    times = interleaved_times(
         {"plain step": plain, "PreciseBN pass": lambda: precise_bn(recompute, split.x_train, b)},
-        repeat=repeat, warmup=1)
+        x.device, repeat=repeat, warmup=1, clock="auto", statistic="min")
     return times["PreciseBN pass"] / times["plain step"]
 
 
