@@ -219,8 +219,8 @@ ELSEWHERE = {
 MAKE_TARGETS = {
     "book": "tests/test_site.py builds the site the way `make book` does (jupyter-book build . -n -W --keep-going)",
     "test": "runs this file among all the others: a test cannot run the command that runs it",
-    "unit": "the package-test subset of `make test` (every test not marked site, commands or install)",
-    "lint": "the first step of `make test` (ruff, ruff format --check, mypy); CI runs it through `make test`",
+    "unit": "the package-test subset of `make test` (every test not marked site, commands, install, nbgrader or lint)",
+    "lint": "tests/test_lint.py runs the recipe's commands (ruff, ruff format --check, mypy), read from the Makefile",
     "help": "prints the Makefile's own `##` descriptions; test_make_help_describes_every_target checks them",
     "nbval": "the strict-nbval half of `make test`",
     "nbval-loaded": "strict nbval (part of `make test`) three times over with both cores kept busy: a stress run "
