@@ -46,15 +46,15 @@ book: $(SITE_STAMP) ## build the site from the stored outputs into _build/html (
 	$(VENV)/bin/jupyter-book build . --all -n -W --keep-going
 	@echo "The site is in $(CURDIR)/_build/html (open _build/html/index.html)"
 
-# Every test once: strict nbval (every output compared cell by cell; the lax mode is never used; each chapter runs
-# once), lint and types (tests/test_lint.py runs `make lint`'s three tools), package tests, shown commands, a fresh
-# torch-only install, the site and the browser.
+# Every test once: lint and types (tests/test_lint.py runs `make lint`'s three tools), package tests, shown
+# commands, a fresh torch-only install, the site and the browser, and strict nbval (every output compared cell by
+# cell; the lax mode is never used; each chapter runs once).
 # Two workers (pytest-xdist), each test file whole on one worker (--dist loadfile): a notebook's cells run in order
-# in one kernel, and the timing asserts are the ones `make nbval-loaded` checks under load. The chapters come first:
-# the longest files start early and the short ones fill the end, so neither worker waits long for the other; lint
-# runs beside the tests instead of before them (mypy alone takes 1.5 min with no cache).
-test: $(STAMP) ## every test: strict nbval, lint + types, unit, commands, fresh install, site + browser
-	$(PY) -m pytest chapters tests --nbval --nbval-current-env \
+# in one kernel, and the timing asserts are the ones `make nbval-loaded` checks under load (chapter 5's timing cell
+# never runs beside an eight-process job: conftest.py). Lint runs beside the tests instead of before them (mypy
+# alone takes 1.5 min with no cache).
+test: $(STAMP) ## every test: lint + types, unit, commands, fresh install, site + browser, strict nbval
+	$(PY) -m pytest tests chapters --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n 2 --dist loadfile
 
 # The package's tests only: no notebook, no site build, no shown command, no new virtual environment.

@@ -268,3 +268,17 @@ def test_cluster_numbers_of_the_chapter():
     assert t["NVLink 4 (H100)"] == pytest.approx(15.6e-3, rel=5e-3)
     assert t["InfiniBand NDR 400 Gb/s"] == pytest.approx(0.165, rel=5e-3)
     assert t["Ethernet 10 Gb/s"] == pytest.approx(6.44, rel=5e-3)
+
+
+def test_the_timing_cell_is_the_one_that_waits_for_heavy_jobs():
+    """The repository's conftest.py makes the cell holding layout.TIMING_CELL wait for heavy_job(): exactly one cell
+    of chapter 5 holds it, and it is the cell that launches the timing task."""
+    import json
+
+    from layout import ROOT, TIMING_CELL
+
+    cells = json.loads((ROOT / "chapters" / "05_no_sync.ipynb").read_text())["cells"]
+    sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    holding = [s for s in sources if TIMING_CELL in s]
+    assert len(holding) == 1 and 'launch(\n    "timing",' in holding[0]
+    assert "def pytest_runtest_call" in (ROOT / "conftest.py").read_text()
