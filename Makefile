@@ -62,7 +62,7 @@ unit: $(STAMP) ## the package's tests only (fast: no notebook run, site build, s
 	$(PY) -m pytest tests -p no:cacheprovider -m "not site and not commands and not install and not nbgrader and not lint"
 
 lint: $(STAMP) ## ruff (package, tests, scripts, notebooks) and mypy (package)
-	$(VENV)/bin/ruff check src tests scripts benchmarks chapters
+	$(VENV)/bin/ruff check src tests scripts benchmarks chapters conftest.py
 	$(VENV)/bin/ruff format --check --line-length 80 chapters
 	$(VENV)/bin/mypy
 

@@ -77,8 +77,9 @@ def heavy_job():
     by the shown commands that start eight DDP processes: with pytest-xdist's two workers on two cores, an
     eight-process job beside the timing cell made its cost model's prediction wander from 0.8× to 1.7× the
     measured saving from run to run (and once fail the chapter's 0.5-2× assert); the cell's claim is about a
-    machine not running such a job at the same time. Waiting on the lock costs the other worker at most one
-    such job (about 30 s)."""
+    machine not running such a job at the same time. Waiting on the lock can cost the other worker both
+    eight-process commands, which run one after the other (about a minute); the lock waits without a time limit
+    and is not re-entrant (nothing takes it twice in one process)."""
     from filelock import FileLock
 
     path = ROOT / "_build" / "heavy-jobs.lock"

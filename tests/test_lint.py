@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 from layout import ROOT
 
-pytestmark = pytest.mark.lint
-
 
 def lint_recipe(makefile: str) -> list[list[str]]:
     """The commands of the Makefile's ``lint`` target, with ``$(VENV)/bin/`` pointing at this interpreter's bin."""
@@ -31,6 +29,7 @@ def test_lint_recipe_is_read():
     assert all(Path(cmd[0]).exists() for cmd in recipe)
 
 
+@pytest.mark.lint
 @pytest.mark.parametrize("command", lint_recipe((ROOT / "Makefile").read_text()),
                          ids=lambda cmd: " ".join([Path(cmd[0]).name, *cmd[1:3]]))
 def test_lint(command):

@@ -1,4 +1,7 @@
+import time
+
 import pytest
+import torch
 
 from gradaccum import timing
 from gradaccum.timing import median_time
@@ -26,8 +29,6 @@ def test_interleaved_medians_alternate_and_validate():
 
 def test_interleaved_times_clocks_and_statistics():
     """The process clock counts this process's CPU seconds, not sleeping; ``min`` takes the fastest round."""
-    import time
-
     fns = {"sleep": lambda: time.sleep(0.02), "spin": lambda: sum(range(200_000))}
     wall = timing.interleaved_times(fns, repeat=3, clock="wall")
     cpu = timing.interleaved_times(fns, repeat=3, clock="process", statistic="min")
@@ -44,5 +45,24 @@ def test_interleaved_times_refuses_bad_choices():
         timing.interleaved_times({"a": lambda: None}, clock="cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="statistic one of"):
         timing.interleaved_times({"a": lambda: None}, statistic="mean")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="misses the GPU's work"):
-        timing.interleaved_times({"a": lambda: None}, device="cuda", clock="process")
+    for device in ("cuda", "cuda:0", torch.device("cuda", 0), "mps", "meta"):
+        with pytest.raises(ValueError, match="misses the work of a"):
+            timing.interleaved_times({"a": lambda: None}, device=device, clock="process")
+
+
+def test_auto_clock_is_the_process_clock_only_for_single_threaded_cpu_code(monkeypatch):
+    used = []
+    monkeypatch.setitem(timing._CLOCKS, "process", lambda: used.append("process") or time.process_time())
+    monkeypatch.setitem(timing._CLOCKS, "wall", lambda: used.append("wall") or time.perf_counter())
+    threads = torch.get_num_threads()
+    try:
+        for n, clock in ((1, "process"), (2, "wall")):
+            torch.set_num_threads(n)
+            used.clear()
+            timing.interleaved_times({"a": lambda: None}, repeat=1, warmup=0, clock="auto")
+            assert set(used) == {clock}
+        used.clear()
+        timing.interleaved_times({"a": lambda: None}, device="meta", repeat=1, warmup=0, clock="auto")
+        assert set(used) == {"wall"}
+    finally:
+        torch.set_num_threads(threads)

@@ -1,12 +1,15 @@
-"""Timing that is fair to both CPU and CUDA code: warm-up first, synchronize, interleave, take the median.
+"""Timing that is fair to both CPU and CUDA code: warm-up first, synchronize, interleave, take the median (or
+the fastest round).
 
-Two clocks: ``"wall"`` (``time.perf_counter``), the default and the only one that counts GPU work, and
-``"process"`` (``time.process_time``), the CPU seconds of this process's threads; ``"auto"`` picks the process
-clock on the CPU and the wall clock on CUDA. On a shared machine the
+Two clocks: ``"wall"`` (``time.perf_counter``), the default and the only one that counts an accelerator's work,
+and ``"process"`` (``time.process_time``), the CPU seconds of this process, summed over all its threads (idle
+threads spinning between parallel regions included) and blind to work done in child processes. It is a fair
+clock for single-threaded CPU code, as the book's is (``gradaccum.setup`` sets one thread); ``"auto"`` picks it
+on the CPU with one torch thread, and the wall clock otherwise. On a shared machine the
 process clock does not count the time this process waited while another one ran, so a ratio of two CPU
 timings stays put when the machine gets busy; the wall clock does not (measured for chapter 2's cost table
 with two busy-looping processes on a 2-core machine: the wall-clock ratio ranged over 2.9-9.6, the
-process-clock minimum over 5.4-5.8).
+process-clock minimum over 5.4-6.2).
 """
 
 from __future__ import annotations
@@ -60,21 +63,24 @@ def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device
     rounds (after ``warmup`` untimed ones) are summarized by ``statistic``.
 
     ``clock="process"`` with ``statistic="min"`` is the robust choice for a *ratio* of CPU timings on a
-    shared machine: waiting for the CPU is not counted, and the noise left (caches disturbed by other
-    processes) only adds time, so the fastest round is the least disturbed one. It cannot time CUDA work,
-    which runs outside the process's CPU time, and is refused there.
+    shared machine, for single-threaded code: waiting for the CPU is not counted, and the noise left (caches
+    disturbed by other processes) only adds time, so the fastest round is the least disturbed one. With several
+    threads it sums their CPU seconds (effort, not elapsed time); ``"auto"`` then takes the wall clock. It cannot
+    time a GPU's work, which runs outside the process's CPU time, and is refused for any device but the CPU.
     """
     if repeat < 1 or warmup < 0 or not fns:
-        raise ValueError(f"need functions, repeat >= 1 and warmup >= 0, got {len(fns)}, {repeat}, {warmup}.")
+        raise ValueError(f"need at least one function, repeat >= 1 and warmup >= 0; got {len(fns)} functions, "
+                         f"repeat={repeat}, warmup={warmup}.")
     if clock not in (*_CLOCKS, "auto") or statistic not in _STATISTICS:
         raise ValueError(f"clock must be one of {[*_CLOCKS, 'auto']} and statistic one of {list(_STATISTICS)}, "
                          f"got {clock!r} and {statistic!r}.")
-    cuda = torch.device(device).type == "cuda"
+    kind = torch.device(device).type
+    cuda = kind == "cuda"
     if clock == "auto":
-        clock = "wall" if cuda else "process"
-    if cuda and clock == "process":
-        raise ValueError("the process clock counts CPU seconds and misses the GPU's work; "
-                         "time CUDA code with clock='wall'.")
+        clock = "process" if kind == "cpu" and torch.get_num_threads() == 1 else "wall"
+    if kind != "cpu" and clock == "process":
+        raise ValueError(f"the process clock counts CPU seconds and misses the work of a {kind!r} device; "
+                         "time it with clock='wall'.")
     times: dict[str, list[float]] = {name: [] for name in fns}
     for round_ in range(warmup + repeat):
         for name, fn in fns.items():
