@@ -1,6 +1,6 @@
 """`make lint`, inside the test run: ruff, ruff format --check and mypy, exactly as the Makefile's ``lint`` recipe
 says (its lines are read from the Makefile, so the two cannot drift apart). `make test` runs it here, beside the
-other tests on the second worker, instead of before them: mypy alone takes about 1.5 minutes without a cache."""
+other tests on whichever worker takes it, instead of before them: mypy alone takes about 1.5 minutes without a cache."""
 
 import shlex
 import subprocess
