@@ -78,7 +78,7 @@ def plot_cast(values: torch.Tensor, log2_scale: float, k: int, shift: float = 0.
     f16 = format_info(torch.float16)
     logs = (shifted[shifted != 0].abs().double() * scale).log2().cpu().numpy()
     fig, (ax,) = figure(1, 7.2, 3.4)
-    ax.hist(logs, bins=np.arange(-45, 40, 0.5),  # type: ignore[arg-type]  # stub wants a Sequence; an array works
+    ax.hist(logs, bins=np.arange(-45, 40, 0.5), histtype="stepfilled",  # type: ignore[arg-type]  # an array works
             color=PALETTE["blue"], density=True)
     ax.axvspan(-45, math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="→ 0")
     ax.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
