@@ -150,3 +150,36 @@ def test_explorer_survives_hostile_text_and_refuses_impossible_grids():
     with pytest.raises(ValueError, match="not an abbreviation"):
         explorer(_bars, grid={"k": [1, 2]}, alt="x", k=(1, 5))
     assert "⚠ " in explorer(hostile, grid={"k": [2]}, alt="x", k=IntSlider(2, min=1, max=3)).html()
+
+
+def test_a_frame_has_the_pixels_savefig_writes():
+    """render_frame draws the figure once on an Agg canvas: the same pixels as ``savefig(format="png", dpi=72)``
+    (before both are cut to a 64-colour palette), at a constrained layout, with text, a legend and bars."""
+    import base64
+    import io
+
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from PIL import Image
+
+    from gradaccum.book.plotting import figure
+    from gradaccum.book.widgets import render_frame
+
+    def plot(k: int):
+        fig, (ax1, ax2) = figure(2, 7.2, 3.0)
+        ax1.bar(range(k), np.arange(k) ** 0.5, label="√i")
+        ax2.plot(np.linspace(0, 1, 50), np.sin(np.linspace(0, k, 50)))
+        ax1.legend()
+        ax1.set_title(f"K = {k}: α, β")
+        return fig
+
+    buf = io.BytesIO()
+    fig = plot(5)
+    fig.savefig(buf, format="png", dpi=72)
+    plt.close(fig)
+    expected = Image.open(buf).convert("RGB").quantize(colors=64).convert("RGB")
+    frame = render_frame(plot, {"k": 5})
+    got = Image.open(io.BytesIO(base64.b64decode(frame.src.split(",", 1)[1]))).convert("RGB")
+    assert got.size == expected.size == (518, 216)
+    assert np.array_equal(np.asarray(got), np.asarray(expected))
+    assert plt.get_fignums() == []
