@@ -153,8 +153,9 @@ def test_explorer_survives_hostile_text_and_refuses_impossible_grids():
 
 
 def test_a_frame_has_the_pixels_savefig_writes():
-    """render_frame draws the figure once on an Agg canvas: the same pixels as ``savefig(format="png", dpi=72)``
-    (before both are cut to a 64-colour palette), at a constrained layout, with text, a legend and bars."""
+    """render_frame draws the figure once on an Agg canvas: the same pixels as ``savefig(format="png", dpi=dpi)``
+    (before both are cut to a 64-colour palette), at two dpi values, for a constrained layout with text, a legend
+    and bars, and for an image with a colour bar."""
     import base64
     import io
 
@@ -165,7 +166,7 @@ def test_a_frame_has_the_pixels_savefig_writes():
     from gradaccum.book.plotting import figure
     from gradaccum.book.widgets import render_frame
 
-    def plot(k: int):
+    def bars(k: int):
         fig, (ax1, ax2) = figure(2, 7.2, 3.0)
         ax1.bar(range(k), np.arange(k) ** 0.5, label="√i")
         ax2.plot(np.linspace(0, 1, 50), np.sin(np.linspace(0, k, 50)))
@@ -173,13 +174,19 @@ def test_a_frame_has_the_pixels_savefig_writes():
         ax1.set_title(f"K = {k}: α, β")
         return fig
 
-    buf = io.BytesIO()
-    fig = plot(5)
-    fig.savefig(buf, format="png", dpi=72)
-    plt.close(fig)
-    expected = Image.open(buf).convert("RGB").quantize(colors=64).convert("RGB")
-    frame = render_frame(plot, {"k": 5})
-    got = Image.open(io.BytesIO(base64.b64decode(frame.src.split(",", 1)[1]))).convert("RGB")
-    assert got.size == expected.size == (518, 216)
-    assert np.array_equal(np.asarray(got), np.asarray(expected))
+    def image(k: int):
+        fig, ax = plt.subplots(figsize=(4.0, 3.0))
+        fig.colorbar(ax.imshow(np.outer(np.arange(k), np.arange(7)) % 5), ax=ax)
+        return fig
+
+    for plot, dpi, size in ((bars, 72, (518, 216)), (bars, 100, (720, 300)), (image, 100, (400, 300))):
+        buf = io.BytesIO()
+        fig = plot(5)
+        fig.savefig(buf, format="png", dpi=dpi)
+        plt.close(fig)
+        expected = Image.open(buf).convert("RGB").quantize(colors=64).convert("RGB")
+        frame = render_frame(plot, {"k": 5}, dpi=dpi)
+        got = Image.open(io.BytesIO(base64.b64decode(frame.src.split(",", 1)[1]))).convert("RGB")
+        assert got.size == expected.size == size
+        assert np.array_equal(np.asarray(got), np.asarray(expected)), (plot.__name__, dpi)
     assert plt.get_fignums() == []
