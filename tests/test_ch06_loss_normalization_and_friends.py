@@ -140,6 +140,11 @@ def test_partial_step_ratio(digits, loss_fn):
     # later, Adam's second moment remembers many full-size gradients and the step shrinks (seed 0: 0.875)
     late = windows.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "adam", 1e-3, warm_windows=200)
     assert 0.375 < late < 0.93
+    # beta1 = 0: no memory of earlier gradients in the numerator; after 2 windows the step is far smaller than Adam's
+    early = windows.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "adam", 1e-3, warm_windows=2)
+    no_memory = windows.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "adam_beta1_0", 1e-3, warm_windows=2)
+    assert 0.375 < no_memory < 0.75 < early
+    assert abs(windows.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "adam_beta1_0", 1e-3) - 1) < 1e-3
     with pytest.raises(ValueError, match="unknown optimizer"):
         windows.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "lion", 1e-3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="between 1 and K"):

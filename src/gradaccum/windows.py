@@ -5,7 +5,8 @@ the last partial window, and logging the loss of a window.
 :math:`n_k` tokens with summed loss :math:`x_k`; the loss of the window is :math:`\sum_k x_k/\sum_k n_k`. Averaging
 per-micro-batch means gives :math:`\frac1K\sum_k x_k/n_k`, which weighs a token of a short micro-batch more than a
 token of a long one. The fix: sum the loss and divide by the number of tokens in the whole window
-(Hugging Face's ``num_items_in_batch``), and across ranks by the all-reduced count.
+(Hugging Face's ``num_items_in_batch``), and across ranks by the all-reduced count, times the number of ranks
+(DDP averages the ranks' gradients).
 
 **Dropout.** Each micro-batch draws its own masks, which are different draws from the ones a single full-batch
 pass would draw; every mask entry is still Bernoulli(1 − p) and independent, so the accumulated gradient has the
@@ -14,10 +15,14 @@ per micro-batch index repeats masks from window to window: that is the bug.
 
 **A last partial window** of :math:`k' < K` micro-batches divided by K has gradient
 :math:`\frac{k'}{K}\bar g` (:math:`\bar g` the mean gradient of its samples). Plain SGD's step shrinks by the same
-factor. Adam divides by the root of a running mean of squared gradients: its first step is invariant to the
-gradient's scale, and early in training (a second-moment estimate built from few steps) it nearly undoes the
-shrink; once that estimate reflects many earlier, full-size gradients, the step shrinks noticeably (how much depends
-on the model and on how long Adam has run).
+factor. Adam's step is its running mean of gradients (first moment, :math:`\beta_1 = 0.9`) divided by the root of
+its running mean of squared gradients (second moment, :math:`\beta_2 = 0.999`). Its first step is invariant to the
+gradient's scale. Later the partial gradient is one term of each: about a fifth of the first moment after 5
+windows, a tenth later on, so most of the step comes from earlier, full-size gradients and it shrinks little (SGD
+with momentum has the same memory). Early on, the newest squared gradient is also about 1/t of the second moment,
+so the smaller gradient lowers the denominator too and cancels more of the shrink; after many windows it no longer
+does, and the step shrinks more (how much depends on the model and on how long Adam has run). Without the first
+moment's memory (``"adam_beta1_0"``: :math:`\beta_1 = 0`) the step shrinks to about half after 5 windows.
 """
 
 from __future__ import annotations
@@ -56,7 +61,9 @@ def window_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
 
     ``mean_of_means``: each micro-batch's mean token loss divided by K (what a generic accumulation loop does).
     ``window_tokens``: each micro-batch's *summed* token loss divided by the tokens of the whole window —
-    ``total_tokens`` if given (e.g. all-reduced across ranks), else counted here. Returns the window's loss as
+    ``total_tokens`` if given (e.g. the count all-reduced across ranks; under DDP the gradient must then also be
+    multiplied by the number of ranks, which DDP's average divides out: :func:`ranks_gradient`), else counted
+    here. Returns the window's loss as
     the chosen normalization defines it.
     """
     micro = split_batch(x, y, k)
@@ -246,7 +253,7 @@ def partial_window_gradient(model: nn.Module, loss_fn, x: torch.Tensor, y: torch
     return flat_grad(work).detach()
 
 
-OptimizerName = Literal["sgd", "momentum", "adam"]
+OptimizerName = Literal["sgd", "momentum", "adam", "adam_beta1_0"]
 
 
 def _make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
@@ -256,7 +263,10 @@ def _make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; use 'sgd', 'momentum' (SGD with momentum 0.9) or 'adam'.")
+    if name == "adam_beta1_0":  # Adam without the first moment's memory: the newest gradient over sqrt(v)
+        return torch.optim.Adam(params, lr=lr, betas=(0.0, 0.999))
+    raise ValueError(f"unknown optimizer {name!r}; use 'sgd', 'momentum' (SGD with momentum 0.9), 'adam' or "
+                     "'adam_beta1_0' (Adam with beta1 = 0).")
 
 
 def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, b: int, k: int, present: int,
@@ -267,7 +277,8 @@ def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
     First ``warm_windows`` full windows (K micro-batches of b samples drawn at random from x, y) train a copy of
     the model; both variants of the partial window then start from that same model and optimizer state. Plain SGD
     gives exactly k'/K; SGD with momentum and Adam mix the partial gradient into running averages (Adam's first
-    step is invariant to the gradient's scale).
+    step is invariant to the gradient's scale). ``optimizer``: ``"sgd"``, ``"momentum"`` (0.9), ``"adam"`` (the
+    defaults) or ``"adam_beta1_0"`` (Adam with :math:`\beta_1 = 0`).
     """
     require_k(k)
     if not 1 <= present < k:

@@ -62,8 +62,8 @@ def compare_dropout(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
 
 
 #: learning rates of :func:`partial_step_study`'s two set-ups, per optimizer
-STUDY_LR = {"CNN, digits": {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3},
-            "char LM": {"sgd": 0.5, "momentum": 0.1, "adam": 1e-2}}
+STUDY_LR = {"CNN, digits": {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3, "adam_beta1_0": 1e-3},
+            "char LM": {"sgd": 0.5, "momentum": 0.1, "adam": 1e-2, "adam_beta1_0": 1e-2}}
 
 
 def partial_step_study(x_digits: torch.Tensor, y_digits: torch.Tensor, lines: Sequence[str], vocab: Vocab,
