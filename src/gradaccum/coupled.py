@@ -43,6 +43,7 @@ __all__ = ["info_nce", "micro_batch_info_nce", "plain_accumulation_backward", "g
            "recompute_momentum"]
 
 _BN = nn.modules.batchnorm._BatchNorm
+_NORM = nn.modules.batchnorm._NormBase  # BatchNorm and InstanceNorm: both may keep running statistics
 
 
 def info_nce(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.1) -> torch.Tensor:
@@ -109,6 +110,38 @@ def _check_encoders(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor
                                  "GroupNorm/LayerNorm, or a BatchNorm in eval mode with running statistics.")
 
 
+def _buffers(encoders: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """Every buffer of the encoders, once each, named as ``Encoder.path``."""
+    seen: set[int] = set()
+    out = []
+    for enc in encoders:
+        for name, buf in enc.named_buffers():
+            if id(buf) not in seen:
+                seen.add(id(buf))
+                out.append((f"{type(enc).__name__}.{name}", buf))
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a buffer holding NaN that the forward pass left alone is unchanged)."""
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _refuse_changed_buffers(buffers: list[tuple[str, torch.Tensor]], before: list[torch.Tensor]) -> None:
+    """Raise a ``ValueError`` naming the buffers the forward passes changed, after putting them back."""
+    changed = [name for (name, buf), old in zip(buffers, before) if not _same(buf, old)]
+    if changed:
+        for (_, buf), old in zip(buffers, before):
+            buf.copy_(old)
+        raise ValueError(f"the encoders' forward pass changed the buffer(s) {', '.join(changed)} (running "
+                         "statistics, a power iteration, a counter): GradCache runs every micro-batch twice, so "
+                         "its second pass would run in another state than the first and the gradient would not be "
+                         "exact. Put those layers in eval mode or remove them from the encoder (the buffers were "
+                         "restored).")
+
+
 def plain_accumulation_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor], k: int,
                                 loss_fn: Callable[..., torch.Tensor] = info_nce) -> float:
     """Plain accumulation of a batch-coupled loss: ``loss_fn`` on each micro-batch's embeddings, divided by K,
@@ -141,14 +174,19 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
     encoder, embed again with a graph, under the saved random state, and backpropagate the cached gradient
     (``z.backward(G)``). With dropout, the result is the full-batch gradient under the masks drawn in step 1.
 
-    Refuses (``ValueError``) a BatchNorm that normalizes with batch statistics. Any other coupling of the samples
-    *inside* an encoder (a layer that looks across the batch) makes the result wrong and cannot be detected here:
-    GradCache is exact only for losses whose coupling sits in ``loss_fn``. Under DDP, each of the re-embedding
+    Refuses (``ValueError``) a BatchNorm that normalizes with batch statistics, and an encoder whose forward pass
+    changes any of its buffers (running statistics of an InstanceNorm, spectral norm's power iteration, a counter):
+    step 3 would then run it in another state than step 1 (detected after step 1, whose changes are undone before
+    raising). Any other coupling of the samples *inside* an encoder (a layer that looks across the batch) makes
+    the result wrong and cannot be detected here: GradCache is exact only for losses whose coupling sits in
+    ``loss_fn``. Under DDP, each of the re-embedding
     backward passes all-reduces unless you wrap all but the last in ``no_sync()``.
     """
     _check_encoders(encoders, inputs)
     chunks = _split(inputs, k)
     devices = _rng_devices()
+    buffers = _buffers(encoders)
+    before = [b.clone() for _, b in buffers]
     states: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = []
     cached: list[list[torch.Tensor]] = []
     with torch.no_grad():
@@ -159,6 +197,7 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
                 row.append(enc(x))
             states.append(row_states)
             cached.append(row)
+        _refuse_changed_buffers(buffers, before)
     reps = [torch.cat([row[i] for row in cached]).requires_grad_() for i in range(len(encoders))]
     loss = loss_fn(*reps)
     loss.backward()
@@ -229,9 +268,10 @@ def recompute_momentum(m: float, k: int, reruns: int = 1) -> float:
 
 @contextlib.contextmanager
 def _frozen_bn(module: nn.Module) -> Iterator[None]:
-    """BatchNorm layers of ``module`` normalize as usual but do not update their running statistics."""
+    """BatchNorm and InstanceNorm layers of ``module`` that track running statistics normalize as usual but do not
+    update them."""
     saved = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
-             for m in module.modules() if isinstance(m, _BN) and m.track_running_stats]
+             for m in module.modules() if isinstance(m, _NORM) and m.track_running_stats]
     for m, _, _ in saved:
         m.momentum = 0.0
     try:
@@ -245,7 +285,8 @@ def _frozen_bn(module: nn.Module) -> Iterator[None]:
 
 def checkpoint_keeping_bn_stats(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
     """``torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)`` whose recomputation during
-    backward leaves BatchNorm running statistics (and ``num_batches_tracked``) as the first forward left them.
+    backward leaves the running statistics of BatchNorm and InstanceNorm layers (and ``num_batches_tracked``) as the
+    first forward left them.
     The output and the gradient are the same as without checkpointing."""
     return checkpoint(module, *args, use_reentrant=False,
                       context_fn=lambda: (contextlib.nullcontext(), _frozen_bn(module)))
