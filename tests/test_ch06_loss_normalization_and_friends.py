@@ -149,3 +149,41 @@ def test_partial_step_ratio(digits, loss_fn):
         windows.partial_step_ratio(model, loss_fn, x, y, 8, 8, 3, "lion", 1e-3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="between 1 and K"):
         windows.partial_step_ratio(model, loss_fn, x, y, 8, 8, 8, "sgd", 0.1)
+
+
+def test_window_tools_refuse_what_they_cannot_compute(lm):
+    """Found by review: a count of True or 3.7, a count below the window's own tokens, a count given to the mean of
+    means, an all-padding micro-batch in the log, b = 0, K = 0 and one-step masks all passed or failed obscurely;
+    NumPy integers are accepted as K."""
+    import numpy as np
+
+    lines, vocab, model = lm
+    x, y = book_data.encode_batch(lines[:8], vocab)
+    own = windows.count_tokens(y)
+    for bad in (True, 3.7, 0, "12", torch.tensor(2.0)):
+        with pytest.raises(ValueError, match="total_tokens must be a positive integer"):
+            windows.window_backward(model, x, y, 4, total_tokens=bad)
+    with pytest.raises(ValueError, match="less than the"):
+        windows.window_backward(model, x, y, 4, total_tokens=own - 1)
+    with pytest.raises(ValueError, match="only with normalization='window_tokens'"):
+        windows.window_backward(model, x, y, 4, "mean_of_means", total_tokens=own)
+    # an all-reduced count as a tensor, or a NumPy int, is the same as the count itself
+    grads = []
+    for count in (own, torch.tensor(own), np.int64(own)):
+        model.zero_grad(set_to_none=True)
+        windows.window_backward(model, x, y, np.int64(4), total_tokens=count)
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    assert all(torch.equal(g, grads[0]) for g in grads)
+    model.zero_grad(set_to_none=True)
+    padded = y.clone()
+    padded[-2:] = windows.IGNORE  # the last micro-batch of 2 lines: padding only
+    with pytest.raises(ValueError, match="only padding"):
+        windows.window_log(model, x, padded, 4)
+    with pytest.raises(ValueError, match="micro-batch size"):
+        windows.partial_window_gradient(model, windows.token_loss, x, y, 0, 8, "divide_by_K")
+    with pytest.raises(ValueError, match="K"):
+        windows.adam_step_count(3, 0, False)
+    with pytest.raises(ValueError, match="windows must be"):
+        windows.adam_step_count(-1, 2, False)
+    with pytest.raises(ValueError, match="steps >= 2"):
+        windows.mask_agreement(windows.dropout_masks(1, 4, (5,)))

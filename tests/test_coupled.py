@@ -142,6 +142,19 @@ def test_micro_batch_info_nce_refuses_bad_input_with_what_to_do():
     for bad_k in (0, -1, 2.0, True, torch.tensor(2)):
         with pytest.raises(ValueError, match="K \\(accumulation steps\\) must be an int >= 1"):
             coupled.micro_batch_info_nce(a, a, bad_k)
+    for bad_t in (torch.tensor(0.0), torch.tensor([0.1, 0.2]), torch.tensor(1), torch.tensor(float("nan"))):
+        with pytest.raises(ValueError, match="temperature must be a positive finite number"):
+            coupled.micro_batch_info_nce(a, a, 2, temperature=bad_t)
+
+
+def test_a_learnable_temperature_gets_plain_accumulations_gradient():
+    """Found by review: a tensor temperature (learnable, as CLIP's) was refused by the one-pass form."""
+    za, zb = (torch.randn(12, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (0, 1))
+    t1 = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    t2 = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    coupled.micro_batch_info_nce(za, zb, 3, temperature=t1).backward()
+    sum(coupled.info_nce(a, b, temperature=t2) / 3 for a, b in zip(za.chunk(3), zb.chunk(3))).backward()
+    assert t1.grad is not None and abs(float(t1.grad - t2.grad)) < 1e-12 * max(1.0, abs(float(t2.grad)))
 
 
 def test_grad_cache_refuses_batchnorm_in_training_and_bad_input():

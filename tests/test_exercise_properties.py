@@ -65,7 +65,10 @@ def test_rounded_right_answers_pass_and_every_mistake_is_named(grader, data):
         seen.append(wrong)
         for given_value in given:
             fb = grader(given_value, **kwargs)
-            assert not fb and fb.message == why, (given_value, kwargs, fb)
+            # the slip's explanation, alone or (when the value is also the answer rounded to fewer digits) after
+            # the rounding one
+            assert not fb and (fb.message == why or fb.message.endswith(f"If you did not round: {why}")), (
+                given_value, kwargs, fb)
     for not_a_number in (np.zeros(2), torch.zeros(2), "0.5", [0.5]):
         fb = grader(not_a_number, **kwargs)
         assert not fb and fb.message
@@ -77,6 +80,22 @@ def test_fewer_digits_than_asked_are_named_not_rejected_silently():
     fb = ex.grade_corrected_momentum(ex.round_significant(expected, 3))
     assert not fb and "agrees with the answer to 3 significant digits; the exercise asks for 5" in fb.message
     assert ex.grade_corrected_momentum(ex.round_significant(expected, 5))
+
+
+def test_a_value_both_rounded_and_a_slip_gets_both_readings_and_counts_must_be_whole():
+    """Found by review: 0.2 for checkpointing's momentum (m = 0.02, K = 5: 0.183) is the answer rounded to one
+    digit and also the first-order value 2Km; a count of 6.0004 negatives was accepted as 6."""
+    fb = ex.grade_recompute_momentum(0.2)
+    assert not fb and "agrees with the answer to 1 significant digit" in fb.message
+    assert fb.message.endswith("If you did not round: that is the first-order approximation; compound the 2K "
+                               "updates: 1 − (1 − m)^(2K).")
+    two_digits = ex.grade_recompute_momentum(0.18)
+    assert not two_digits and "If you did not round" not in two_digits.message
+    for grader, right in ((ex.grade_negatives_per_sample, 6), (ex.grade_warmup_end, 125)):
+        assert grader(right) and grader(float(right)) and grader(np.int64(right))
+        for off in (right + 0.0004, right - 0.5):
+            fb = grader(off)
+            assert not fb and "not a whole number" in fb.message, (grader.__name__, off)
 
 
 def test_expected_answers_of_every_checker_used_in_the_book():

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 
 def require_k(k: int) -> int:
-    """Validate the number of accumulation steps K (a positive int)."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    """Validate the number of accumulation steps K (a positive integer: a Python or NumPy int, not a bool)."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise ValueError(f"K (accumulation steps) must be an int >= 1, got {k!r}; K = 1 means no accumulation.")
-    return k
+    return int(k)
 
 
 def require_momentum(m: float) -> float:
@@ -21,8 +22,9 @@ def require_momentum(m: float) -> float:
 
 
 def require_micro_batch(b: int, batch_norm: bool = True) -> int:
-    """Validate a micro-batch size; with BatchNorm in training it must be at least 2."""
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+    """Validate a micro-batch size (a positive Python or NumPy int); with BatchNorm in training it must be at least
+    2."""
+    if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
         raise ValueError(f"micro-batch size must be an int >= 1, got {b!r}.")
     if batch_norm and b < 2:
         raise ValueError(
@@ -30,4 +32,4 @@ def require_micro_batch(b: int, batch_norm: bool = True) -> int:
             "output equals the shift β and no gradient reaches the layer's input. Use b >= 2, or replace "
             "BatchNorm with GroupNorm/LayerNorm."
         )
-    return b
+    return int(b)

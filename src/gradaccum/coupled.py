@@ -59,7 +59,8 @@ def info_nce(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.1) -> torc
     return F.cross_entropy(logits, torch.arange(len(a), device=a.device))
 
 
-def micro_batch_info_nce(a: torch.Tensor, b: torch.Tensor, k: int, temperature: float = 0.1) -> torch.Tensor:
+def micro_batch_info_nce(a: torch.Tensor, b: torch.Tensor, k: int,
+                         temperature: float | torch.Tensor = 0.1) -> torch.Tensor:
     r"""The loss plain accumulation optimizes, in one pass: the mean over the K micro-batches (consecutive
     blocks of m = n/K rows, as ``torch.chunk`` cuts them) of their own InfoNCE, :math:`\frac1K\sum_k L(B_k)`. It
     is InfoNCE with every similarity outside a sample's own block masked out (:math:`s_{ij} = -\infty`): each
@@ -78,9 +79,15 @@ def micro_batch_info_nce(a: torch.Tensor, b: torch.Tensor, k: int, temperature: 
     if n == 0 or n % k:
         raise ValueError(f"K = {k} does not divide the batch of {n} into non-empty micro-batches; pick a batch "
                          "that K divides.")
-    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-            and 0 < temperature < math.inf):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}.")
+    if isinstance(temperature, torch.Tensor):  # a learnable temperature: one positive finite value
+        valid = (temperature.numel() == 1 and temperature.is_floating_point()
+                 and bool(torch.isfinite(temperature).all()) and bool((temperature > 0).all()))
+    else:
+        valid = (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+                 and 0 < temperature < math.inf)
+    if not valid:
+        raise ValueError(f"temperature must be a positive finite number (or a one-element floating tensor, for a "
+                         f"learnable temperature), got {temperature!r}.")
     logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / temperature
     block = torch.arange(n, device=a.device) // (n // k)
     logits = logits.masked_fill(block[:, None] != block[None, :], float("-inf"))

@@ -28,6 +28,7 @@ moment's memory (``"adam_beta1_0"``: :math:`\beta_1 = 0`) the step shrinks to ab
 from __future__ import annotations
 
 import copy
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -36,20 +37,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradaccum._validate import require_k
+from gradaccum._validate import require_k, require_micro_batch
 from gradaccum.accumulate import flat_grad, split_batch
 
-IGNORE = -100  # target of padding positions: cross_entropy(ignore_index=IGNORE) skips them
+#: Target of padding positions, skipped by ``cross_entropy(ignore_index=IGNORE)``: -100, PyTorch's default
+#: ``ignore_index`` and Hugging Face's padding label. This module's functions count and skip exactly these targets;
+#: relabel other padding targets (0, say) to it first.
+IGNORE = -100
 
 
 def token_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over the non-padding tokens (mean or sum)."""
+    """Cross-entropy over the non-padding tokens (targets other than :data:`IGNORE`), mean or sum."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE,
                            reduction=reduction)
 
 
 def count_tokens(y: torch.Tensor) -> int:
+    """The number of non-padding targets (not :data:`IGNORE`)."""
     return int((y != IGNORE).sum())
+
+
+def _require_count(total_tokens: object, own: int) -> int:
+    """A window's token count given by the caller: a positive integer (Python, NumPy, or a one-element integer
+    tensor such as an all-reduced count), at least the ``own`` tokens of the window it is used for."""
+    if isinstance(total_tokens, torch.Tensor) and total_tokens.numel() == 1 and not total_tokens.is_floating_point() \
+            and total_tokens.dtype != torch.bool:
+        total_tokens = int(total_tokens.item())
+    if isinstance(total_tokens, bool) or not isinstance(total_tokens, numbers.Integral) or total_tokens < 1:
+        raise ValueError(f"total_tokens must be a positive integer count of tokens, got {total_tokens!r}; pass the "
+                         "number of non-padding targets of the whole window (all-reduced across ranks under DDP).")
+    if total_tokens < own:
+        raise ValueError(f"total_tokens = {total_tokens} is less than the {own} tokens of this window alone: pass the "
+                         "count of the whole window (all ranks' tokens under DDP), not of one micro-batch.")
+    return int(total_tokens)
 
 
 Normalization = Literal["mean_of_means", "window_tokens"]
@@ -68,11 +88,15 @@ def window_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
     """
     micro = split_batch(x, y, k)
     if normalization == "window_tokens":
-        total = total_tokens if total_tokens is not None else sum(count_tokens(yb) for _, yb in micro)
+        own = sum(count_tokens(yb) for _, yb in micro)
+        total = own if total_tokens is None else _require_count(total_tokens, own)
         if total < 1:
             raise ValueError("the window holds no tokens to average over.")
     elif normalization != "mean_of_means":
         raise ValueError(f"unknown normalization {normalization!r}; use 'mean_of_means' or 'window_tokens'.")
+    elif total_tokens is not None:
+        raise ValueError("total_tokens is used only with normalization='window_tokens' (the mean of means divides "
+                         "each micro-batch by its own count); drop it, or normalize by the window's tokens.")
     value = 0.0
     for xb, yb in micro:
         if normalization == "mean_of_means":
@@ -143,7 +167,11 @@ def dropout_masks(steps: int, k: int, shape: tuple[int, ...], p: float = 0.5, re
 
 def mask_agreement(masks: torch.Tensor) -> tuple[float, float]:
     """Share of positions where a micro-batch's mask equals the one of the same micro index one step earlier,
-    and the same for two different micro indices in one step (0.5 for independent masks with p = 0.5)."""
+    and the same for two different micro indices in one step (0.5 for independent masks with p = 0.5). ``masks``:
+    (steps, K, ...) as :func:`dropout_masks` returns, with at least two steps and two micro-batches."""
+    if masks.dim() < 2 or masks.shape[0] < 2 or masks.shape[1] < 2:
+        raise ValueError(f"masks must be (steps, K, ...) with steps >= 2 and K >= 2 to compare, got shape "
+                         f"{tuple(masks.shape)}.")
     same_index = (masks[1:] == masks[:-1]).float().mean()
     other_index = (masks[:, 1:] == masks[:, :-1]).float().mean()
     return float(same_index), float(other_index)
@@ -212,6 +240,9 @@ def scheduler_order_warnings(k: int, windows: int, optimizer_first: bool) -> lis
 def adam_step_count(windows: int, k: int, step_per_micro: bool) -> int:
     """Adam's ``state['step']`` after ``windows`` accumulation windows (it drives the bias correction
     1/(1 − β^t)); stepping per micro-batch advances it K times per window."""
+    require_k(k)
+    if isinstance(windows, bool) or not isinstance(windows, numbers.Integral) or windows < 0:
+        raise ValueError(f"windows must be an int >= 0, got {windows!r}.")
     param = nn.Parameter(torch.zeros(3))
     opt = torch.optim.Adam([param], lr=1e-3)
     for _ in range(windows):
@@ -236,6 +267,7 @@ def partial_window_gradient(model: nn.Module, loss_fn, x: torch.Tensor, y: torch
     the samples seen); ``drop`` skips the window (returns None).
     """
     require_k(k)
+    require_micro_batch(b, batch_norm=False)
     if x.shape[0] % b:
         raise ValueError(f"the partial window's {x.shape[0]} samples are not whole micro-batches of {b}.")
     present = x.shape[0] // b
@@ -321,8 +353,13 @@ class WindowLog:
 
 
 def window_log(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int) -> WindowLog:
+    """The three logs of one window of K micro-batches (:class:`WindowLog`). Refuses (``ValueError``), as
+    :func:`window_backward` does, a micro-batch that holds only padding: its mean loss is undefined."""
+    micro = split_batch(x, y, k)
+    if any(count_tokens(yb) == 0 for _, yb in micro):
+        raise ValueError("a micro-batch holds only padding: its mean loss (and so the mean of means and the last "
+                         "micro-batch's loss) is undefined (NaN); put real tokens in every micro-batch.")
     with torch.no_grad():
-        micro = split_batch(x, y, k)
         means = [float(token_loss(model(xb), yb)) for xb, yb in micro]
         sums = [float(token_loss(model(xb), yb, "sum")) for xb, yb in micro]
         tokens = [count_tokens(yb) for _, yb in micro]

@@ -68,14 +68,16 @@ def grade_number(
     digits: int = 3,
     hint: str = "",
     atol: float = 1e-12,
+    count: bool = False,
 ) -> Feedback:
     """Compare a numeric ``answer`` with ``expected`` to ``digits`` significant digits (:func:`agrees`; the
     exercise states the precision). Numbers, numpy and torch scalars are all accepted.
 
     ``mistakes`` pairs the value a known slip produces with the explanation of that slip (and, optionally, its
     own relative tolerance); an answer that agrees with one of them to ``digits`` digits, or equals it rounded to
-    two, gets that explanation. An answer that equals ``expected`` rounded to fewer digits than asked is told so.
-    Otherwise the message gives ``hint``.
+    two, gets that explanation. An answer that equals ``expected`` rounded to fewer digits than asked is told so
+    (and, when it is also a listed slip's value, told both). With ``count`` (the answer counts something) an answer
+    that is not a whole number is refused as such, when ``expected`` is one. Otherwise the message gives ``hint``.
     """
     if _RECORD is not None:
         mistakes = list(mistakes)
@@ -91,7 +93,12 @@ def grade_number(
         return Feedback(False, f"expected one number, got {type(answer).__name__} {answer!r}: pass a single value.")
     if not math.isfinite(value):
         return Feedback(False, f"{value} is not a finite number.")
-    if agrees(value, expected, digits, atol):
+    fractional = count and float(expected).is_integer() and not value.is_integer()  # a count must be whole
+    fewer = next((n for n in range(digits - 1, 0, -1) if expected != 0 and value == round_significant(expected, n)),
+                 None)
+    too_few = (f"{value:g} agrees with the answer to {fewer} significant digit{'s' if fewer and fewer > 1 else ''}; "
+               f"the exercise asks for {digits}: keep more digits (and do not round intermediate results).")
+    if agrees(value, expected, digits, atol) and not fractional:
         if float(expected).is_integer() and abs(expected) < 1e15:
             return Feedback(True, f"correct: {int(expected)}.")
         return Feedback(True, f"correct: {round_significant(expected, digits):.{digits}g} (to {digits} "
@@ -103,13 +110,14 @@ def grade_number(
             hit = math.isclose(value, wrong, rel_tol=own_rtol[0], abs_tol=atol)
         else:
             hit = agrees(value, wrong, digits, atol) or (wrong != 0 and value == round_significant(wrong, 2))
+        if hit and fewer is not None and not count:  # both readings are possible: say both
+            return Feedback(False, f"{too_few} If you did not round: {why}")
         if hit:
             return Feedback(False, why)
-    for fewer in range(digits - 1, 0, -1):
-        if expected != 0 and value == round_significant(expected, fewer):
-            return Feedback(False, f"{value:g} agrees with the answer to {fewer} significant "
-                                   f"digit{'s' if fewer > 1 else ''}; the exercise asks for {digits}: keep more "
-                                   "digits (and do not round intermediate results).")
+    if fractional:
+        return Feedback(False, f"{value:g} is not a whole number: the answer counts something; give the count.")
+    if fewer is not None:
+        return Feedback(False, too_few)
     return Feedback(False, f"{value:.6g} is not right. {hint}".rstrip())
 
 
@@ -243,6 +251,7 @@ def grade_ghost_virtual_size(answer: object, k: int = 16, b: int = 4) -> Feedbac
             (1.0, "a ghost batch of one sample has zero variance; BatchNorm cannot train on it."),
         ],
         hint="Each micro-batch is normalized with its own statistics: how many samples does it hold?",
+        count=True,
     )
 
 
@@ -262,6 +271,7 @@ def grade_exact_sweeps(answer: object, layers: int = 3) -> Feedback:
                                     "each layer."),
         ],
         hint="Corrections must be known for every later layer before a layer's sums can be gathered.",
+        count=True,
     )
 
 
@@ -400,6 +410,7 @@ def grade_backoff_steps(answer: object, k: int = 8) -> Feedback:
         ],
         atol=0.0,
         hint="How many times does scaler.step run per window, and what does it do after an overflow?",
+        count=True,
     )
 
 
@@ -420,6 +431,7 @@ def grade_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedb
             (1.0, "DDP all-reduces once per bucket per synchronized backward pass."),
         ],
         hint="Count synchronized backward passes per step, and messages per backward pass.",
+        count=True,
     )
 
 
@@ -468,6 +480,7 @@ def grade_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback
             (float(warmup * k), "the scheduler runs *faster*, not slower: K steps of the schedule per optimizer step."),
         ],
         hint="Each optimizer step advances the schedule by K.",
+        count=True,
     )
 
 
@@ -524,6 +537,7 @@ def grade_accelerate_warmup_end(answer: object, warmup: int = 600, processes: in
                          "processes does."),
         ],
         hint="Count the calls that reach the wrapped scheduler per optimizer step.",
+        count=True,
     )
 
 
@@ -590,6 +604,7 @@ def grade_negatives_per_sample(answer: object, k: int = 12, b: int = 7) -> Feedb
             (float(k - 1), "negatives come from the other samples of the micro-batch, not from other micro-batches."),
         ],
         hint="Which samples share a softmax with a given sample under plain accumulation?",
+        count=True,
     )
 
 
