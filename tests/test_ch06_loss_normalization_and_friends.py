@@ -153,8 +153,8 @@ def test_partial_step_ratio(digits, loss_fn):
 
 def test_window_tools_refuse_what_they_cannot_compute(lm):
     """Found by review: a count of True or 3.7, a count below the window's own tokens, a count given to the mean of
-    means, an all-padding micro-batch in the log, b = 0, K = 0 and one-step masks all passed or failed obscurely;
-    NumPy integers are accepted as K."""
+    means, an all-padding micro-batch in the log, b = 0, K = 0 and one-step masks all passed or failed obscurely; a
+    NumPy integer K is refused with the advice to convert it (accepted, it leaked NumPy scalars into results)."""
     import numpy as np
 
     lines, vocab, model = lm
@@ -171,7 +171,7 @@ def test_window_tools_refuse_what_they_cannot_compute(lm):
     grads = []
     for count in (own, torch.tensor(own), np.int64(own)):
         model.zero_grad(set_to_none=True)
-        windows.window_backward(model, x, y, np.int64(4), total_tokens=count)
+        windows.window_backward(model, x, y, 4, total_tokens=count)
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     assert all(torch.equal(g, grads[0]) for g in grads)
     model.zero_grad(set_to_none=True)
@@ -187,3 +187,6 @@ def test_window_tools_refuse_what_they_cannot_compute(lm):
         windows.adam_step_count(-1, 2, False)
     with pytest.raises(ValueError, match="steps >= 2"):
         windows.mask_agreement(windows.dropout_masks(1, 4, (5,)))
+    with pytest.raises(ValueError, match=r"a NumPy integer: pass int\(\.\.\.\) of it"):
+        windows.window_backward(model, x, y, np.int64(4))
+    assert windows.adam_step_count(0, 4, True) == 0

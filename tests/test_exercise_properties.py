@@ -96,6 +96,11 @@ def test_a_value_both_rounded_and_a_slip_gets_both_readings_and_counts_must_be_w
         for off in (right + 0.0004, right - 0.5):
             fb = grader(off)
             assert not fb and "not a whole number" in fb.message, (grader.__name__, off)
+    # review: a right count one rounding step off whole was refused; a count gets no advice on significant digits
+    assert ex.grade_negatives_per_sample(0.1 * 3 * 20) and ex.grade_warmup_end(124.99999999999997)
+    assert "124.9996 is not a whole number" in ex.grade_warmup_end(124.9996).message
+    for near in (120, 130, 100):
+        assert "significant" not in ex.grade_warmup_end(near).message
 
 
 def test_expected_answers_of_every_checker_used_in_the_book():

@@ -7,11 +7,19 @@ import math
 import numbers
 
 
+def _numpy_hint(value: object) -> str:
+    """For a NumPy integer, the advice to convert it; else nothing."""
+    numpy_int = isinstance(value, numbers.Integral) and type(value).__module__ == "numpy"
+    return " (a NumPy integer: pass int(...) of it)" if numpy_int else ""
+
+
 def require_k(k: int) -> int:
-    """Validate the number of accumulation steps K (a positive integer: a Python or NumPy int, not a bool)."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise ValueError(f"K (accumulation steps) must be an int >= 1, got {k!r}; K = 1 means no accumulation.")
-    return int(k)
+    """Validate the number of accumulation steps K (a positive Python int; a NumPy integer is refused with a
+    message that says to convert it, so that no NumPy scalar leaks into the results)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"K (accumulation steps) must be an int >= 1, got {k!r}{_numpy_hint(k)}; K = 1 means no "
+                         "accumulation.")
+    return k
 
 
 def require_momentum(m: float) -> float:
@@ -22,14 +30,13 @@ def require_momentum(m: float) -> float:
 
 
 def require_micro_batch(b: int, batch_norm: bool = True) -> int:
-    """Validate a micro-batch size (a positive Python or NumPy int); with BatchNorm in training it must be at least
-    2."""
-    if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
-        raise ValueError(f"micro-batch size must be an int >= 1, got {b!r}.")
+    """Validate a micro-batch size (a positive Python int); with BatchNorm in training it must be at least 2."""
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ValueError(f"micro-batch size must be an int >= 1, got {b!r}{_numpy_hint(b)}.")
     if batch_norm and b < 2:
         raise ValueError(
             "micro-batch size 1 with BatchNorm in training: the batch variance of one sample is 0, so every "
             "output equals the shift β and no gradient reaches the layer's input. Use b >= 2, or replace "
             "BatchNorm with GroupNorm/LayerNorm."
         )
-    return int(b)
+    return b

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -83,11 +84,13 @@ def micro_batch_info_nce(a: torch.Tensor, b: torch.Tensor, k: int,
         valid = (temperature.numel() == 1 and temperature.is_floating_point()
                  and bool(torch.isfinite(temperature).all()) and bool((temperature > 0).all()))
     else:
-        valid = (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+        valid = (isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
                  and 0 < temperature < math.inf)
     if not valid:
         raise ValueError(f"temperature must be a positive finite number (or a one-element floating tensor, for a "
                          f"learnable temperature), got {temperature!r}.")
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.reshape(())  # a (1, 1) temperature must not broadcast the logits to 3-D
     logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / temperature
     block = torch.arange(n, device=a.device) // (n // k)
     logits = logits.masked_fill(block[:, None] != block[None, :], float("-inf"))
@@ -117,15 +120,20 @@ def _check_encoders(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor
                                  "GroupNorm/LayerNorm, or a BatchNorm in eval mode with running statistics.")
 
 
-def _buffers(encoders: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    """Every buffer of the encoders, once each, named as ``Encoder.path``."""
-    seen: set[int] = set()
+#: A buffer as a module holds it: (owning module, its name there, the tensor, the encoder-qualified name).
+_Buffer = tuple[nn.Module, str, torch.Tensor, str]
+
+
+def _buffers(encoders: Sequence[nn.Module]) -> list[_Buffer]:
+    """Every buffer of the encoders, once per (module, name) slot, with the tensor the slot holds now."""
+    seen: set[tuple[int, str]] = set()
     out = []
     for enc in encoders:
-        for name, buf in enc.named_buffers():
-            if id(buf) not in seen:
-                seen.add(id(buf))
-                out.append((f"{type(enc).__name__}.{name}", buf))
+        for path, module in enc.named_modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and (id(module), name) not in seen:
+                    seen.add((id(module), name))
+                    out.append((module, name, buf, f"{type(enc).__name__}.{path + '.' if path else ''}{name}"))
     return out
 
 
@@ -136,12 +144,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
-def _refuse_changed_buffers(buffers: list[tuple[str, torch.Tensor]], before: list[torch.Tensor]) -> None:
-    """Raise a ``ValueError`` naming the buffers the forward passes changed, after putting them back."""
-    changed = [name for (name, buf), old in zip(buffers, before) if not _same(buf, old)]
+def _refuse_changed_buffers(buffers: list[_Buffer], before: list[torch.Tensor]) -> None:
+    """Raise a ``ValueError`` naming the buffers the forward passes changed — in place, or replaced by another
+    tensor — after putting every one back."""
+    changed = [label for (module, name, buf, label), old in zip(buffers, before)
+               if module._buffers.get(name) is not buf or not _same(buf, old)]
     if changed:
-        for (_, buf), old in zip(buffers, before):
+        for (module, name, buf, _), old in zip(buffers, before):
             buf.copy_(old)
+            module._buffers[name] = buf
         raise ValueError(f"the encoders' forward pass changed the buffer(s) {', '.join(changed)} (running "
                          "statistics, a power iteration, a counter): GradCache runs every micro-batch twice, so "
                          "its second pass would run in another state than the first and the gradient would not be "
@@ -182,18 +193,20 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
     (``z.backward(G)``). With dropout, the result is the full-batch gradient under the masks drawn in step 1.
 
     Refuses (``ValueError``) a BatchNorm that normalizes with batch statistics, and an encoder whose forward pass
-    changes any of its buffers (running statistics of an InstanceNorm, spectral norm's power iteration, a counter):
-    step 3 would then run it in another state than step 1 (detected after step 1, whose changes are undone before
-    raising). Any other coupling of the samples *inside* an encoder (a layer that looks across the batch) makes
-    the result wrong and cannot be detected here: GradCache is exact only for losses whose coupling sits in
-    ``loss_fn``. Under DDP, each of the re-embedding
-    backward passes all-reduces unless you wrap all but the last in ``no_sync()``.
+    changes any of its buffers, in place or by replacing them (running statistics of an InstanceNorm, spectral
+    norm's power iteration, a counter): step 3 would then run it in another state than step 1 (detected after step
+    1, whose changes are undone before raising). State kept elsewhere — a parameter changed in the forward pass, a
+    plain attribute or Python counter, a change made only when gradients are enabled (in step 3) — is not seen, and
+    makes the result wrong just the same: such an encoder is not one GradCache can handle. Any other coupling of
+    the samples *inside* an encoder (a layer that looks across the batch) makes the result wrong and cannot be
+    detected here: GradCache is exact only for losses whose coupling sits in ``loss_fn``. Under DDP, each of the
+    re-embedding backward passes all-reduces unless you wrap all but the last in ``no_sync()``.
     """
     _check_encoders(encoders, inputs)
     chunks = _split(inputs, k)
     devices = _rng_devices()
     buffers = _buffers(encoders)
-    before = [b.clone() for _, b in buffers]
+    before = [buf.clone() for _, _, buf, _ in buffers]
     states: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = []
     cached: list[list[torch.Tensor]] = []
     with torch.no_grad():

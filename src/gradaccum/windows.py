@@ -252,7 +252,7 @@ def adam_step_count(windows: int, k: int, step_per_micro: bool) -> int:
                 opt.step()
         if not step_per_micro:
             opt.step()
-    return int(opt.state[param]["step"])
+    return int(opt.state[param]["step"]) if opt.state else 0  # no step taken: no state yet
 
 
 PartialPolicy = Literal["divide_by_K", "divide_by_actual", "drop"]

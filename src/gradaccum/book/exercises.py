@@ -93,9 +93,10 @@ def grade_number(
         return Feedback(False, f"expected one number, got {type(answer).__name__} {answer!r}: pass a single value.")
     if not math.isfinite(value):
         return Feedback(False, f"{value} is not a finite number.")
-    fractional = count and float(expected).is_integer() and not value.is_integer()  # a count must be whole
-    fewer = next((n for n in range(digits - 1, 0, -1) if expected != 0 and value == round_significant(expected, n)),
-                 None)
+    # a count must be whole (up to float rounding: 0.1 * 3 * 20 is 6)
+    fractional = count and float(expected).is_integer() and abs(value - round(value)) > 1e-9 * max(1.0, abs(value))
+    fewer = None if count else next(  # a count is not rounded to significant digits
+        (n for n in range(digits - 1, 0, -1) if expected != 0 and value == round_significant(expected, n)), None)
     too_few = (f"{value:g} agrees with the answer to {fewer} significant digit{'s' if fewer and fewer > 1 else ''}; "
                f"the exercise asks for {digits}: keep more digits (and do not round intermediate results).")
     if agrees(value, expected, digits, atol) and not fractional:
@@ -115,7 +116,7 @@ def grade_number(
         if hit:
             return Feedback(False, why)
     if fractional:
-        return Feedback(False, f"{value:g} is not a whole number: the answer counts something; give the count.")
+        return Feedback(False, f"{value!r} is not a whole number: the answer counts something; give the count.")
     if fewer is not None:
         return Feedback(False, too_few)
     return Feedback(False, f"{value:.6g} is not right. {hint}".rstrip())
