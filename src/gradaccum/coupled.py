@@ -120,12 +120,13 @@ def _check_encoders(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor
                                  "GroupNorm/LayerNorm, or a BatchNorm in eval mode with running statistics.")
 
 
-#: A buffer as a module holds it: (owning module, its name there, the tensor, the encoder-qualified name).
-_Buffer = tuple[nn.Module, str, torch.Tensor, str]
+#: A buffer as a module holds it: (owning module, its name there, the tensor, the encoder-qualified name, a copy
+#: of its values).
+_Buffer = tuple[nn.Module, str, torch.Tensor, str, torch.Tensor]
 
 
 def _buffers(encoders: Sequence[nn.Module]) -> list[_Buffer]:
-    """Every buffer of the encoders, once per (module, name) slot, with the tensor the slot holds now."""
+    """Every buffer of the encoders, once per (module, name) slot: the tensor the slot holds now and a copy."""
     seen: set[tuple[int, str]] = set()
     out = []
     for enc in encoders:
@@ -133,7 +134,8 @@ def _buffers(encoders: Sequence[nn.Module]) -> list[_Buffer]:
             for name, buf in module._buffers.items():
                 if buf is not None and (id(module), name) not in seen:
                     seen.add((id(module), name))
-                    out.append((module, name, buf, f"{type(enc).__name__}.{path + '.' if path else ''}{name}"))
+                    label = f"{type(enc).__name__}.{path + '.' if path else ''}{name}"
+                    out.append((module, name, buf, label, buf.clone()))
     return out
 
 
@@ -144,13 +146,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
-def _refuse_changed_buffers(buffers: list[_Buffer], before: list[torch.Tensor]) -> None:
+def _refuse_changed_buffers(buffers: list[_Buffer]) -> None:
     """Raise a ``ValueError`` naming the buffers the forward passes changed — in place, or replaced by another
     tensor — after putting every one back."""
-    changed = [label for (module, name, buf, label), old in zip(buffers, before)
+    changed = [label for module, name, buf, label, old in buffers
                if module._buffers.get(name) is not buf or not _same(buf, old)]
     if changed:
-        for (module, name, buf, _), old in zip(buffers, before):
+        for module, name, buf, _, old in buffers:
             buf.copy_(old)
             module._buffers[name] = buf
         raise ValueError(f"the encoders' forward pass changed the buffer(s) {', '.join(changed)} (running "
@@ -193,20 +195,16 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
     (``z.backward(G)``). With dropout, the result is the full-batch gradient under the masks drawn in step 1.
 
     Refuses (``ValueError``) a BatchNorm that normalizes with batch statistics, and an encoder whose forward pass
-    changes any of its buffers, in place or by replacing them (running statistics of an InstanceNorm, spectral
-    norm's power iteration, a counter): step 3 would then run it in another state than step 1 (detected after step
-    1, whose changes are undone before raising). State kept elsewhere — a parameter changed in the forward pass, a
-    plain attribute or Python counter, a change made only when gradients are enabled (in step 3) — is not seen, and
-    makes the result wrong just the same: such an encoder is not one GradCache can handle. Any other coupling of
-    the samples *inside* an encoder (a layer that looks across the batch) makes the result wrong and cannot be
-    detected here: GradCache is exact only for losses whose coupling sits in ``loss_fn``. Under DDP, each of the
-    re-embedding backward passes all-reduces unless you wrap all but the last in ``no_sync()``.
+    changes a buffer, in place or by replacing it (an InstanceNorm's running statistics, spectral norm's power
+    iteration): step 3 would run another network than step 1 (the buffers are put back). Not seen, and as wrong:
+    state changed elsewhere (a parameter, a plain attribute, a change made only in step 3) and any coupling of the
+    samples inside an encoder; GradCache is exact for couplings that sit in ``loss_fn``. Under DDP, each
+    re-embedding backward pass all-reduces unless all but the last run in ``no_sync()``.
     """
     _check_encoders(encoders, inputs)
     chunks = _split(inputs, k)
     devices = _rng_devices()
-    buffers = _buffers(encoders)
-    before = [buf.clone() for _, _, buf, _ in buffers]
+    saved = _buffers(encoders)
     states: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = []
     cached: list[list[torch.Tensor]] = []
     with torch.no_grad():
@@ -217,7 +215,7 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
                 row.append(enc(x))
             states.append(row_states)
             cached.append(row)
-        _refuse_changed_buffers(buffers, before)
+        _refuse_changed_buffers(saved)
     reps = [torch.cat([row[i] for row in cached]).requires_grad_() for i in range(len(encoders))]
     loss = loss_fn(*reps)
     loss.backward()
