@@ -83,8 +83,7 @@ def window_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
     ``window_tokens``: each micro-batch's *summed* token loss divided by the tokens of the whole window —
     ``total_tokens`` if given (e.g. the count all-reduced across ranks; under DDP the gradient must then also be
     multiplied by the number of ranks, which DDP's average divides out: :func:`ranks_gradient`), else counted
-    here. Returns the window's loss as
-    the chosen normalization defines it.
+    here. Returns the window's loss as the chosen normalization defines it.
     """
     micro = split_batch(x, y, k)
     if normalization == "window_tokens":
