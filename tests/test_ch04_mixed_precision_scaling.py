@@ -263,3 +263,35 @@ def test_only_s_over_k_reaches_the_backward_pass(f32, loss_fn):
     a = precision.scaled_window_grads(model, loss_fn, x, y, 4, 2.0**15, "loss")
     b = precision.scaled_window_grads(model, loss_fn, x, y, 4, 2.0**13, "grads")
     assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_largest_fitting_log2_is_the_overflow_edge(dtype):
+    """Review: the edge of a window is set by the largest gradient an fp16 kernel writes; the helper that predicts
+    it must agree with a real cast at the boundary (2^e · max finite, 2^(e+1) · max inf)."""
+    gen = torch.Generator().manual_seed(0)
+    top = 65520.0 if dtype == torch.float16 else None
+    for _ in range(200):
+        v = torch.randn(50, generator=gen, dtype=torch.float64) * 10.0 ** float(torch.empty(1).uniform_(-8, 8,
+                                                                                              generator=gen))
+        e = precision.largest_fitting_log2(v, dtype)
+        m = v.abs().max()
+        assert torch.isfinite((m * 2.0**e).to(dtype)) and torch.isinf((m * 2.0 ** (e + 1)).to(dtype)), (e, m)
+    if top is not None:
+        assert precision.largest_fitting_log2(torch.tensor([top]), dtype) == -1
+        assert precision.largest_fitting_log2(torch.tensor([top - 1e-3], dtype=torch.float64), dtype) == 0
+    for bad in (torch.zeros(3), torch.tensor([float("nan")]), torch.empty(0)):
+        with pytest.raises(ValueError, match="nonzero"):
+            precision.largest_fitting_log2(bad, dtype)
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        precision.largest_fitting_log2(torch.ones(1), torch.float32)
+
+
+def test_exact_answers_are_checked_exactly():
+    """Review: 2050 and 4100 were accepted as 2048 and 4096, which the exercises do not ask to round."""
+    from gradaccum.book import exercises as ex
+    assert ex.grade_effective_scale(2048) and ex.grade_backoff_scale(4096.0)
+    for grader, near in ((ex.grade_effective_scale, 2050), (ex.grade_backoff_scale, 4100)):
+        fb = grader(near)
+        assert not fb and "agrees with the answer to 3 significant digits" in fb.message
+    assert not ex.grade_effective_scale(2045)

@@ -107,3 +107,12 @@ def test_expected_answers_of_every_checker_used_in_the_book():
     assert ex.expected_answer(ex.grade_batch_coupled) == ({"BatchNorm2d"}, None)
     value, digits = ex.expected_answer(ex.grade_scaler_clip_order)
     assert math.isclose(value, 2**-16) and digits == 3
+
+
+def test_a_tie_rounded_half_up_is_read_as_rounding():
+    """Review: 0.625 to two digits is 0.62 to Python and 0.63 to most students; both now get the rounding advice
+    (0.63 got the generic hint)."""
+    for near in (0.62, 0.63):
+        fb = ex.grade_framework_partial_weight(near, micro_batches=90, k=16)
+        assert not fb and "agrees with the answer to 2 significant digits" in fb.message, (near, fb)
+    assert not ex.grade_framework_partial_weight(0.64, micro_batches=90, k=16).message.startswith("0.64 agrees")

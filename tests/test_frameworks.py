@@ -429,3 +429,10 @@ def test_adapters_leave_the_callers_accelerator_working_and_take_trainer_options
         fw.accelerate_step(precison="bf16")
     with pytest.raises(ValueError, match="int >= 1 or None"):
         fw.lightning_module_step(k=0)
+
+
+def test_accelerate_ignores_its_split_batches_keyword():
+    """Review: chapters 6 and 7 told readers to build `Accelerator(split_batches=True)`; the pinned Accelerate never
+    reads that keyword (no warning). The DataLoaderConfiguration spelling is the one that works."""
+    assert fw.accelerate_split_batches() == {"Accelerator(split_batches=True)": False,
+                                             "DataLoaderConfiguration(split_batches=True)": True}

@@ -293,6 +293,24 @@ def _own_accelerate_state() -> Iterator[None]:
             cls._shared_state.update(state)
 
 
+def accelerate_split_batches() -> dict[str, bool]:
+    """What ``Accelerator.split_batches`` reads after each of two ways of asking for split batches: the keyword
+    ``Accelerator(split_batches=True)`` (accelerate 1.x keeps it in the signature but never reads it) and
+    ``Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True))``. On fresh Accelerate states;
+    the caller's is put back."""
+    _import("accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    read = {}
+    for spelling, kwargs in (("Accelerator(split_batches=True)", {"split_batches": True}),
+                             ("DataLoaderConfiguration(split_batches=True)",
+                              {"dataloader_config": DataLoaderConfiguration(split_batches=True)})):
+        with _own_accelerate_state(), _quiet():
+            read[spelling] = bool(Accelerator(cpu=True, **kwargs).split_batches)
+    return read
+
+
 def _run_accelerate(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Options) -> Run:
     with _own_accelerate_state():
         return _accelerate_loop(model, loss_fn, micro, k, o)

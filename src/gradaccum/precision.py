@@ -89,6 +89,28 @@ def cast_report(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) ->
                       float(torch.isinf(low).double().mean()))
 
 
+def largest_fitting_log2(values: torch.Tensor, dtype: torch.dtype = torch.float16) -> int:
+    r"""The largest integer e for which :math:`2^e \max|v|` still rounds to a finite number in ``dtype``.
+
+    A value rounds to infinity at or above :math:`\text{max} + \tfrac12 u`, where u is the spacing of the
+    format's largest binade (for fp16, :math:`65504 + 16 = 65520`). A backward pass that writes ``values`` times
+    :math:`S/K` in ``dtype`` stays finite for every :math:`S/K \le 2^e`.
+    """
+    if dtype not in LOW_PRECISION:
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
+    largest = float(values.detach().abs().max()) if values.numel() else 0.0
+    if not math.isfinite(largest) or largest == 0:
+        raise ValueError(f"need finite values with a nonzero entry, got max |v| = {largest}.")
+    info = torch.finfo(dtype)
+    top = info.max + 2.0 ** (math.floor(math.log2(info.max)) - round(-math.log2(info.eps)) - 1)
+    e = math.floor(math.log2(top / largest))
+    while 2.0 ** (e + 1) * largest < top:  # guard the logarithm's rounding
+        e += 1
+    while 2.0**e * largest >= top:
+        e -= 1
+    return e
+
+
 def _hooked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Leaf modules, plus modules that own parameters directly (their computation may bypass their children,
     as ``nn.MultiheadAttention`` does with ``out_proj``)."""
@@ -368,10 +390,8 @@ def largest_safe_log2_scale(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, 
     r"""The largest integer s in [lo, hi] for which one window (K micro-batches under autocast, loss scaled by
     :math:`S = 2^s`) leaves finite accumulated gradients — the edge a dynamic scaler probes.
 
-    ``divide="loss"``: the backward pass holds :math:`	frac{S}{K}
-abla L`; ``divide="grads"``: it holds
-    :math:`S\,
-abla L` (the 1/K is applied to the gradients afterwards). Multiplying by a power of two is exact
+    ``divide="loss"``: the backward pass holds :math:`\tfrac{S}{K}\nabla L`; ``divide="grads"``: it holds
+    :math:`S\,\nabla L` (the 1/K is applied to the gradients afterwards). Multiplying by a power of two is exact
     in floating point until a value overflows, so the two edges differ by :math:`\log_2 K` when K is a power of
     two. Bisection: assumes that a window that overflows at :math:`2^s` also overflows at every larger scale.
     """

@@ -11,8 +11,11 @@ import numpy as np
 import torch
 
 from gradaccum._validate import require_k
+from gradaccum.accumulate import agreement
+from gradaccum.book.data import DigitsSplit
+from gradaccum.book.models import make_cnn
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
-from gradaccum.precision import cast_report, format_info
+from gradaccum.precision import amp_window, cast_report, format_info, reference_gradient
 
 
 def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int],
@@ -26,6 +29,24 @@ def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int
             r = cast_report(values / require_k(k), dtype, 2.0**s)
             lost[i, j], over[i, j] = r.underflow + r.subnormal, r.overflow
     return {"lost": lost, "overflow": over}
+
+
+def recipe_errors(split: DigitsSplit, loss_fn, seeds: Sequence[int], starts: Sequence[int], k: int = 4,
+                  batch: int = 64) -> dict[tuple[int, int], tuple[float, float, float]]:
+    """For each seed (of the GroupNorm CNN) and each batch ``split.x_train[start:start + batch]``: the relative
+    error against the fp32 full-batch gradient of (the fp16 recipe with K micro-batches, one fp16 window of the
+    whole batch (K = 1), the same K micro-batches without a scaler)."""
+    out = {}
+    for seed in seeds:
+        model = make_cnn("group", seed=seed, dtype=torch.float32, device=split.x_train.device)
+        for start in starts:
+            x, y = split.x_train[start:start + batch].float(), split.y_train[start:start + batch]
+            ref = reference_gradient(model, loss_fn, x, y)
+            runs = (amp_window(model, loss_fn, x, y, k=k), amp_window(model, loss_fn, x, y, k=1),
+                    amp_window(model, loss_fn, x, y, k=k, pattern="no_scaler"))
+            errors = tuple(agreement(ref, r.update).rel_error for r in runs)
+            out[seed, start] = (errors[0], errors[1], errors[2])
+    return out
 
 
 def plot_formats(values_by_k: dict[int, torch.Tensor]):

@@ -245,6 +245,31 @@ def bf16_full_batch_error(x: torch.Tensor, y: torch.Tensor, k: int = K) -> float
     return fw.relative_error(fw.flat_grads(list(net.parameters())), fw.full_gradient(digits_mlp(), ce, xs, ys))
 
 
+def bf16_accumulation_ratios(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[int] = (0, 1, 2),
+                             ks: Sequence[int] = (4, 8), b: int = 8) -> dict[tuple[int, int], float]:
+    """Plain bf16 autocast, no framework: for each seed (model weights and data slice) and K, the relative error of
+    the accumulated gradient (K micro-batches of ``b``, each loss divided by K, summed in the fp32 ``.grad``)
+    against the fp32 full-batch gradient, divided by the same error of one bf16 pass over the full batch."""
+    ce = nn.CrossEntropyLoss()
+    ratios = {}
+    for seed in seeds:
+        for k in ks:
+            n = k * b
+            xs, ys = x[seed * n:(seed + 1) * n], y[seed * n:(seed + 1) * n]
+            full = fw.full_gradient(digits_mlp(seed=seed), ce, xs, ys)
+            one, acc = digits_mlp(seed=seed), digits_mlp(seed=seed)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = ce(one(xs), ys)
+            loss.backward()
+            for xb, yb in zip(xs.split(b), ys.split(b)):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    micro = ce(acc(xb), yb) / k
+                micro.backward()
+            ratios[seed, k] = (fw.relative_error(fw.flat_grads(list(acc.parameters())), full)
+                               / fw.relative_error(fw.flat_grads(list(one.parameters())), full))
+    return ratios
+
+
 def two_processes(lm_x: torch.Tensor, lm_y: torch.Tensor, k: int = K, timeout: float = 120.0
                   ) -> dict[str, fw.RankResult]:
     """Every framework on two gloo processes (:func:`gradaccum.frameworks.rank_task`); rank 0's results, after

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
 
 import torch
 
@@ -38,6 +39,18 @@ NO_ANSWER = "no answer yet: assign your answer to `answer` and run this cell aga
 def round_significant(x: float, digits: int) -> float:
     """``x`` rounded to ``digits`` significant digits (0 stays 0)."""
     return float(f"{x:.{digits - 1}e}")
+
+
+def _is_rounded(value: float, x: float, digits: int) -> bool:
+    """Whether ``value`` is ``x`` rounded to ``digits`` significant digits, a tie rounded either way (0.625 to two
+    digits is 0.62 to Python, 0.63 to most people)."""
+    if value == round_significant(x, digits):
+        return True
+    if x == 0 or not math.isfinite(x):
+        return False
+    exact = Decimal(repr(x))
+    unit = Decimal(1).scaleb(exact.adjusted() - digits + 1)
+    return value == float(exact.quantize(unit, rounding=ROUND_HALF_UP))
 
 
 def tolerance(target: float, digits: int, atol: float = 1e-12) -> float:
@@ -96,7 +109,7 @@ def grade_number(
     # a count must be whole (up to float rounding: 0.1 * 3 * 20 is 6)
     fractional = count and float(expected).is_integer() and abs(value - round(value)) > 1e-9 * max(1.0, abs(value))
     fewer = None if count else next(  # a count is not rounded to significant digits
-        (n for n in range(digits - 1, 0, -1) if expected != 0 and value == round_significant(expected, n)), None)
+        (n for n in range(digits - 1, 0, -1) if expected != 0 and _is_rounded(value, expected, n)), None)
     too_few = (f"{value:g} agrees with the answer to {fewer} significant digit{'s' if fewer and fewer > 1 else ''}; "
                f"the exercise asks for {digits}: keep more digits (and do not round intermediate results).")
     if agrees(value, expected, digits, atol) and not fractional:
@@ -110,7 +123,7 @@ def grade_number(
         if own_rtol:
             hit = math.isclose(value, wrong, rel_tol=own_rtol[0], abs_tol=atol)
         else:
-            hit = agrees(value, wrong, digits, atol) or (wrong != 0 and value == round_significant(wrong, 2))
+            hit = agrees(value, wrong, digits, atol) or (wrong != 0 and _is_rounded(value, wrong, 2))
         if hit and fewer is not None and not count:  # both readings are possible: say both
             return Feedback(False, f"{too_few} If you did not round: {why}")
         if hit:
@@ -356,6 +369,7 @@ def grade_effective_scale(answer: object, scale: float = 65536.0, k: int = 32) -
             (scale * k, "the loss is divided by K, not multiplied."),
             (1 / k, "that forgets the loss scale S."),
         ],
+        digits=6,  # an exact answer: six significant digits
         hint="The backward pass starts from (S/K)·L(θ; B_k).",
     )
 
@@ -394,6 +408,7 @@ def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 
             (scale * backoff**8, "the check happens once per window, on the accumulated gradient: one backoff."),
             (scale * 2, "growth happens after growth_interval steps *without* overflow; here there was one."),
         ],
+        digits=6,  # an exact answer: six significant digits
         hint="How many times does update() run in one window, and what does it do after an overflow?",
     )
 
