@@ -182,3 +182,30 @@ def test_exercise_solutions_numbers():
     assert abs(ch1.normalized_feature_sizes(4)[1] / ch1.normalized_feature_sizes(4)[0] - math.sqrt(0.75)) > 0.1
     with pytest.raises(ValueError):
         bn_statistics.eval_train_mean_abs_ratio(1)
+
+
+def test_review_layer_inputs_restores_every_modules_mode(digits):
+    """Review: layer_inputs restored only the top-level mode, so a frozen BatchNorm came back in training mode."""
+    model = make_cnn("batch", seed=0)
+    model.features[1].eval()  # frozen inside a training model
+    bn_statistics.layer_inputs(model, digits.x_train[:16], "head.1")
+    assert model.training and not model.features[1].training
+
+
+def test_review_momentum_none_is_a_cumulative_average_that_accumulation_does_not_speed_up():
+    """Review: set_bn_momentum turned a momentum=None layer (a cumulative average) into an exponential one without
+    a word. With momentum=None, K equal micro-batches leave the running mean equal to one full batch's."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 6, dtype=torch.float64)
+    full, micro = nn.BatchNorm1d(6, momentum=None).double(), nn.BatchNorm1d(6, momentum=None).double()
+    full(x)
+    for xb in x.chunk(8):
+        micro(xb)
+    assert torch.allclose(full.running_mean, micro.running_mean, atol=1e-15, rtol=0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=None), nn.BatchNorm1d(6),
+                          nn.BatchNorm1d(6, track_running_stats=False))
+    with pytest.raises(ValueError, match="momentum=None"):
+        bn_statistics.set_bn_momentum(model, 0.05)
+    assert model[1].momentum is None and model[2].momentum == 0.1
+    del model[1]
+    assert bn_statistics.set_bn_momentum(model, 0.05) == 1 and model[1].momentum == 0.05

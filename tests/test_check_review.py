@@ -140,3 +140,150 @@ def test_json_usage_errors_are_json_on_stdout(args, capsys):
 def test_rel_error_not_measured_is_null_in_json():
     report = C.Report(K, float("nan"), float("nan"), 1e-9)
     assert report.to_dict()["rel_error"] is None and report.to_dict()["cosine"] is None
+
+
+# ------------------------------------------------------------------ second review: correct loops it called wrong
+
+
+def _sgd_step(clip_params=None, threshold=0.05, seed_each=False, iterate=True, train_mode=False,
+              two_optimizers=False, clip_after_step=False):
+    """One window of a loop with the options a reader's loop may have; correct unless an option makes it wrong."""
+    def step(model, loss_fn, x, y, k):
+        if train_mode:
+            model.train()
+        if two_optimizers:
+            opts = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.Adam(model[2].parameters())]
+        else:
+            opts = [torch.optim.SGD(model.parameters(), lr=0.1)]
+        for o in opts:
+            o.zero_grad()
+        parts = list(zip(x.chunk(k), y.chunk(k)))
+        for j in range(k):
+            xb, yb = parts[j if iterate else 0]
+            if seed_each:
+                torch.manual_seed(0)
+            (loss_fn(model(xb), yb) / k).backward()
+        if clip_params is not None and not clip_after_step:
+            for group in clip_params(model):
+                clip_grad_norm_(group, threshold)
+        for o in opts:
+            o.step()
+        if clip_params is not None and clip_after_step:
+            for group in clip_params(model):
+                clip_grad_norm_(group, threshold)
+    return step
+
+
+def test_two_optimizers_each_stepping_once_are_correct():
+    """Review: two optimizers (one per layer, as Muon beside AdamW) were reported as optimizer.step() inside the
+    window."""
+    model, loss_fn, x, y = make()
+    report = C.check(model, loss_fn, x, y, K, step=_sgd_step(two_optimizers=True))
+    assert report.ok and report.counts["optimizer.step"] == 2, report
+
+
+@pytest.mark.parametrize("groups", [lambda m: [m[2].parameters()], lambda m: [m[0].parameters(), m[2].parameters()]],
+                         ids=["one-layer", "each-layer"])
+def test_clipping_a_subset_or_each_group_once_is_correct(groups):
+    """Review: clipping one layer (or each layer on its own) once after the window gave a false `unexplained`
+    (relative error 7.65): the reference clipped the whole gradient."""
+    model, loss_fn, x, y = make()
+    report = C.check(model, loss_fn, x, y, K, step=_sgd_step(clip_params=groups))
+    assert report.ok, report
+    assert any("group(s) of parameters on their own" in n for n in report.notes)
+
+
+def test_a_clip_after_the_step_is_named_misplaced():
+    """Review: a clip after optimizer.step() was reported as `gradient_scaled` (7.4×), with a fix about scaling."""
+    model, loss_fn, x, y = make()
+    report = C.check(model, loss_fn, x, y, K, step=_sgd_step(clip_params=lambda m: [m.parameters()],
+                                                             clip_after_step=True))
+    assert report.codes == ["clip_misplaced"] and report.rel_error < 1e-12, report
+
+
+def test_seeding_in_the_step_is_recorded_and_torchs_own_is_not():
+    """Review: torch.manual_seed per micro-batch was not recorded (the page says seeding calls are); torch's own RNG
+    bookkeeping in activation checkpointing produced a seed note."""
+    model, loss_fn, x, y = make()
+    report = C.check(model, loss_fn, x, y, K, step=_sgd_step(seed_each=True))
+    assert report.counts["seed"] == K and "seed_inside_window" in [f.code for f in report.findings], report
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(20, 32).double(), nn.Linear(32, 5).double()
+
+        def forward(self, x):
+            h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=False)
+            return self.b(h)
+
+    report = C.check(Checkpointed(), loss_fn, x, y, K)
+    assert report.ok and report.counts["seed"] == 0 and not report.findings, report
+
+
+def test_a_step_that_switches_an_eval_model_to_training_is_compared_in_training_mode():
+    """Review: a dropout model handed over in eval mode (as from_pretrained returns it) whose step calls
+    model.train() got a false bug: the reference ran in eval mode."""
+    _, loss_fn, x, y = make()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.Dropout(0.3), nn.Linear(32, 5)).double().eval()
+    report = C.check(model, loss_fn, x, y, K, step=_sgd_step(train_mode=True))
+    assert report.ok and report.notes[0].startswith("mode: your step switches"), report
+    assert not model.training  # the reader's model is left as it was
+
+
+def test_a_micro_batch_used_k_times_is_named():
+    """Review: a loop that never advances its iterator was called `missing_1_over_k` (it divides by K)."""
+    model, loss_fn, x, y = make()
+    report = C.check(model, loss_fn, x, y, K, step=_sgd_step(iterate=False))
+    assert report.codes == ["micro_batches_differ"], report
+    assert "saw micro-batch(es) 1 more than once and never 2, 3, 4" in str(report)
+
+
+class _FeatureMask(nn.Module):
+    """A mask over features, drawn once for the whole batch: torch.rand(32) when the batch has 32 samples."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, h):
+        return h * (torch.rand(self.width, dtype=h.dtype) > 0.5)
+
+
+@pytest.mark.parametrize("case", ["feature-mask", "checkpointed-dropout"])
+def test_randomness_it_cannot_give_each_sample_is_inconclusive(case):
+    """Review: a feature mask whose length equals the batch was 'replayed per sample' and reported as batch
+    coupling; dropout inside a checkpointed forward (recomputed in backward) was reported as batch coupling."""
+    _, loss_fn, x, y = make()
+    torch.manual_seed(0)
+    if case == "feature-mask":
+        model = nn.Sequential(nn.Linear(20, 32), _FeatureMask(32), nn.Linear(32, 5)).double()
+    else:
+        inner = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Dropout(0.3)).double()
+        head = nn.Linear(32, 5).double()
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner, self.head = inner, head
+
+            def forward(self, t):
+                return self.head(torch.utils.checkpoint.checkpoint(self.inner, t, use_reentrant=False))
+
+        model = Model()
+    report = C.check(model, loss_fn, x, y, K)
+    assert report.codes == ["randomness_not_replayed"] and not report.ok, report
+    assert report.findings[0].severity == "inconclusive"
+
+
+def test_a_class_weighted_loss_is_named_by_its_weights_not_tokens():
+    """Review: CrossEntropyLoss(weight=...) averaged per micro-batch was reported with 'tokens per micro-batch
+    [8, 8, 8, 8]' as evidence, and a token fix."""
+    model, _, x, y = make()
+    loss_fn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0, 0.5, 1.5], dtype=torch.float64))
+    report = C.check(model, loss_fn, x, y, K, step=_sgd_step())
+    assert report.codes == ["token_normalization"], report
+    text = str(report)
+    assert "each micro-batch has 8 target(s)" in text and "total weight" in text and "tokens per" not in text

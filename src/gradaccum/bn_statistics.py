@@ -85,20 +85,27 @@ def eval_train_mean_abs_ratio(b: int) -> float:
 def layer_inputs(model: nn.Module, x: torch.Tensor, layer: str) -> torch.Tensor:
     """The input that the submodule named ``layer`` receives when ``model(x)`` runs in eval mode.
 
-    Used to look at the numbers a BatchNorm layer computes its statistics from. The model's mode is restored.
+    Used to look at the numbers a BatchNorm layer computes its statistics from. Every module's mode is restored
+    (a frozen BatchNorm inside a training model stays frozen). A module called more than once per forward pass is
+    refused: which call's input to return would be a guess.
     """
     modules = dict(model.named_modules())
     if layer not in modules:
         raise ValueError(f"model has no submodule {layer!r}; it has {[n for n in modules if n]}.")
     captured: list[torch.Tensor] = []
     handle = modules[layer].register_forward_hook(lambda mod, inp, out: captured.append(inp[0].detach()))
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     try:
         model.eval()
-        model(x)
+        with torch.no_grad():
+            model(x)
     finally:
         handle.remove()
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
+    if len(captured) != 1:
+        raise ValueError(f"submodule {layer!r} ran {len(captured)} times in one forward pass; layer_inputs needs a "
+                         "module that runs once.")
     return captured[0]
 
 
@@ -133,11 +140,23 @@ def micro_batch_weights(m: float, k: int) -> list[float]:
 
 
 def set_bn_momentum(model: nn.Module, m: float) -> int:
-    """Set the momentum of every BatchNorm layer of ``model`` to m; returns how many layers were changed."""
+    """Set the momentum of every BatchNorm layer of ``model`` that keeps an exponential running average to m;
+    returns how many layers were changed.
+
+    Layers without running statistics (``track_running_stats=False``) have no momentum to set and are left alone.
+    A layer with ``momentum=None`` keeps a cumulative average (weight 1/t for the t-th update) instead, which K
+    equal micro-batches do not speed up: its running mean after accumulation is the full batch's. It is refused,
+    so that a correction meant for an exponential average does not silently turn it into one.
+    """
     require_momentum(m)
-    count = 0
-    for mod in model.modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-            mod.momentum = m
-            count += 1
-    return count
+    layers = [mod for mod in model.modules()
+              if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats]
+    cumulative = [name for name, mod in model.named_modules() if any(mod is layer for layer in layers)
+                  and mod.momentum is None]
+    if cumulative:
+        raise ValueError(f"BatchNorm layer(s) {cumulative} use momentum=None (a cumulative average), which "
+                         "accumulation does not speed up; leave them as they are, or set their momentum yourself "
+                         "if you mean to switch them to an exponential average.")
+    for mod in layers:
+        mod.momentum = m
+    return len(layers)

@@ -144,6 +144,8 @@ class _ForwardScope:
 
     def __init__(self, model: nn.Module, rng: SampleRNG, x: torch.Tensor):
         self.rng, self.n = rng, x.shape[0]
+        self.model = model
+        self.modes: list[bool] | None = None  # every module's training flag at the first forward pass
         self.rows = x.detach().reshape(self.n, -1)
         self.seen = 0
         self.expect: int | None = None
@@ -177,6 +179,8 @@ class _ForwardScope:
         self.seen = offset + n
         self.forwards.append((offset, n))
         if self.depth == 0:
+            if self.modes is None:
+                self.modes = [m.training for m in self.model.modules()]
             self.rng.start_forward(offset, n)
             self.rng.__enter__()
         self.depth += 1
@@ -210,6 +214,7 @@ class _Run:
     recorder_errors: list[str]
     outside: list[str] = field(default_factory=list)
     bn_reruns: dict[str, tuple[int, int]] = field(default_factory=dict)
+    modes: list[bool] | None = None
 
 
 def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step, seed: int,
@@ -248,7 +253,8 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
     caught = list(dict.fromkeys(str(w.message).split(". ")[0] for w in raised))
     return _Run(applied, trace.passes, recorder.events, error, caught, scope.forwards if scope else [],
                 rng.replayed, rng.unreplayed, rng.draws, recorder.errors,
-                outside.draws if isinstance(outside, OutsideDraws) else [], rerun_counts)
+                outside.draws if isinstance(outside, OutsideDraws) else [], rerun_counts,
+                scope.modes if scope else None)
 
 
 class _BatchNormReruns:
@@ -305,6 +311,8 @@ class _Refs:
     error: BaseException | None
     micro: int
     plans: dict
+    unreplayed: list[str] = field(default_factory=list)
+    recomputed: list[str] = field(default_factory=list)
 
 
 def _references(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, seed: int) -> _Refs:
@@ -316,6 +324,8 @@ def _references(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.T
     live = dict(work.named_buffers())
     rng = SampleRNG(seed)
     scope = _ForwardScope(work, rng, x)
+    # random draws outside the forward passes: backward recomputing a checkpointed forward with dropout
+    recomputed = OutsideDraws(lambda: scope.depth > 0)
     b = x.shape[0] // k
 
     def reset() -> None:
@@ -326,6 +336,7 @@ def _references(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.T
         torch.manual_seed(seed)
 
     try:
+        recomputed.__enter__()
         reset()
         scope.expect = 0
         out = work(x)
@@ -344,8 +355,9 @@ def _references(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.T
             except Exception as err:
                 return _Refs(torch.empty(0), torch.empty(0), torch.empty(0), err, j + 1, rng.plans)
             basis.append(flat(params))
-        return _Refs(torch.stack(basis), full, out.detach(), None, 0, rng.plans)
+        return _Refs(torch.stack(basis), full, out.detach(), None, 0, rng.plans, rng.unreplayed, recomputed.draws)
     finally:
+        recomputed.__exit__(None, None, None)
         scope.close()
 
 
@@ -484,7 +496,42 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
             "use larger micro-batches (BatchNorm needs more than one value per channel) or a per-sample "
             "normalization such as GroupNorm", 1))
         return report
+    if refs.unreplayed:
+        # a random op that looked per-sample in the full batch (a dimension equal to its size) but not in the
+        # micro-batches, e.g. a feature mask torch.rand(16) when the batch has 16 samples: its randomness is not
+        # per sample, so the full batch and the micro-batches cannot be given the same draws
+        report.findings.append(Finding(
+            "randomness_not_replayed", "randomness the checker could not replay per sample",
+            f"{len(refs.unreplayed)} random draw(s) in the model's forward could not be cut into samples in every "
+            f"pass, e.g. {refs.unreplayed[0]} (a draw per sample has a dimension equal to the batch size in the full "
+            f"batch of {n} and in each micro-batch of {b})", "rerun with that randomness switched off (dropout "
+            "p = 0) to compare like with like, or draw it with a batch dimension (torch.rand(x.shape[0], ...))", 6,
+            "inconclusive"))
+        return report
+    if refs.recomputed:
+        report.findings.append(Finding(
+            "randomness_not_replayed", "randomness in a forward pass that backward recomputes (activation "
+            "checkpointing with dropout)", f"{len(refs.recomputed)} random draw(s) during backward, e.g. "
+            f"{refs.recomputed[0]}: the checker gives every sample its own masks in the forward pass, but cannot "
+            "give the recomputation the same ones", "rerun with dropout off (p = 0) or without activation "
+            "checkpointing to compare like with like", 6, "inconclusive"))
+        return report
     run = _run_step(model, loss_fn, x, y, k, step or accumulate_backward, seed, plans=refs.plans)
+    given_modes = [m_.training for m_ in model.modules()]
+    if run.modes is not None and run.modes != given_modes:
+        # the step switched modes (model.train() on a model handed over in eval mode, as from_pretrained returns
+        # it): the full batch must run in the mode the step's forward passes ran in
+        moved = copy.deepcopy(model)
+        for module, training in zip(moved.modules(), run.modes):
+            module.training = training
+        inner = _check(moved, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b)
+        names = [name or "(the model)" for (name, _), was, now in zip(model.named_modules(), given_modes, run.modes)
+                 if was != now]
+        inner.notes.insert(0, f"mode: your step switches {len(names)} module(s) to "
+                              f"{'training' if run.modes[0] else 'evaluation'} mode before its forward passes "
+                              f"(e.g. {', '.join(names[:3])}); the full batch was computed in the mode your step "
+                              "uses")
+        return inner
     clips = [e for e in run.events if e.kind == "clip"]
     kind, norm_type, source = "norm", 2.0, None
     thresholds = {(e.detail.get("fn"), e.detail.get("max_norm", e.detail.get("clip_value")),
@@ -505,7 +552,17 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
                 kind = "value" if fn == "clip_grad_value_" else "norm"
                 report.notes.append(f"clipping: your loop calls {fn} with threshold {num(clip)}; the full batch is "
                                     "clipped once at the same threshold")
+    misplaced = _misplaced_clips(run.events)
+    if misplaced and len(misplaced) == len(clips) and given is None:
+        # no clip call reaches the gradient the step applies: compare with the unclipped full batch
+        clip, source = None, None
+        report.notes = [n for n in report.notes if not n.startswith("clipping:")]
     target = clip_vec(refs.full, clip, kind, norm_type) if clip is not None else refs.full
+    by_group = _clipped_by_group(refs.full, clips, model, len(run.passes)) if given is None else None
+    if by_group is not None:
+        target = by_group
+        report.notes.append(f"clipping: your loop clips {len(clips)} group(s) of parameters on their own, once, "
+                            "after the last backward; the full batch is clipped the same way")
     reseeded = None
     seeds = [e for e in run.events if e.kind == "seed"]
     draws = run.replayed + len(run.unreplayed)
@@ -514,6 +571,7 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
         c = _run_step(model, loss_fn, x, y, k, step, seed, mode="record", start=seed + 2)
         if a.error is None and c.error is None:
             reseeded = identical_draws(a.draws, c.draws)
+    shown_events = [e for e in run.events if all(e is not c for c, _ in misplaced)]  # misplaced: reported apart
     probe = _loss_probe(loss_fn, refs.out, y, k, b)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     slices, start = [], 0
@@ -524,7 +582,7 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
     m = Measurements(
         k=k, b=b, n=n, tol=tol, wtol=wtol, basis=refs.basis, full=refs.full, target=target, applied=run.applied,
         f=probe.weights, loss_residual=probe.residual, tokens=probe.tokens,
-        clip=clip, clip_kind=kind, clip_norm_type=norm_type, clip_source=source, events=run.events,
+        clip=clip, clip_kind=kind, clip_norm_type=norm_type, clip_source=source, events=shown_events,
         passes=run.passes, error=run.error, forwards=run.forwards, unreplayed=run.unreplayed, random_draws=draws,
         reseeded=reseeded, coupled=lambda: coupled_modules(model, x, b, SampleRNG(seed), rtol),
         param_slices=slices, has_step=step is not None, outside_draws=run.outside)
@@ -546,6 +604,13 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
                 "comparison clips the full batch at the threshold you gave, so a difference below may come from "
                 "the two thresholds alone", f"rerun with --clip {num(differ[0])} (or without --clip: the checker "
                 "then reads the threshold from your loop)", 3, "note"))
+    if misplaced and run.error is None:
+        e, where = misplaced[0]
+        findings.insert(0, Finding(
+            "clip_misplaced", "your clip call does not clip the gradient the optimizer step applies",
+            f"{e.detail.get('fn', 'clip')} ran {where}: the step applied the gradient as it was before any clip",
+            "clip once per window after the last backward (after scaler.unscale_) and before optimizer.step()",
+            3))
     twice = _bn_rerun_finding(run.bn_reruns) if run.error is None else None
     if twice is not None:
         findings.append(twice)
@@ -569,6 +634,49 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
     return report
 
 
+def _misplaced_clips(events: list[Event]) -> list[tuple[Event, str]]:
+    """Clip calls that cannot have clipped what the optimizer applied: after the window's last optimizer step, or
+    before the first backward pass (the buffer is still empty)."""
+    steps = [i for i, e in enumerate(events) if e.kind in ("optimizer.step", "scaler.step")]
+    out = []
+    for i, e in enumerate(events):
+        if e.kind != "clip":
+            continue
+        if steps and i > steps[-1]:
+            out.append((e, "after the last optimizer.step()"))
+        elif e.after == 0:
+            out.append((e, "before the first backward pass, on an empty gradient"))
+    return out
+
+
+def _clipped_by_group(full: torch.Tensor, clips: list[Event], model: nn.Module, last: int) -> torch.Tensor | None:
+    """The full-batch gradient clipped as the loop clips: each clip call on its own parameters, in order, when
+    every call comes after the last backward pass and some call clips a subset (a layer, a parameter group);
+    None otherwise (one call on every parameter is the plain case)."""
+    sizes = [p.numel() for p in _trainable(model)]
+    if not clips or any(e.after < last or "params" not in e.detail for e in clips):
+        return None
+    if len(clips) == 1 and _clips_all(clips[0], len(sizes)):
+        return None
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    out = full.clone()
+    for e in clips:
+        value = e.detail.get("max_norm", e.detail.get("clip_value"))
+        if value is None or not e.detail["params"]:
+            return None
+        index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in e.detail["params"]])
+        kind = "value" if e.detail.get("fn") == "clip_grad_value_" else "norm"
+        out[index] = clip_vec(out[index], value, kind, e.detail.get("norm_type", 2.0))
+    return out
+
+
+def _clips_all(event: Event, count: int) -> bool:
+    """Whether a clip call clipped every trainable parameter."""
+    return sorted(event.detail.get("params", [])) == list(range(count))
+
+
 def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, b: int,
                     step: Step, seed: int, refs: _Refs, clip: float | None, kind: str, norm_type: float,
                     wtol: float, tol: float) -> Finding | None:
@@ -584,7 +692,11 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
     probe = _loss_probe(loss_fn, refs.out.narrow(0, 0, m * b), yp, m, b)
     basis = refs.basis[:m]
     ideal = cast(torch.Tensor, sum(fj * basis[j] for j, fj in enumerate(probe.weights)))
-    if clip is not None:
+    clips = [e for e in run.events if e.kind == "clip"]
+    by_group = _clipped_by_group(ideal, clips, model, len(run.passes))
+    if by_group is not None:
+        ideal = by_group
+    elif clip is not None:
         ideal = clip_vec(ideal, clip, kind, norm_type)
     error = rel(ideal, run.applied)
     if error <= tol:
@@ -594,7 +706,8 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
     whole = _references(model, loss_fn, xp, yp, m, seed)
     if whole.error is None:
         target = clip_vec(whole.full, clip, kind, norm_type) if clip is not None else whole.full
-        if rel(target, run.applied) <= tol:
+        grouped = _clipped_by_group(whole.full, clips, model, len(run.passes))
+        if rel(grouped if grouped is not None else target, run.applied) <= tol:
             return None
     w, residual, _ = fit_weights(basis, run.applied)
     s = float(run.applied @ ideal) / float(ideal @ ideal) if float(ideal.norm()) > 0 else float("nan")

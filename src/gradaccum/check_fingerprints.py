@@ -160,16 +160,18 @@ CODES: dict[str, str] = {
     "clip_per_micro_batch": "each micro-batch's gradient clipped on its own",
     "clip_before_unscale": "clipping ran on gradients still multiplied by the loss scale",
     "clip_missing": "a clip threshold was given but the loop does not clip (a note when it does not bite)",
+    "clip_misplaced": "clipping after the optimizer step, or before the first backward: the step is not clipped",
     "clip_threshold_differs": "(note) the clip threshold given differs from the one the loop's clip call uses",
     "scaler_update_inside_window": "GradScaler.update() before the last backward: the loss scale changes inside",
     "scaler_step_inside_window": "GradScaler.step() (an optimizer step) more than once per window",
     "scaler_unscale_inside_window": "GradScaler.unscale_() more than once per window",
-    "optimizer_step_inside_window": "optimizer.step() more than once per window, or before the last backward",
+    "optimizer_step_inside_window": "an optimizer steps more than once per window, or before the last backward",
     "scheduler_step_inside_window": "scheduler.step() more than once per window (constructors not counted)",
     "batch_coupled_layer": "a layer (BatchNorm, or any other) makes a sample's output depend on its batch",
     "loss_couples_samples": "the loss is not a sum over micro-batches (in-batch negatives, batch statistics)",
     "bn_stats_updated_twice": "BatchNorm statistics updated again when backward recomputes it (checkpointing)",
-    "token_normalization": "micro-batches weighted equally although the full batch weighs them by tokens",
+    "token_normalization": "micro-batches weighted equally although the full batch weighs them by tokens (or "
+                           "by a weighted loss's weights)",
     "rng_reseeded": "random draws do not depend on the state the window starts from: a seed is set inside",
     "seed_inside_window": "(note) a seed is set inside the window, but nothing random is drawn",
     "partial_window": "a window of K − 1 micro-batches is not normalized by its own size",
@@ -179,9 +181,9 @@ CODES: dict[str, str] = {
     "non_finite": "inf or NaN in the gradient",
     "no_gradient": "the step left no gradient in the model it was given",
     "optimizer_not_on_model": "(note) the step steps an optimizer built on another model",
-    "micro_batches_differ": "the step's forward passes do not see the K equal micro-batches",
+    "micro_batches_differ": "the step's forward passes do not see the K equal micro-batches once each",
     "weights_differ": "micro-batches weighed differently from the full batch, in no known pattern",
-    "randomness_not_replayed": "(inconclusive) random draws without a batch dimension could not be replayed",
+    "randomness_not_replayed": "(inconclusive) random draws the checker could not give each sample in every pass",
     "autocast_precision": "(inconclusive) a small difference from a step run under torch.autocast",
     "unexplained": "a difference none of the fingerprints explains",
 }
@@ -396,7 +398,11 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
     opt = [e for e in _counts(events, "optimizer.step")]
     own = [e for e in opt if not e.detail.get("via_scaler")]
     sstep = _counts(events, "scaler.step")
-    if len(own) > 1 or _inside(own, last):
+    # several optimizers (one per parameter group, e.g. Muon beside AdamW) each step once per window: counted apart
+    per_optimizer: dict[Any, int] = {}
+    for e in own:
+        per_optimizer[e.detail.get("opt")] = per_optimizer.get(e.detail.get("opt"), 0) + 1
+    if max(per_optimizer.values(), default=0) > 1 or _inside(own, last):
         out.add("optimizer_step_inside_window", "optimizer.step() inside the accumulation window",
                 f"optimizer.step() ran {len(own)}× in one window of {k} micro-batches "
                 f"({', '.join(_after(e) for e in own[:4])}{', …' if len(own) > 4 else ''}): every call applies a "
@@ -524,8 +530,26 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     fit_tol = m.thr
     if any(c in out for c in ("optimizer_step_inside_window", "scaler_step_inside_window")):
         return  # the weights moved mid-window: the micro-batch gradients no longer describe the step
+    seen: dict[int, int] = {}
+    for offset, size in m.forwards:
+        if size == m.b:
+            seen[offset] = seen.get(offset, 0) + 1
+    never = [j + 1 for j in range(k) if j * m.b not in seen]
+    again = [offset // m.b + 1 for offset, count in sorted(seen.items()) if count > 1 and offset % m.b == 0]
+    if m.has_step and never and again:  # e.g. a loop that never advances its iterator
+        out.add("micro_batches_differ", "your step's micro-batches are not the K parts of the batch",
+                f"its forward passes saw micro-batch(es) {ordinal_list(again)} more than once and never "
+                f"{ordinal_list(never)}", "advance the data iterator once per micro-batch: each window must see each "
+                "of its K micro-batches once", 6)
+        return
+    sizes = sorted({n for _, n in m.forwards})
+    if m.has_step and sizes and sizes != [m.b] and loop_error > m.tol:  # e.g. a loop with its own, other K
+        out.add("micro_batches_differ", "your step's micro-batches are not the K equal parts of the batch",
+                f"its forward passes saw {len(m.forwards)} batch(es) of size(s) {sizes}; K = {k} micro-batches "
+                f"of {m.b} were expected", "pass the K your loop uses (-k), and split the window into K equal, "
+                "consecutive micro-batches", 6)
+        return
     if residual > fit_tol:  # (a rank-deficient basis, e.g. duplicate micro-batches, still fits: min-norm weights)
-        sizes = sorted({n for _, n in m.forwards})
         if m.unreplayed or m.outside_draws:
             _outside_randomness(m, out)
         elif m.has_step and sizes and sizes != [m.b]:
@@ -591,11 +615,20 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     w_uniform = max(abs(v / w_mean - 1) for v in w_present) <= m.thr if w_mean else False
     clips = _counts(events, "clip")
     if not uniform and not f_uniform and w_uniform:
-        out.add("token_normalization", "mean of per-micro-batch token means: micro-batches weighted equally, not by "
-                "their token counts", f"tokens per micro-batch {m.tokens}: the full batch weighs micro-batch "
-                f"gradients by their tokens, {nums(e)}; your loop weighs them equally, {nums(w)}",
-                "reduction='sum' and divide by the tokens of the whole window (num_items_in_batch), all-reduced "
-                "across ranks", 6)
+        if len(set(m.tokens)) > 1:
+            out.add("token_normalization", "mean of per-micro-batch token means: micro-batches weighted equally, "
+                    "not by their token counts", f"tokens per micro-batch {m.tokens}: the full batch weighs "
+                    f"micro-batch gradients by their tokens, {nums(e)}; your loop weighs them equally, {nums(w)}",
+                    "reduction='sum' and divide by the tokens of the whole window (num_items_in_batch), all-reduced "
+                    "across ranks", 6)
+        else:
+            # the same number of targets everywhere, yet the loss weighs micro-batches unequally: a weighted loss
+            out.add("token_normalization", "a mean of per-micro-batch weighted means: micro-batches weighted "
+                    "equally, not by their total weight", f"each micro-batch has {m.tokens[0]} target(s), yet the full "
+                    f"batch weighs micro-batch gradients {nums(e)}: the loss divides by a total that differs between "
+                    f"micro-batches (e.g. CrossEntropyLoss(weight=...) divides by the summed class weights of the "
+                    f"targets); your loop weighs them equally, {nums(w)}", "sum each micro-batch's weighted loss "
+                    "(reduction='sum') and divide by the total weight of the whole window's targets", 6)
         plain = sum(e) / k  # equal weights that add up to the full batch's total
         _scale_findings(m, out, w_mean / plain, loop_error, cosine(clipped, m.applied), clips, token=True)
         return

@@ -337,6 +337,7 @@ class Event:
 _CLIP_NAMES = {"clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "_clip_grads_with_norm_"}
 _SEED_NAMES = {"manual_seed", "seed", "set_rng_state", "manual_seed_all"}
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _wraps_optimizer(obj: Any) -> bool:
@@ -381,15 +382,22 @@ def _code_of(fn: Any) -> Any:
     return getattr(fn, "__code__", None)
 
 
-def _from_the_toolkit(frame: Any, depth: int = 8) -> bool:
-    """Whether a seeding call comes from gradaccum's own tools (e.g. the exact full-batch BatchNorm scheme restores
-    the RNG state to replay dropout masks): not a seed the reader's loop sets."""
-    while frame is not None and depth:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if filename.startswith(_PACKAGE) and os.sep + "book" + os.sep not in filename[len(_PACKAGE) - 1:]:
-            return True
-        frame, depth = frame.f_back, depth - 1
-    return False
+def _from_the_toolkit(frame: Any) -> bool:
+    """Whether a seeding call, made from ``frame`` (the code that called the seeding function), is not a seed the
+    reader's loop sets: a call from gradaccum's own tools (the exact full-batch BatchNorm scheme restores the RNG
+    state to replay dropout masks) or from torch itself (``fork_rng`` and activation checkpointing save and
+    restore the RNG state). Only the immediate caller counts: the reader's step is itself called by the checker."""
+    # torch's own pass-through frames: a seeding function calling another (manual_seed → cuda.manual_seed_all)
+    # and the wrappers that keep the compiler out of it
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_TORCH) and (
+            frame.f_code.co_name in _SEED_NAMES or frame.f_code.co_filename.endswith(("eval_frame.py", "_compile.py"))):
+        frame = frame.f_back
+    if frame is None:
+        return True
+    filename = os.path.abspath(frame.f_code.co_filename)
+    if filename.startswith(_TORCH):
+        return True
+    return filename.startswith(_PACKAGE) and os.sep + "book" + os.sep not in filename[len(_PACKAGE) - 1:]
 _NAMES = {"step", "__init__", "zero_grad", "scale", "unscale_", "update", "__enter__"} | _CLIP_NAMES | _SEED_NAMES
 
 
@@ -522,7 +530,7 @@ class CallRecorder:
                 owns = any(id(p) in self.param_ids for g in obj.param_groups for p in g["params"])
                 self.applied = flat(self.params)
                 event = self._event("optimizer.step", cls=type(obj).__name__,
-                                    via_scaler=bool(self._depth.get("scaler")), owns_params=owns)
+                                    via_scaler=bool(self._depth.get("scaler")), owns_params=owns, opt=id(obj))
                 # A closure runs inside step() (Lightning's last forward and backward): the gradient the step
                 # applies is the one when the closure returns (after any clip it makes), and the backward passes
                 # before the step are counted then. Without a closure we can name, backward passes that ran
@@ -560,6 +568,14 @@ class CallRecorder:
                 self._event("optimizer.step", cls=type(wrapper).__name__, via_scaler=False, owns_params=True)
             return
         if category == "clip" and isinstance(data, Event):
+            # which parameters it clipped (clip_grad_norm_ has made its argument a list by now): a loop may clip a
+            # subset, or each parameter group on its own
+            clipped = frame.f_locals.get("parameters")
+            if isinstance(clipped, torch.Tensor):
+                clipped = [clipped]
+            if isinstance(clipped, (list, tuple)):
+                ids = {id(p) for p in clipped}
+                data.detail["params"] = [i for i, p in enumerate(self.params) if id(p) in ids]
             before = data.detail.pop("before")
             after = flat(self.params)
             nb = float(before.norm())

@@ -230,13 +230,14 @@ def clipped_accumulation(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
 
 
 def micro_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int) -> list[torch.Tensor]:
-    """The raw gradients g_k of each micro-batch's mean loss, as flat vectors (the model is left unchanged)."""
+    """The raw gradients g_k of each micro-batch's mean loss, as flat vectors. Computed on a copy: the model's
+    ``.grad`` and buffers (BatchNorm's running statistics) are left as they were."""
+    work = copy.deepcopy(model)
     grads = []
     for xb, yb in split_batch(x, y, k):
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(xb), yb).backward()
-        grads.append(flat_grad(model).detach().clone())
-    model.zero_grad(set_to_none=True)
+        work.zero_grad(set_to_none=True)
+        loss_fn(work(xb), yb).backward()
+        grads.append(flat_grad(work).detach().clone())
     return grads
 
 

@@ -160,10 +160,10 @@ class ClipRun:
 
 def train_placements(split: DigitsSplit, k: int, c: float, epochs: int = 8, seed: int = 0,
                      placements: Sequence[str] = PLACEMENTS, norm: Literal["group", "layer"] = "group",
-                     full_batch: bool = True) -> list[ClipRun]:
+                     full_batch: bool = True, lr: float = 0.05) -> list[ClipRun]:
     """Train a SmallCNN with a per-sample normalization (``norm="group"`` or ``"layer"``, so that accumulation
     is otherwise exact) with each clip placement, plus (if ``full_batch``) the full batch clipped once
-    (``placement="full batch"``, K = 1), on the same batches."""
+    (``placement="full batch"``, K = 1), on the same batches (SGD with momentum 0.9 at learning rate ``lr``)."""
 
     _require_threshold(c)
     if norm not in ("group", "layer"):
@@ -175,7 +175,7 @@ def train_placements(split: DigitsSplit, k: int, c: float, epochs: int = 8, seed
         backward_fn = functools.partial(clipped_accumulation, c=c, placement=_require_placement(p))
         model = make_cnn(norm, seed=seed, device=split.x_train.device)
         r = train(model, split.x_train, split.y_train, split.x_val, split.y_val, batch_size=64, k=kk,
-                  epochs=epochs, seed=seed, backward_fn=backward_fn)
+                  epochs=epochs, seed=seed, backward_fn=backward_fn, lr=lr)
         runs.append(ClipRun(placement, kk, r.val_acc, r.train_loss))
     return runs
 
@@ -209,12 +209,15 @@ def table_sweep(split: DigitsSplit, setups: Sequence[tuple[Literal["group", "lay
 
 def train_sweep(split: DigitsSplit, k: int = 8, epochs: int = 2,
                 setups: Sequence[tuple[Literal["group", "layer"], float]] = SETUPS,
-                seeds: Sequence[int] = (0, 1, 2)) -> dict[tuple[str, float, int], dict[str, float]]:
-    """Last-epoch training loss of every placement, for every set-up and seed (short runs: ``epochs``)."""
+                seeds: Sequence[int] = (0, 1, 2), lr: float = 0.05,
+                placements: Sequence[str] = PLACEMENTS) -> dict[tuple[str, float, int], dict[str, float]]:
+    """Last-epoch training loss of every placement, for every set-up and seed (short runs: ``epochs``; SGD with
+    momentum 0.9 at learning rate ``lr``)."""
     out: dict[tuple[str, float, int], dict[str, float]] = {}
     for norm, c in setups:
         for s in seeds:
-            runs = train_placements(split, k, c, epochs=epochs, seed=s, norm=norm, full_batch=False)
+            runs = train_placements(split, k, c, epochs=epochs, seed=s, placements=placements, norm=norm,
+                                    full_batch=False, lr=lr)
             out[(norm, c, s)] = {r.placement: last_epoch_loss(r, epochs) for r in runs}
     return out
 
