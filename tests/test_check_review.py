@@ -229,7 +229,7 @@ def test_a_step_that_switches_an_eval_model_to_training_is_compared_in_training_
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 32), nn.Dropout(0.3), nn.Linear(32, 5)).double().eval()
     report = C.check(model, loss_fn, x, y, K, step=_sgd_step(train_mode=True))
-    assert report.ok and report.notes[0].startswith("mode: your step switches"), report
+    assert report.ok and report.notes[0].startswith("mode: your step puts 4 module(s) in training mode"), report
     assert not model.training  # the reader's model is left as it was
 
 

@@ -485,7 +485,8 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
 
 
 def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None,
-           clip: float | None, tol: float, wtol: float, seed: int, partial: bool, n: int, b: int) -> Report:
+           clip: float | None, tol: float, wtol: float, seed: int, partial: bool, n: int, b: int,
+           switched: bool = False) -> Report:
     report = Report(k, float("nan"), float("nan"), tol, micro_batch=b, batch=n)
     refs = _references(model, loss_fn, x, y, k, seed)
     if refs.error is not None:
@@ -518,19 +519,21 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
         return report
     run = _run_step(model, loss_fn, x, y, k, step or accumulate_backward, seed, plans=refs.plans)
     given_modes = [m_.training for m_ in model.modules()]
-    if run.modes is not None and run.modes != given_modes:
+    if run.modes is not None and run.modes != given_modes and not switched:
         # the step switched modes (model.train() on a model handed over in eval mode, as from_pretrained returns
-        # it): the full batch must run in the mode the step's forward passes ran in
+        # it): the full batch must run in the mode the step's forward passes ran in (once: a step that flips the
+        # mode it finds is compared in the mode of this first run)
         moved = copy.deepcopy(model)
         for module, training in zip(moved.modules(), run.modes):
             module.training = training
-        inner = _check(moved, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b)
-        names = [name or "(the model)" for (name, _), was, now in zip(model.named_modules(), given_modes, run.modes)
-                 if was != now]
-        inner.notes.insert(0, f"mode: your step switches {len(names)} module(s) to "
-                              f"{'training' if run.modes[0] else 'evaluation'} mode before its forward passes "
-                              f"(e.g. {', '.join(names[:3])}); the full batch was computed in the mode your step "
-                              "uses")
+        inner = _check(moved, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b, switched=True)
+        changed = [(name or "(the model)", now) for (name, _), was, now in
+                   zip(model.named_modules(), given_modes, run.modes) if was != now]
+        parts = [f"{len(group)} module(s) in {mode} mode (e.g. {', '.join(group[:3])})"
+                 for mode, group in (("training", [c for c, now in changed if now]),
+                                     ("evaluation", [c for c, now in changed if not now])) if group]
+        inner.notes.insert(0, f"mode: your step puts {' and '.join(parts)} before its forward passes; the full "
+                              "batch was computed in the modes your step uses")
         return inner
     clips = [e for e in run.events if e.kind == "clip"]
     kind, norm_type, source = "norm", 2.0, None
