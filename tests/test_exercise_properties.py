@@ -116,3 +116,10 @@ def test_a_tie_rounded_half_up_is_read_as_rounding():
         fb = ex.grade_framework_partial_weight(near, micro_batches=90, k=16)
         assert not fb and "agrees with the answer to 2 significant digits" in fb.message, (near, fb)
     assert not ex.grade_framework_partial_weight(0.64, micro_batches=90, k=16).message.startswith("0.64 agrees")
+
+
+def test_a_slip_written_to_fewer_digits_is_still_named():
+    """Review: m/K written to three digits (0.00833) got the generic hint in a five-digit exercise."""
+    for answer in (0.00833, 0.0083, 0.0083333):
+        fb = ex.grade_corrected_momentum(answer)
+        assert not fb and "first-order approximation" in fb.message, (answer, fb)

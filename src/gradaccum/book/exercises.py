@@ -123,7 +123,8 @@ def grade_number(
         if own_rtol:
             hit = math.isclose(value, wrong, rel_tol=own_rtol[0], abs_tol=atol)
         else:
-            hit = agrees(value, wrong, digits, atol) or (wrong != 0 and _is_rounded(value, wrong, 2))
+            hit = agrees(value, wrong, digits, atol) or (wrong != 0 and any(
+                _is_rounded(value, wrong, n) for n in range(2, max(digits, 3))))
         if hit and fewer is not None and not count:  # both readings are possible: say both
             return Feedback(False, f"{too_few} If you did not round: {why}")
         if hit:
