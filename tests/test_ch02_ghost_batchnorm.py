@@ -377,3 +377,14 @@ def test_training_in_two_processes_gives_the_runs_one_after_the_other(digits):
         [(r.method, r.k, r.seed, r.val_acc, r.val_acc_precise, r.weight_growth) for r in part] for part in two]
     with pytest.raises(ValueError, match="workers must be a positive int"):
         ch2.train_many(digits, jobs, workers=0)
+
+
+def test_review_ghostify_refuses_a_batchnorm_without_its_shift():
+    """Review: nn.BatchNorm2d(bias=False) (affine, no shift) failed deep inside ghostify with a RuntimeError about a
+    missing state-dict key."""
+    from torch import nn as tnn
+
+    from gradaccum.ghost_bn import ghostify
+
+    with pytest.raises(ValueError, match="bias=False"):
+        ghostify(tnn.Sequential(tnn.Conv2d(1, 3, 3), tnn.BatchNorm2d(3, bias=False)), 2)

@@ -287,3 +287,122 @@ def test_a_class_weighted_loss_is_named_by_its_weights_not_tokens():
     assert report.codes == ["token_normalization"], report
     text = str(report)
     assert "each micro-batch has 8 target(s)" in text and "total weight" in text and "tokens per" not in text
+
+
+# ------------------------------------------------------------------ third review: the fixes, tried again
+
+
+def _two_optimizer_step(order: str):
+    """Two optimizers (one per layer); ``order``: "step-zero" steps and empties each in turn, "scaler" shares one
+    GradScaler (torch's multiple-optimizer pattern), "schedulers" gives each its own scheduler."""
+    def step(model, loss_fn, x, y, k):
+        o1 = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        o2 = torch.optim.SGD(model[2].parameters(), lr=0.1)
+        o1.zero_grad()
+        o2.zero_grad()
+        scaler = torch.amp.GradScaler("cpu") if order == "scaler" else None
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            loss = loss_fn(model(xb), yb) / k
+            (scaler.scale(loss) if scaler else loss).backward()
+        if order == "step-zero":
+            o1.step()
+            o1.zero_grad()
+            o2.step()
+            o2.zero_grad()
+        elif order == "scaler":
+            scaler.step(o1)
+            scaler.step(o2)
+            scaler.update()
+        else:
+            s1 = torch.optim.lr_scheduler.LambdaLR(o1, lambda s: 1.0)
+            s2 = torch.optim.lr_scheduler.LambdaLR(o2, lambda s: 1.0)
+            o1.step()
+            o2.step()
+            s1.step()
+            s2.step()
+    return step
+
+
+@pytest.mark.parametrize("order", ["step-zero", "scaler", "schedulers"])
+def test_two_optimizers_in_the_usual_patterns_are_correct(order):
+    """Review of the fixes: each optimizer stepping and emptying its own parameters in turn (`unexplained`, 0.53), two
+    optimizers sharing one GradScaler (`scaler_step_inside_window`) and one scheduler each
+    (`scheduler_step_inside_window`) were called bugs."""
+    model, loss_fn, x, y = make()
+    report = C.check(model, loss_fn, x, y, K, step=_two_optimizer_step(order))
+    assert report.ok and not report.findings, report
+
+
+def test_clip_value_on_a_generator_subset_and_a_logging_norm_call_are_correct():
+    """Review of the fixes: clip_grad_value_ on `layer.parameters()` (a generator it consumes) was compared with a
+    whole-model clip (`unexplained`, 3.16); clip_grad_norm_(..., inf) after the step, to log the norm, was called
+    `clip_misplaced`; `clip=` equal to a subset clip's threshold went back to a whole-model clip."""
+    model, loss_fn, x, y = make()
+
+    def value_subset(model, loss_fn, x, y, k):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            (loss_fn(model(xb), yb) / k).backward()
+        torch.nn.utils.clip_grad_value_(model[2].parameters(), 0.01)
+        opt.step()
+
+    def logged(model, loss_fn, x, y, k):
+        _sgd_step(clip_params=lambda m: [m.parameters()])(model, loss_fn, x, y, k)
+        clip_grad_norm_(model.parameters(), float("inf"))
+
+    assert C.check(model, loss_fn, x, y, K, step=value_subset).ok
+    report = C.check(model, loss_fn, x, y, K, step=logged)
+    assert report.ok and not report.findings, report
+    subset = _sgd_step(clip_params=lambda m: [m[2].parameters()])
+    assert C.check(model, loss_fn, x, y, K, step=subset, clip=0.05).ok
+
+
+def test_dropout_on_rows_that_are_not_the_samples_in_order_is_inconclusive():
+    """Review of the fixes: R-Drop-style dropout on torch.cat([x, x]) was called `batch_coupled_layer` ("the model
+    itself"), and strided micro-batches x[j::K] with dropout `unexplained`; both loops are correct."""
+    _, loss_fn, x, y = make()
+
+    class RDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.drop = nn.Linear(20, 32).double(), nn.Linear(32, 5).double(), nn.Dropout(0.3)
+
+        def forward(self, t):
+            z = self.b(self.drop(torch.tanh(self.a(torch.cat([t, t])))))
+            return (z[: len(t)] + z[len(t):]) / 2
+
+    report = C.check(RDrop(), loss_fn, x, y, K)
+    assert report.codes == ["randomness_not_replayed"] and report.findings[0].severity == "inconclusive", report
+
+    torch.manual_seed(0)
+    dropped = nn.Sequential(nn.Linear(20, 32), nn.Dropout(0.3), nn.Linear(32, 5)).double()
+
+    def strided(model, loss_fn, x, y, k):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        for j in range(k):
+            (loss_fn(model(x[j::k]), y[j::k]) / k).backward()
+        opt.step()
+
+    report = C.check(dropped, loss_fn, x, y, K, step=strided)
+    assert report.codes == ["randomness_not_replayed"] and "not consecutive rows" in str(report), report
+    assert report.counts["backward"] == K
+
+
+def test_another_k_with_an_equal_gradient_is_a_note_and_counts_are_always_there():
+    """Review of the fixes: a step that splits the window into 2 micro-batches when asked for K = 4 got a plain OK;
+    an inconclusive report had no counts (the page's report.counts["backward"] raised KeyError)."""
+    model, loss_fn, x, y = make()
+
+    def two(model, loss_fn, x, y, k):
+        _sgd_step()(model, loss_fn, x, y, 2)
+
+    report = C.check(model, loss_fn, x, y, K, step=two, partial=False)
+    assert report.ok and [f.code for f in report.findings] == ["micro_batches_differ"], report
+    assert report.findings[0].severity == "note"
+    _, loss_fn, x, y = make()
+    torch.manual_seed(0)
+    masked = nn.Sequential(nn.Linear(20, 32), _FeatureMask(32), nn.Linear(32, 5)).double()
+    assert C.check(masked, loss_fn, x, y, K).counts["backward"] == 0

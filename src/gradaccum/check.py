@@ -72,6 +72,10 @@ from gradaccum.windows import token_loss
 
 Step = Callable[[nn.Module, Callable, torch.Tensor, torch.Tensor, int], Any]
 
+#: What ``Report.counts`` counts (0 everywhere when the step did not run, e.g. an inconclusive verdict).
+COUNTED = ("backward", "optimizer.step", "scheduler.step", "scaler.step", "scaler.update", "scaler.unscale_", "clip",
+           "zero_grad", "seed")
+
 
 __all__ = ["Finding", "Report", "check", "main", "token_cross_entropy"]
 
@@ -148,6 +152,7 @@ class _ForwardScope:
         self.modes: list[bool] | None = None  # every module's training flag at the first forward pass
         self.rows = x.detach().reshape(self.n, -1)
         self.seen = 0
+        self.unlocated = 0  # forward passes whose input is not a run of consecutive rows of x
         self.expect: int | None = None
         self.forwards: list[tuple[int, int]] = []
         self.depth = 0
@@ -168,6 +173,7 @@ class _ForwardScope:
         for i in (self.rows == q[0]).all(1).nonzero().flatten().tolist():
             if i + n <= self.n and torch.equal(self.rows[i:i + n], q):
                 return i
+        self.unlocated += 1
         return guess
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -215,6 +221,7 @@ class _Run:
     outside: list[str] = field(default_factory=list)
     bn_reruns: dict[str, tuple[int, int]] = field(default_factory=dict)
     modes: list[bool] | None = None
+    unlocated: int = 0
 
 
 def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step, seed: int,
@@ -254,7 +261,7 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
     return _Run(applied, trace.passes, recorder.events, error, caught, scope.forwards if scope else [],
                 rng.replayed, rng.unreplayed, rng.draws, recorder.errors,
                 outside.draws if isinstance(outside, OutsideDraws) else [], rerun_counts,
-                scope.modes if scope else None)
+                scope.modes if scope else None, scope.unlocated if scope else 0)
 
 
 class _BatchNormReruns:
@@ -487,7 +494,8 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
 def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None,
            clip: float | None, tol: float, wtol: float, seed: int, partial: bool, n: int, b: int,
            switched: bool = False) -> Report:
-    report = Report(k, float("nan"), float("nan"), tol, micro_batch=b, batch=n)
+    report = Report(k, float("nan"), float("nan"), tol, micro_batch=b, batch=n,
+                    counts=dict.fromkeys(COUNTED, 0))
     refs = _references(model, loss_fn, x, y, k, seed)
     if refs.error is not None:
         err = refs.error
@@ -535,7 +543,8 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
         inner.notes.insert(0, f"mode: your step puts {' and '.join(parts)} before its forward passes; the full "
                               "batch was computed in the modes your step uses")
         return inner
-    clips = [e for e in run.events if e.kind == "clip"]
+    # a clip call with an infinite threshold only measures the norm (a common way to log it): not a clip
+    clips = [e for e in run.events if e.kind == "clip" and not _measures_only(e)]
     kind, norm_type, source = "norm", 2.0, None
     thresholds = {(e.detail.get("fn"), e.detail.get("max_norm", e.detail.get("clip_value")),
                    e.detail.get("norm_type", 2.0)) for e in clips}
@@ -555,16 +564,20 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
                 kind = "value" if fn == "clip_grad_value_" else "norm"
                 report.notes.append(f"clipping: your loop calls {fn} with threshold {num(clip)}; the full batch is "
                                     "clipped once at the same threshold")
-    misplaced = _misplaced_clips(run.events)
-    if misplaced and len(misplaced) == len(clips) and given is None:
-        # no clip call reaches the gradient the step applies: compare with the unclipped full batch
-        clip, source = None, None
+    # clip calls that cannot reach the gradient the step applies (after the last step, or on the empty buffer
+    # before the first backward): a bug when no other clip does, harmless beside a clip that does
+    misplaced = [(e, where) for e, where in _misplaced_clips(run.events) if not _measures_only(e)]
+    placed = [e for e in clips if all(e is not c for c, _ in misplaced)]
+    if misplaced and not placed and given is None:
+        clip, source = None, None  # compare with the unclipped full batch
         report.notes = [n for n in report.notes if not n.startswith("clipping:")]
     target = clip_vec(refs.full, clip, kind, norm_type) if clip is not None else refs.full
-    by_group = _clipped_by_group(refs.full, clips, model, len(run.passes)) if given is None else None
+    same = given is None or all(e.detail.get("max_norm", e.detail.get("clip_value")) == given for e in placed)
+    by_group = _clipped_by_group(refs.full, placed, model, len(run.passes)) if same else None
     if by_group is not None:
         target = by_group
-        report.notes.append(f"clipping: your loop clips {len(clips)} group(s) of parameters on their own, once, "
+        report.notes = [n for n in report.notes if not n.startswith("clipping:")]
+        report.notes.append(f"clipping: your loop clips {len(placed)} group(s) of parameters on their own, once, "
                             "after the last backward; the full batch is clipped the same way")
     reseeded = None
     seeds = [e for e in run.events if e.kind == "seed"]
@@ -574,7 +587,8 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
         c = _run_step(model, loss_fn, x, y, k, step, seed, mode="record", start=seed + 2)
         if a.error is None and c.error is None:
             reseeded = identical_draws(a.draws, c.draws)
-    shown_events = [e for e in run.events if all(e is not c for c, _ in misplaced)]  # misplaced: reported apart
+    # misplaced and measuring-only clip calls are reported apart (or not at all)
+    shown_events = [e for e in run.events if e.kind != "clip" or any(e is c for c in placed)]
     probe = _loss_probe(loss_fn, refs.out, y, k, b)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     slices, start = [], 0
@@ -607,13 +621,32 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
                 "comparison clips the full batch at the threshold you gave, so a difference below may come from "
                 "the two thresholds alone", f"rerun with --clip {num(differ[0])} (or without --clip: the checker "
                 "then reads the threshold from your loop)", 3, "note"))
-    if misplaced and run.error is None:
+    if misplaced and not placed and run.error is None:
         e, where = misplaced[0]
         findings.insert(0, Finding(
             "clip_misplaced", "your clip call does not clip the gradient the optimizer step applies",
             f"{e.detail.get('fn', 'clip')} ran {where}: the step applied the gradient as it was before any clip",
             "clip once per window after the last backward (after scaler.unscale_) and before optimizer.step()",
             3))
+    bugs = [f for f in findings if f.severity == "bug"]
+    if run.unlocated and run.replayed and bugs and run.error is None and rel(target, run.applied) > tol:
+        # micro-batches that are not consecutive slices of x (strided, shuffled): their samples could not be found,
+        # so they may have drawn other masks than in the full batch
+        findings = [f for f in findings if f.severity != "bug"] + [Finding(
+            "randomness_not_replayed", "dropout in micro-batches the checker could not place in the batch",
+            f"{run.unlocated} forward pass(es) of your step got inputs that are not consecutive rows of x (e.g. "
+            f"x[j::K], or a shuffle), and the forward draws random numbers: their samples may have been given other "
+            f"masks than in the full batch (without that, the findings would be: {', '.join(f.code for f in bugs)})",
+            "split the window into consecutive micro-batches as the checker does (x.chunk(K)), or rerun with "
+            "dropout off to compare like with like", 6, "inconclusive")]
+    if step is not None and run.error is None and run.forwards and not bugs:
+        sizes = sorted({size for _, size in run.forwards})
+        if sizes != [b]:
+            findings.append(Finding(
+                "micro_batches_differ", "your step's micro-batches are not the K you passed",
+                f"its forward passes saw {len(run.forwards)} batch(es) of size(s) {sizes}, not K = {k} "
+                f"micro-batches of {b}; this window's gradient is still the full batch's", "pass the K your loop "
+                "uses (-k), so that the check (and its partial window) tests the loop you run", 6, "note"))
     twice = _bn_rerun_finding(run.bn_reruns) if run.error is None else None
     if twice is not None:
         findings.append(twice)
@@ -624,8 +657,7 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
     report.warnings = run.warnings
     report.events = [str(e) for e in run.events]
     report.counts = {"backward": len(run.passes)}
-    for kind_ in ("optimizer.step", "scheduler.step", "scaler.step", "scaler.update", "scaler.unscale_", "clip",
-                  "zero_grad", "seed"):
+    for kind_ in COUNTED[1:]:
         report.counts[kind_] = sum(e.kind == kind_ for e in run.events)
     if run.replayed:
         report.notes.append(f"randomness: {run.replayed} random op call(s) (dropout) in the window's forward passes "
@@ -635,6 +667,12 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
         if extra is not None:
             report.findings.append(extra)
     return report
+
+
+def _measures_only(event: Event) -> bool:
+    """A clip call whose threshold is infinite: it returns the norm and changes nothing."""
+    value = event.detail.get("max_norm", event.detail.get("clip_value"))
+    return isinstance(value, float) and math.isinf(value)
 
 
 def _misplaced_clips(events: list[Event]) -> list[tuple[Event, str]]:
@@ -695,7 +733,7 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
     probe = _loss_probe(loss_fn, refs.out.narrow(0, 0, m * b), yp, m, b)
     basis = refs.basis[:m]
     ideal = cast(torch.Tensor, sum(fj * basis[j] for j, fj in enumerate(probe.weights)))
-    clips = [e for e in run.events if e.kind == "clip"]
+    clips = [e for e in run.events if e.kind == "clip" and not _measures_only(e)]
     by_group = _clipped_by_group(ideal, clips, model, len(run.passes))
     if by_group is not None:
         ideal = by_group

@@ -393,29 +393,35 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     return out.list(), info
 
 
+def _most_per(events: list[Event], key: str) -> int:
+    """The most calls any one object made (the optimizer or scheduler named by ``key`` in each event's detail)."""
+    counts: dict[Any, int] = {}
+    for e in events:
+        counts[e.detail.get(key)] = counts.get(e.detail.get(key), 0) + 1
+    return max(counts.values(), default=0)
+
+
 def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
     events, k = m.events, m.k
     opt = [e for e in _counts(events, "optimizer.step")]
     own = [e for e in opt if not e.detail.get("via_scaler")]
     sstep = _counts(events, "scaler.step")
-    # several optimizers (one per parameter group, e.g. Muon beside AdamW) each step once per window: counted apart
-    per_optimizer: dict[Any, int] = {}
-    for e in own:
-        per_optimizer[e.detail.get("opt")] = per_optimizer.get(e.detail.get("opt"), 0) + 1
-    if max(per_optimizer.values(), default=0) > 1 or _inside(own, last):
+    # several optimizers (one per parameter group, e.g. Muon beside AdamW) each step once per window, with one
+    # scheduler each and one GradScaler for all: counted per optimizer (per scheduler)
+    if _most_per(own, "opt") > 1 or _inside(own, last):
         out.add("optimizer_step_inside_window", "optimizer.step() inside the accumulation window",
                 f"optimizer.step() ran {len(own)}× in one window of {k} micro-batches "
                 f"({', '.join(_after(e) for e in own[:4])}{', …' if len(own) > 4 else ''}): every call applies a "
                 "partial gradient and the later micro-batches see changed weights",
                 "step the optimizer once per window, after the last micro-batch's backward", 6)
-    if len(sstep) > 1 or _inside(sstep, last):
+    if _most_per(sstep, "opt") > 1 or _inside(sstep, last):
         out.add("scaler_step_inside_window", "scaler.step() (an optimizer step) inside the accumulation window",
                 f"scaler.step(optimizer) ran {len(sstep)}× in one window of {k} micro-batches "
                 f"({', '.join(_after(e) for e in sstep[:4])}); after an overflow only that micro-batch's step "
                 "is skipped", "scaler.step(optimizer) and scaler.update() once per window, after the last backward",
                 4)
     sched = _counts(events, "scheduler.step")
-    if len(sched) > 1 or _inside(sched, last):
+    if _most_per(sched, "sched") > 1 or _inside(sched, last):
         out.add("scheduler_step_inside_window", "scheduler.step() inside the accumulation window",
                 f"{len(sched)} scheduler step(s) in one window of {k} micro-batches "
                 f"({', '.join(_after(e) for e in sched[:4])}{', …' if len(sched) > 4 else ''}; the step a "
@@ -430,7 +436,7 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
                 f"before the last backward{changed}", "call scaler.update() once per window, after scaler.step()",
                 4)
     unscales = _counts(events, "scaler.unscale_")
-    if (len(unscales) > 1 or _inside(unscales, last)) and "scaler_unscale_inside_window" not in out:
+    if (_most_per(unscales, "opt") > 1 or _inside(unscales, last)) and "scaler_unscale_inside_window" not in out:
         out.add("scaler_unscale_inside_window", "scaler.unscale_() inside the window",
                 f"unscale_() called {len(unscales)}×, {len(_inside(unscales, last))} before the last backward",
                 "unscale_ once, after the last backward, then clip, then scaler.step", 4)
@@ -497,6 +503,8 @@ def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, mod
     diffs.sort(reverse=True)
     layers = ", ".join(f"{name} {num(d)}" for d, name in diffs[:3])
     coupled = m.coupled()
+    if m.random_draws and all(name == "(the model itself)" for name, _, _ in coupled):
+        coupled = []  # only the model as a whole, and it draws random numbers: see the randomness case below
     if coupled:
         names = ", ".join(f"{cls} '{name}'" for name, cls, _ in coupled[:4]) + (", …" if len(coupled) > 4 else "")
         bn = all("BatchNorm" in cls for _, cls, _ in coupled)
@@ -514,6 +522,16 @@ def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, mod
         out.add("randomness_not_replayed", "randomness the checker could not replay per sample",
                 f"{len(m.unreplayed)} random draw(s) without a batch dimension, e.g. {m.unreplayed[0]}; the full "
                 f"batch and the micro-batches differ by {num(model_error)}",
+                "rerun with that randomness switched off (dropout p = 0) to compare like with like", 6,
+                "inconclusive")
+    elif m.random_draws:
+        # no layer couples samples, yet the model as a whole does, and its forward draws random numbers: the
+        # draws were probably cut into samples wrongly (dropout on torch.cat([x, x]), on a reordered batch)
+        out.add("randomness_not_replayed", "randomness the checker could not give each sample reliably",
+                f"no single layer couples samples, yet the full batch and the micro-batches differ by "
+                f"{num(model_error)}, and the forward makes {m.random_draws} random draw(s): a draw whose rows are "
+                "not the batch's samples in order (dropout after torch.cat([x, x]) or a flip of the batch) gets "
+                "other masks in a micro-batch than in the full batch",
                 "rerun with that randomness switched off (dropout p = 0) to compare like with like", 6,
                 "inconclusive")
     else:
@@ -615,7 +633,10 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     w_uniform = max(abs(v / w_mean - 1) for v in w_present) <= m.thr if w_mean else False
     clips = _counts(events, "clip")
     if not uniform and not f_uniform and w_uniform:
-        if len(set(m.tokens)) > 1:
+        total_e, total_t = sum(e), sum(m.tokens)
+        by_tokens = bool(total_e and total_t) and all(
+            abs(ej / total_e - tj / total_t) <= 1e-6 for ej, tj in zip(e, m.tokens))
+        if len(set(m.tokens)) > 1 and by_tokens:
             out.add("token_normalization", "mean of per-micro-batch token means: micro-batches weighted equally, "
                     "not by their token counts", f"tokens per micro-batch {m.tokens}: the full batch weighs "
                     f"micro-batch gradients by their tokens, {nums(e)}; your loop weighs them equally, {nums(w)}",
@@ -623,12 +644,14 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
                     "across ranks", 6)
         else:
             # the same number of targets everywhere, yet the loss weighs micro-batches unequally: a weighted loss
+            counted = (f"each micro-batch has {m.tokens[0]} target(s)" if len(set(m.tokens)) == 1 else
+                       f"micro-batches have {m.tokens} target(s), not in proportion to these weights")
             out.add("token_normalization", "a mean of per-micro-batch weighted means: micro-batches weighted "
-                    "equally, not by their total weight", f"each micro-batch has {m.tokens[0]} target(s), yet the full "
-                    f"batch weighs micro-batch gradients {nums(e)}: the loss divides by a total that differs between "
-                    f"micro-batches (e.g. CrossEntropyLoss(weight=...) divides by the summed class weights of the "
-                    f"targets); your loop weighs them equally, {nums(w)}", "sum each micro-batch's weighted loss "
-                    "(reduction='sum') and divide by the total weight of the whole window's targets", 6)
+                    "equally, not by their total weight", f"{counted}, yet the full batch weighs micro-batch "
+                    f"gradients {nums(e)}: the loss divides by a total that differs between micro-batches (e.g. "
+                    f"CrossEntropyLoss(weight=...) divides by the summed class weights of the targets); your loop "
+                    f"weighs them equally, {nums(w)}", "sum each micro-batch's weighted loss (reduction='sum') and "
+                    "divide by the total weight of the whole window's targets", 6)
         plain = sum(e) / k  # equal weights that add up to the full batch's total
         _scale_findings(m, out, w_mean / plain, loop_error, cosine(clipped, m.applied), clips, token=True)
         return

@@ -409,7 +409,12 @@ class CallRecorder:
         self.param_ids = {id(p) for p in params}
         self.trace = trace
         self.events: list[Event] = []
-        self.applied: torch.Tensor | None = None  # .grad at the last optimizer step
+        # the gradient each parameter had when an optimizer holding it stepped (see ``applied``)
+        self._reads: dict[int, torch.Tensor] = {}
+        self._last: torch.Tensor | None = None
+        self._offsets = [0]
+        for p in params:
+            self._offsets.append(self._offsets[-1] + p.numel())
         self.scaler: Any = None
         self.grads_scaled = False
         self._open: dict[int, tuple[str, Any]] = {}
@@ -419,6 +424,7 @@ class CallRecorder:
         self.mute: Callable[[], bool] = lambda: False  # True while the checker's own code runs
         self._closure_code: Any = None  # the code of the closure passed to the optimizer step now running
         self._closure_event: Event | None = None
+        self._stepping: Any = None  # the optimizer whose step() is running
 
     # scale in force (for GradTrace)
     def scale_now(self) -> float | None:
@@ -428,6 +434,27 @@ class CallRecorder:
         # a backward after scaler.scale(): the buffer now holds scaled gradients
         self.grads_scaled = True
         return float(scaler._scale)
+
+    @property
+    def applied(self) -> torch.Tensor | None:
+        """The gradient the optimizer steps applied: each parameter's ``.grad`` when the last optimizer holding it
+        stepped (several optimizers may each step and empty their own parameters in turn), and for a parameter no
+        stepping optimizer holds, ``.grad`` at the last step. None before any step."""
+        if self._last is None:
+            return None
+        return torch.cat([self._reads.get(i, self._last[a:b])
+                          for i, (a, b) in enumerate(zip(self._offsets, self._offsets[1:]))])
+
+    def _read(self, opt: Any = None, grads: torch.Tensor | None = None) -> None:
+        """Read the gradient an optimizer step applies: ``grads`` (default: ``.grad`` now), for the parameters
+        ``opt`` holds (all of them when ``opt`` is None)."""
+        now = flat(self.params) if grads is None else grads
+        self._last = now
+        held = ({id(p) for g in opt.param_groups for p in g["params"]} if isinstance(opt, torch.optim.Optimizer)
+                else None)
+        for i, p in enumerate(self.params):
+            if held is None or id(p) in held:
+                self._reads[i] = now[self._offsets[i]:self._offsets[i + 1]]
 
     @property
     def backwards(self) -> int:
@@ -511,12 +538,14 @@ class CallRecorder:
                 self.grads_scaled = False
             if self._push(frame, "scaler"):
                 scale = getattr(obj, "_scale", None)
-                self._event(f"scaler.{name}", scale=float(scale) if scale is not None else None)
+                optimizer = frame.f_locals.get("optimizer")
+                self._event(f"scaler.{name}", scale=float(scale) if scale is not None else None,
+                            opt=id(optimizer) if optimizer is not None else None)
             return
         if name == "step" and isinstance(obj, LRScheduler):
             outer = self._push(frame, "sched")
             if outer and not self._depth.get("sched_init"):
-                self._event("scheduler.step", cls=type(obj).__name__)
+                self._event("scheduler.step", cls=type(obj).__name__, sched=id(obj))
             return
         if name == "step" and isinstance(obj, torch.optim.Optimizer):
             if _wraps_optimizer(obj):
@@ -528,7 +557,8 @@ class CallRecorder:
                 return
             if self._push(frame, "opt"):
                 owns = any(id(p) in self.param_ids for g in obj.param_groups for p in g["params"])
-                self.applied = flat(self.params)
+                self._read(obj)
+                self._stepping = obj
                 event = self._event("optimizer.step", cls=type(obj).__name__,
                                     via_scaler=bool(self._depth.get("scaler")), owns_params=owns, opt=id(obj))
                 # A closure runs inside step() (Lightning's last forward and backward): the gradient the step
@@ -550,13 +580,13 @@ class CallRecorder:
         self._depth[category] -= 1
         if category == "closure":
             if self._closure_event is not None:
-                self.applied = flat(self.params)
+                self._read(self._stepping)
                 self._closure_event.after = self.backwards
             return
         if category == "opt":
             event, entry = data
             if self._closure_code is None and self.backwards > entry:
-                self.applied = flat(self.params)
+                self._read(self._stepping)
                 event.after = self.backwards
             self._closure_code, self._closure_event = None, None
             return
@@ -564,7 +594,7 @@ class CallRecorder:
             wrapper, grads, values, count = data
             stepped = sum(e.kind == "optimizer.step" for e in self.events) > count
             if not stepped and not torch.equal(values, _values(self.params)):
-                self.applied = grads
+                self._read(None, grads)
                 self._event("optimizer.step", cls=type(wrapper).__name__, via_scaler=False, owns_params=True)
             return
         if category == "clip" and isinstance(data, Event):
@@ -576,6 +606,9 @@ class CallRecorder:
             if isinstance(clipped, (list, tuple)):
                 ids = {id(p) for p in clipped}
                 data.detail["params"] = [i for i, p in enumerate(self.params) if id(p) in ids]
+            elif isinstance(frame.f_locals.get("grads"), list):  # clip_grad_value_ consumed a generator
+                ids = {id(g) for g in frame.f_locals["grads"]}
+                data.detail["params"] = [i for i, p in enumerate(self.params) if id(p.grad) in ids]
             before = data.detail.pop("before")
             after = flat(self.params)
             nb = float(before.norm())

@@ -39,9 +39,9 @@ def auto_impl(x: torch.Tensor, virtual_batch_size: int) -> str:
     loop 3.2×, fold 1.9×; 4096×256 with v=32 (8,192), loop 3.5×, fold 2.6×. The loop writes each ghost batch
     straight into its slice of the output, so for large ghost batches it costs little more than BatchNorm; for
     small ones its G kernel calls cost more than the fold's copies in and out of the folded layout (the
-    crossover, between 32,768 and 131,072 values, was measured on more shapes while choosing). On CUDA the fold
-    measured 1.4× on an H200, against 2.7–4.4× for a loop of ``nn.BatchNorm2d``; this package's loop was not
-    measured there, so every device but the CPU gets the fold. ``"compile"`` (0.80×, 1.9× and 1.7× on the three
+    crossover, between 32,768 and 131,072 values, was measured on more shapes while choosing). CUDA was not
+    measured for this edition (an earlier calibration on an H200 put the fold at 1.4×, against 2.7–4.4× for a loop
+    of ``nn.BatchNorm2d``), so every device but the CPU gets the fold. ``"compile"`` (0.80×, 1.9× and 1.7× on the three
     shapes, timed between the other rows) is never picked: it takes seconds to compile every new input shape (6 to
     18 s on this CPU with an empty compile cache) and needs a C++ compiler.
     """
@@ -340,6 +340,9 @@ def ghostify(model: nn.Module, virtual_batch_size: int, impl: str = "auto") -> n
             if not layer.track_running_stats:
                 raise ValueError(f"layer {name!r} keeps no running statistics (track_running_stats=False); "
                                  "GhostBatchNorm needs them: construct the layer with track_running_stats=True.")
+            if layer.affine and (layer.weight is None or layer.bias is None):
+                raise ValueError(f"layer {name!r} is affine with only a scale or only a shift (bias=False); "
+                                 "GhostBatchNorm keeps both or neither: construct it with affine=False, or keep both.")
             if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
                 raise ValueError(f"layer {name!r} has hooks, which a new GhostBatchNorm would not carry over; remove "
                                  "them, ghostify, and register them on the new layer.")

@@ -16,8 +16,10 @@ def precise_bn(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
     micro-batch size b the model was trained with, so that the statistics match training-time normalization),
     and restores the momenta. Like ``update_bn`` it runs the whole model in training
     mode, dropout included; afterwards every module's own mode is restored (``update_bn`` restores only the
-    top-level module's). Refuses a BatchNorm layer in eval mode (frozen statistics:
-    recomputing them would silently undo the freeze) and one without running statistics.
+    top-level module's). Refuses a BatchNorm layer left in eval mode inside a model in training mode (frozen
+    statistics: recomputing them would silently undo the freeze) and one without running statistics; a model handed
+    over in eval mode as a whole cannot show which layers were frozen, and every layer is recomputed. The last
+    ``x.shape[0] mod batch_size`` samples are left out, so that every batch has the size training normalized with.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 2 <= batch_size <= x.shape[0]:
         raise ValueError(f"batch_size must be an int between 2 and {x.shape[0]}, got {batch_size!r}.")

@@ -462,6 +462,10 @@ def grade_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Fe
             ((p - 1) / p * megabytes, "that is one of the two phases; the all-gather sends as much again."),
             (2 * (p - 1) * megabytes, "each round sends a 1/p chunk, not the whole buffer."),
             (2 * megabytes, "“almost 2n” is the limit for many ranks; with p ranks it is exactly 2(p − 1)/p · n."),
+            (2 * (p - 1) / p * megabytes * 1e6, "right amount, wrong unit: the question asks for megabytes, not "
+                                                "bytes."),
+            (2 * (p - 1) / p * megabytes / 1e3, "right amount, wrong unit: the question asks for megabytes, not "
+                                                "gigabytes."),
         ],
         hint="2(p − 1) rounds, each sending one chunk of n/p.",
     )
