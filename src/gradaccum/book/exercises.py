@@ -115,8 +115,9 @@ def grade_number(
     if agrees(value, expected, digits, atol) and not fractional:
         if float(expected).is_integer() and abs(expected) < 1e15:
             return Feedback(True, f"correct: {int(expected)}.")
-        return Feedback(True, f"correct: {round_significant(expected, digits):.{digits}g} (to {digits} "
-                              "significant digits).")
+        shown = round_significant(expected, digits)
+        exactly = "" if shown == expected else f"; exactly {expected:.6g}"
+        return Feedback(True, f"correct: {shown:.{digits}g} (to {digits} significant digits{exactly}).")
     for wrong, why, *own_rtol in mistakes:
         if agrees(wrong, expected, digits, atol):
             continue  # a "mistake" that equals the answer cannot be one
