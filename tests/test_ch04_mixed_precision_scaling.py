@@ -295,3 +295,28 @@ def test_exact_answers_are_checked_exactly():
         fb = grader(near)
         assert not fb and "agrees with the answer to 3 significant digits" in fb.message
     assert not ex.grade_effective_scale(2045)
+
+
+def test_kernel_gradients_leave_out_fp32_normalization_parameters(digits, loss_fn):
+    """Review: the overflow edge was predicted from every parameter gradient, but autocast gives a normalization
+    layer's own parameters fp32 gradients; with a tiny GroupNorm scale its weight gradient was the largest and the
+    prediction 3 binades low. Only the linear and convolution layers' gradients are written in fp16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.GroupNorm(4, 32), nn.Linear(32, 10))
+    with torch.no_grad():
+        model[2].weight.fill_(0.01)
+        model[3].weight.mul_(30)
+    x, y = digits.x_train[:32].float(), digits.y_train[:32]
+    grads = precision.kernel_gradients(model, loss_fn, x, y, 4)
+    kernels = sum(p.numel() for m in (model[1], model[3]) for p in m.parameters())
+    assert grads.numel() == 4 * kernels
+    per_micro = [torch.autograd.grad(loss_fn(model(xb), yb), model[2].weight)[0] for xb, yb in
+                 zip(x.chunk(4), y.chunk(4))]
+    assert max(float(g.abs().max()) for g in per_micro) > float(grads.abs().max())  # GroupNorm's is the largest
+    predicted = min(precision.largest_fitting_log2(grads),
+                    precision.largest_fitting_log2(torch.cat([precision.activation_gradients(model, loss_fn, xb, yb)
+                                                              for xb, yb in zip(x.chunk(4), y.chunk(4))])))
+    measured = precision.largest_safe_log2_scale(model, loss_fn, x, y, 4) - 2
+    assert predicted == measured
+    with pytest.raises(ValueError, match="no linear or convolution"):
+        precision.kernel_gradients(nn.Sequential(nn.GroupNorm(1, 4)), loss_fn, torch.ones(4, 4, 2), y[:4], 2)

@@ -160,6 +160,29 @@ def activation_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     return torch.cat([g.flatten() for g in grads if g is not None])
 
 
+#: The layers whose kernels autocast runs in fp16: their weight and bias gradients are written in fp16 too.
+FP16_KERNELS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                nn.ConvTranspose3d)
+
+
+def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+    r"""The gradients an fp16 kernel writes for the parameters, computed in the model's precision on a copy: for
+    each of the K micro-batches, the gradient of its mean loss with respect to the weights and biases of the linear
+    and convolution layers (:data:`FP16_KERNELS`), as one flat vector. A normalization layer's own parameters are
+    left out: autocast gives their gradients in fp32, so they cannot overflow fp16."""
+    require_k(k)
+    work = copy.deepcopy(model)
+    params = [p for m in work.modules() if isinstance(m, FP16_KERNELS) for p in m.parameters(recurse=False)]
+    if not params:
+        raise ValueError("the model has no linear or convolution layer: no parameter gradient is written in fp16.")
+    out = []
+    for xb, yb in split_batch(x, y, k):
+        work.zero_grad(set_to_none=True)
+        loss_fn(work(xb), yb).backward()
+        out += [p.grad.detach().reshape(-1) for p in params if p.grad is not None]
+    return torch.cat(out)
+
+
 def _require_float32_model(model: nn.Module) -> None:
     """Autocast (fp16/bf16) casts only float32 tensors: a float64 model would silently run in float64, so a
     "mixed-precision" experiment on it measures nothing. Refuse any floating-point parameter that is not float32."""
