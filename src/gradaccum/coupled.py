@@ -239,7 +239,9 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
 
 
 def expert_fractions(expert: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """:math:`f_i`: the fraction of tokens routed to each expert (``expert``: the chosen expert per token)."""
+    """:math:`f_i`: the fraction of tokens routed to each expert (``expert``: the chosen expert per token). With
+    top-k routing (``expert`` of shape (T, k)) the fractions sum to 1, divided by T·k as Megatron-LM does;
+    Hugging Face's Mixtral loss divides by T, so its fractions sum to k and its loss is k times larger."""
     if n_experts < 1:
         raise ValueError(f"n_experts must be >= 1, got {n_experts}.")
     if expert.numel() == 0:
