@@ -134,7 +134,7 @@ def grade_number(
         return Feedback(False, f"{value!r} is not a whole number: the answer counts something; give the count.")
     if fewer is not None:
         return Feedback(False, too_few)
-    return Feedback(False, f"{value:.6g} is not right. {hint}".rstrip())
+    return Feedback(False, f"{value:.12g} is not right. {hint}".rstrip())  # the answer as given, not rounded
 
 
 def grading_plan(grader: Callable[..., Feedback], **kwargs: object) -> tuple[float, int, list[tuple[float, str]]]:
