@@ -541,6 +541,14 @@ def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, mod
                 "look for operations across the batch dimension in forward (means, sorting, in-batch attention)", 1)
 
 
+def _other_sizes(m: Measurements, out: _Findings, sizes: list[int]) -> None:
+    """The step's forward passes saw batches of other sizes than the K equal micro-batches (another K)."""
+    out.add("micro_batches_differ", "your step's micro-batches are not the K equal parts of the batch",
+            f"its forward passes saw {len(m.forwards)} batch(es) of size(s) {sizes}; K = {m.k} micro-batches of "
+            f"{m.b} were expected", "pass the K your loop uses (-k), and split the window into K equal, "
+            "consecutive micro-batches", 6)
+
+
 def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[float], residual: float, cond: float,
                    clipped: torch.Tensor, loop_error: float) -> None:
     k = m.k
@@ -562,19 +570,13 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         return
     sizes = sorted({n for _, n in m.forwards})
     if m.has_step and sizes and sizes != [m.b] and loop_error > m.tol:  # e.g. a loop with its own, other K
-        out.add("micro_batches_differ", "your step's micro-batches are not the K equal parts of the batch",
-                f"its forward passes saw {len(m.forwards)} batch(es) of size(s) {sizes}; K = {k} micro-batches "
-                f"of {m.b} were expected", "pass the K your loop uses (-k), and split the window into K equal, "
-                "consecutive micro-batches", 6)
+        _other_sizes(m, out, sizes)
         return
     if residual > fit_tol:  # (a rank-deficient basis, e.g. duplicate micro-batches, still fits: min-norm weights)
         if m.unreplayed or m.outside_draws:
             _outside_randomness(m, out)
         elif m.has_step and sizes and sizes != [m.b]:
-            out.add("micro_batches_differ", "your step's micro-batches are not the K equal parts of the batch",
-                    f"its forward passes saw {len(m.forwards)} batch(es) of size(s) {sizes}; K = {k} micro-batches "
-                    f"of {m.b} were expected", "pass the K your loop uses (-k), and split the window into K equal, "
-                    "consecutive micro-batches", 6)
+            _other_sizes(m, out, sizes)
         else:
             out.add("unexplained", "your step's gradient is not a combination of the micro-batch gradients",
                     f"relative residual {num(residual)} after fitting it with the K micro-batch gradients of loss_fn; "
