@@ -23,10 +23,13 @@ import nbformat
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Run in the kernel after the notebook. A fork server (chapter 5's DDP workers are forked from one) is stopped
-#: first: the workers are its children, and their peak memory reaches the kernel's RUSAGE_CHILDREN only once the
-#: server has been waited for (``_stop`` is the standard library's own way to stop it, used by its tests).
+#: Run in the kernel after the notebook. A fork server (chapter 5's DDP workers are forked from one) and the kept
+#: study processes (:mod:`gradaccum.book.parallel`) are stopped first: their peak memory reaches the kernel's
+#: RUSAGE_CHILDREN only once they have been waited for (``_stop`` is the standard library's own way to stop a fork
+#: server, used by its tests).
 PROBE = ("import resource as _r, sys as _s\n"
+         "_pp = _s.modules.get('gradaccum.book.parallel')\n"
+         "if _pp is not None: _pp.shutdown()\n"
          "_fs = _s.modules.get('multiprocessing.forkserver')\n"
          "if _fs is not None and hasattr(_fs._forkserver, '_stop'): _fs._forkserver._stop()\n"
          "print('PEAK_RSS_KB', _r.getrusage(_r.RUSAGE_SELF).ru_maxrss, _r.getrusage(_r.RUSAGE_CHILDREN).ru_maxrss)")

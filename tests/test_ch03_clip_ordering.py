@@ -284,3 +284,15 @@ def test_with_two_micro_batches_neither_placement_exceeds_the_unclipped_gradient
         g = float(torch.linalg.vector_norm((grads[0] + grads[1]) / 2))
         assert float(clipping.combine(grads, c, "scaled_micro").norm()) <= g + 1e-12
         assert float(clipping.combine(grads, c, "raw_micro").norm()) <= min(g, c) + 1e-12
+
+
+def test_runs_in_two_processes_are_the_sequential_ones(digits):
+    """The chapter trains in two spawned processes: the same runs, to the bit, as one after the other."""
+    kwargs = dict(k=4, c=0.3, epochs=1, placements=("once", "raw_micro"))
+    one = ch3.train_placements(digits, **kwargs)
+    two = ch3.train_placements(digits, **kwargs, workers=2)
+    assert [r.placement for r in two] == ["full batch", "once", "raw_micro"] and one == two
+    sweep = dict(k=4, epochs=1, setups=(("group", 0.3), ("layer", 1.0)), seeds=(1,), placements=("running",))
+    assert ch3.train_sweep(digits, **sweep) == ch3.train_sweep(digits, **sweep, workers=2)
+    with pytest.raises(ValueError, match="unknown placement"):
+        ch3.train_sweep(digits, placements=("twice",), workers=2)

@@ -282,3 +282,14 @@ def test_the_timing_cell_is_the_one_that_waits_for_heavy_jobs():
     holding = [s for s in sources if TIMING_CELL in s]
     assert len(holding) == 1 and 'launch(\n    "timing",' in holding[0]
     assert "def pytest_runtest_call" in (ROOT / "conftest.py").read_text()
+
+
+def test_buffers_are_broadcast_only_at_the_first_forward_of_each_window():
+    """Chapter 5 (errata 13): DDP broadcasts buffers before a forward when the *previous* forward ran synchronized.
+    With the first K − 1 micro-batches inside no_sync(), that is the first forward of every window only: the
+    window's synchronized last forward broadcasts nothing, and BatchNorm's running statistics leave the window
+    different on each rank."""
+    ranks = ch5.launch("buffers", world_size=2, k=4, b=4, windows=2, timeout=120)
+    for r in ranks:
+        assert r["broadcast"] == [True, False, False, False] * 2
+    assert not torch.equal(ranks[0]["running_mean"], ranks[1]["running_mean"])

@@ -1,5 +1,10 @@
+import functools
+import itertools
+import warnings
+
 import pytest
 import torch
+from torch import nn
 
 from gradaccum import windows
 from gradaccum.accumulate import agreement
@@ -190,3 +195,101 @@ def test_window_tools_refuse_what_they_cannot_compute(lm):
     with pytest.raises(ValueError, match=r"a NumPy integer: pass int\(\.\.\.\) of it"):
         windows.window_backward(model, x, y, np.int64(4))
     assert windows.adam_step_count(0, 4, True) == 0
+
+
+def test_window_tools_refuse_bad_input_with_what_to_pass():
+    """Found by review: these ran on (or crashed with a ZeroDivisionError / TypeError / a K-message)."""
+    model = nn.Linear(2, 2)
+    x, y = torch.randn(16, 2), torch.randint(0, 2, (16,))
+    ratio = functools.partial(windows.partial_step_ratio, model, nn.CrossEntropyLoss(), x, y)
+    for kwargs, message in ((dict(b=2, k=4, present=3, optimizer="sgd", lr=0.0), "learning rate"),
+                            (dict(b=2, k=4, present=3, optimizer="sgd", lr=float("nan")), "learning rate"),
+                            (dict(b=0, k=4, present=3, optimizer="sgd", lr=0.1), "micro-batch size"),
+                            (dict(b=2.5, k=4, present=3, optimizer="sgd", lr=0.1), "micro-batch size"),
+                            (dict(b=2, k=4, present=2.0, optimizer="sgd", lr=0.1), "partial window"),
+                            (dict(b=2, k=4, present=3, optimizer="sgd", lr=0.1, warm_windows=-3), "warm_windows")):
+        with pytest.raises(ValueError, match=message):
+            ratio(**kwargs)
+    with pytest.raises(ValueError, match="optimizer_steps"):
+        windows.lr_trajectory(optimizer_steps=-2, k=2, warmup=4, per_micro=False)
+    with pytest.raises(ValueError, match="warmup"):
+        windows.lr_trajectory(optimizer_steps=2, k=2, warmup=True, per_micro=False)
+    with pytest.raises(ValueError, match="per_micro"):
+        windows.lr_trajectory(optimizer_steps=2, k=2, warmup=4, per_micro="no")
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="windows"):
+            windows.scheduler_order_warnings(k=2, windows=bad, optimizer_first=False)
+    with pytest.raises(ValueError, match="steps"):
+        windows.dropout_masks(steps=-1, k=2, shape=(3,))
+    tokens = torch.randint(1, 5, (6, 4))
+    lm = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5))
+    for p, message in ((0, "ranks"), (4, "ranks")):
+        with pytest.raises(ValueError, match=message):
+            windows.ranks_gradient(lm, tokens, tokens, p, 1, global_count=True)
+    with pytest.raises(ValueError, match="global_count"):
+        windows.ranks_gradient(lm, tokens, tokens, 2, 1, global_count="yes")
+
+
+def test_graders_refuse_impossible_exercises_and_round_warmups_up():
+    from gradaccum.book import exercises
+
+    assert exercises.grade_warmup_end(334, warmup=1000, k=3).correct
+    wrong = exercises.grade_warmup_end(333, warmup=1000, k=3)
+    assert not wrong.correct and "round up" in wrong.message
+    assert not exercises.grade_warmup_end(333.33, warmup=1000, k=3).correct
+    assert exercises.grade_warmup_end(125, warmup=1000, k=8).correct
+    assert exercises.grade_accelerate_warmup_end(76, warmup=601, processes=8, k=4).correct
+    for kwargs in (dict(warmup=1000, k=0), dict(warmup=-8, k=8), dict(warmup=10, k=1.5)):
+        with pytest.raises(ValueError):
+            exercises.grade_warmup_end(1, **kwargs)
+    for kwargs in (dict(present=16, k=16), dict(present=20, k=16), dict(present=0, k=16), dict(present=1, k=1.5)):
+        with pytest.raises(ValueError):
+            exercises.grade_partial_scale(0.5, **kwargs)
+    for kwargs in (dict(sums=(1.0, 2.0, 3.0), tokens=(1, 2)), dict(sums=(1.0, 2.0), tokens=(0, 2)),
+                   dict(sums=(1.0, 2.0), tokens=(-1, 2)), dict(sums=(1.0,), tokens=(3,))):
+        with pytest.raises(ValueError):
+            exercises.grade_window_token_loss(0.5, **kwargs)
+    message = exercises.grade_window_token_loss((0.3 + 0.5) / 2, sums=(30.0, 10.0), tokens=(100, 20)).message
+    assert "20 tokens" in message and "5 times" in message
+
+
+def _first_full_rate_step(convention, optimizer_first: bool, k: int = 8) -> int:
+    """The optimizer step that first uses the full rate when ``scheduler.step()`` follows every micro-batch; with
+    ``optimizer_first`` the window's ``optimizer.step()`` comes before its last scheduler step."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, convention)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch's order warning at the scheduler's first step
+        for step in itertools.count(1):
+            for micro in range(k):
+                if micro == k - 1 and optimizer_first:
+                    if opt.param_groups[0]["lr"] == 1.0:
+                        return step
+                    opt.step()
+                sched.step()
+            if not optimizer_first:
+                if opt.param_groups[0]["lr"] == 1.0:
+                    return step
+                opt.step()
+    raise AssertionError("unreachable")
+
+
+def test_when_the_full_rate_is_first_used_depends_on_convention_and_order():
+    """Exercise ex-ch6-warmup's solution: a 1000-step warmup stepped per micro-batch (K = 8) has been counted after
+    125 optimizer steps; the full rate is first used at step 125 or 126, depending on the schedule's convention
+    and on whether the window's optimizer step comes before its last scheduler step."""
+    plus_one, plain = (lambda t: min(1.0, (t + 1) / 1000)), (lambda t: min(1.0, t / 1000))
+    assert [_first_full_rate_step(c, False) for c in (plus_one, plain)] == [125, 125]
+    assert [_first_full_rate_step(c, True) for c in (plus_one, plain)] == [125, 126]
+
+
+def test_partial_step_study_in_two_processes_is_the_sequential_one(lm):
+    """The chapter runs the late study in two spawned processes: the same ratios, to the bit."""
+    lines, vocab, _ = lm
+    digits = book_data.load_digits_split()
+    kwargs = dict(seeds=(0, 1), warm=(2,), optimizers=("momentum", "adam"))
+    one = ch6.partial_step_study(digits.x_train, digits.y_train, lines, vocab, **kwargs)
+    assert list(one) == [(s, o, 2) for s in ch6.STUDY_LR for o in ("momentum", "adam")]
+    assert one == ch6.partial_step_study(digits.x_train, digits.y_train, lines, vocab, **kwargs, workers=2)
+    with pytest.raises(ValueError, match="setup must be one of"):
+        ch6.partial_step_run("MLP", "adam", 0, 0, digits.x_train, digits.y_train, vocab)

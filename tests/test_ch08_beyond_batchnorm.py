@@ -204,3 +204,15 @@ def test_exercise_solution_numbers():
     assert float(coupled.switch_aux_loss(router_probs, torch.tensor([0.75, 0.25], dtype=torch.float64))) == \
         pytest.approx(1.1)
     assert ex.grade_switch_aux(1.1, fractions=(0.75, 0.25), probs=(0.6, 0.4))
+
+
+def test_studies_in_two_processes_are_the_sequential_ones(split):
+    """The chapter's studies run in two spawned processes: the same results, to the bit, as one after the other."""
+    data = (split.x_train[:256], split.y_train[:256], split.x_val, split.y_val)
+    kwargs = dict(settings=((4, 8),), seeds=(0, 1))
+    assert ch8.contrastive_study(*data, **kwargs) == ch8.contrastive_study(*data, **kwargs, workers=2)
+    kwargs = dict(seeds=(0,), schedules=("cosine",), epochs=1, optimizers=("SGD",))
+    one = ch8.scaling_study(*data, **kwargs)
+    assert len(one) == len(ch8.SCALING_RUNS["SGD"]) and one == ch8.scaling_study(*data, **kwargs, workers=2)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        ch8.scaling_study(*data, optimizers=("LAMB",), workers=2)

@@ -25,3 +25,33 @@ def test_jobs_in_two_processes_give_the_results_of_one_after_the_other():
 def test_a_bad_worker_count_is_refused(bad):
     with pytest.raises(ValueError, match="workers must be a positive int"):
         run_jobs(seeded_draw, [dict(seed=0, n=1)], workers=bad)
+
+
+def pid_after(seconds: float) -> int:
+    import os
+    import time
+
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def die() -> None:
+    import os
+
+    os._exit(3)
+
+
+def test_the_processes_are_kept_for_the_next_study_and_replaced_when_one_dies():
+    from concurrent.futures.process import BrokenProcessPool
+
+    from gradaccum.book import parallel
+
+    parallel.shutdown()
+    first = set(run_jobs(pid_after, [dict(seconds=0.5)] * 4, workers=2))
+    again = set(run_jobs(pid_after, [dict(seconds=0.5)] * 4, workers=2))
+    assert len(first) == 2 and again == first  # no new process started: the seconds torch takes to import
+    with pytest.raises(BrokenProcessPool):
+        run_jobs(die, [{}, {}], workers=2)
+    assert not set(run_jobs(pid_after, [dict(seconds=0.5)] * 2, workers=2)) & first  # a new pool
+    parallel.shutdown()
+    assert not parallel._POOLS

@@ -40,3 +40,17 @@ def require_micro_batch(b: int, batch_norm: bool = True) -> int:
             "BatchNorm with GroupNorm/LayerNorm."
         )
     return b
+
+
+def require_count(value: int, name: str, minimum: int = 1) -> int:
+    """Validate a count (a Python int ≥ ``minimum``) named ``name`` in the message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}{_numpy_hint(value)}.")
+    return value
+
+
+def require_positive(value: float, name: str) -> float:
+    """Validate a positive finite number named ``name`` in the message."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
+    return float(value)

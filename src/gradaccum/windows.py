@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradaccum._validate import require_k, require_micro_batch
+from gradaccum._validate import require_count, require_k, require_micro_batch, require_positive
 from gradaccum.accumulate import flat_grad, split_batch
 
 #: Target of padding positions, skipped by ``cross_entropy(ignore_index=IGNORE)``: -100, PyTorch's default
@@ -129,7 +129,13 @@ def ranks_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int, k
     Each rank divides by its own token count (``global_count=False``) or by the all-reduced count of all ranks,
     times p because DDP *averages* gradients over ranks (``global_count=True``). Simulated in one process.
     """
-    require_k(p)
+    require_count(p, "p (the number of ranks)")
+    if not isinstance(global_count, bool):
+        raise ValueError(f"global_count must be True (divide by all ranks' tokens) or False (each rank by its own), "
+                         f"got {global_count!r}.")
+    if x.shape[0] % p:
+        raise ValueError(f"a batch of {x.shape[0]} sequences cannot be shared equally by p = {p} ranks; give a "
+                         "multiple of p sequences.")
     shares = split_batch(x, y, p)
     total = sum(count_tokens(ys) for _, ys in shares)  # what an all-reduce of the counts gives every rank
     grads = []
@@ -150,6 +156,7 @@ def dropout_masks(steps: int, k: int, shape: tuple[int, ...], p: float = 0.5, re
     """The dropout masks a loop draws: (steps, K, *shape). With ``reset_seed`` the loop calls
     ``torch.manual_seed(seed + micro_index)`` before each micro-batch, the bug this chapter shows."""
     require_k(k)
+    require_count(steps, "steps", minimum=0)
     if not 0 < p < 1:
         raise ValueError(f"dropout probability must lie in (0, 1), got {p}.")
     layer = nn.Dropout(p).train()
@@ -196,8 +203,11 @@ def lr_trajectory(optimizer_steps: int, k: int, warmup: int, per_micro: bool,
     warnings PyTorch raised along the way."""
 
     require_k(k)
-    if warmup < 1:
-        raise ValueError(f"warmup must be >= 1 step, got {warmup}.")
+    require_count(optimizer_steps, "optimizer_steps")
+    require_count(warmup, "warmup (schedule steps)")
+    if not isinstance(per_micro, bool):
+        raise ValueError(f"per_micro must be True (scheduler.step() per micro-batch) or False (per optimizer step), "
+                         f"got {per_micro!r}.")
     param = nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / warmup))
@@ -222,6 +232,7 @@ def scheduler_order_warnings(k: int, windows: int, optimizer_first: bool) -> lis
     the order only at the scheduler's first ``step()``."""
 
     require_k(k)
+    require_count(windows, "windows")
     param = nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
@@ -312,8 +323,12 @@ def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
     defaults) or ``"adam_beta1_0"`` (Adam with :math:`\beta_1 = 0`).
     """
     require_k(k)
-    if not 1 <= present < k:
-        raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches, got {present}.")
+    if isinstance(present, bool) or not isinstance(present, int) or not 1 <= present < k:
+        raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches (an int), got "
+                         f"{present!r}.")
+    require_micro_batch(b, batch_norm=False)
+    require_positive(lr, "the learning rate lr")
+    require_count(warm_windows, "warm_windows", minimum=0)
     if b * k > x.shape[0]:
         raise ValueError(f"a full window needs K·b = {k * b} samples, but only {x.shape[0]} were given.")
     work = copy.deepcopy(model)

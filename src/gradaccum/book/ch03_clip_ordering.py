@@ -19,6 +19,7 @@ from gradaccum._validate import require_k
 from gradaccum.accumulate import LossFn, train
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import make_cnn
+from gradaccum.book.parallel import run_jobs
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.book.tables import Table
 from gradaccum.clipping import (
@@ -158,26 +159,39 @@ class ClipRun:
     losses: list[float]
 
 
-def train_placements(split: DigitsSplit, k: int, c: float, epochs: int = 8, seed: int = 0,
-                     placements: Sequence[str] = PLACEMENTS, norm: Literal["group", "layer"] = "group",
-                     full_batch: bool = True, lr: float = 0.05) -> list[ClipRun]:
-    """Train a SmallCNN with a per-sample normalization (``norm="group"`` or ``"layer"``, so that accumulation
-    is otherwise exact) with each clip placement, plus (if ``full_batch``) the full batch clipped once
-    (``placement="full batch"``, K = 1), on the same batches (SGD with momentum 0.9 at learning rate ``lr``)."""
+def placement_run(split: DigitsSplit, k: int, c: float, placement: str, epochs: int = 8, seed: int = 0,
+                  norm: Literal["group", "layer"] = "group", lr: float = 0.05) -> ClipRun:
+    """One run of :func:`train_placements`: ``placement`` over K micro-batches, or ``"full batch"`` (K = 1, the
+    batch clipped once)."""
+    kk, p = (1, "once") if placement == "full batch" else (k, placement)
+    backward_fn = functools.partial(clipped_accumulation, c=c, placement=_require_placement(p))
+    model = make_cnn(norm, seed=seed, device=split.x_train.device)
+    r = train(model, split.x_train, split.y_train, split.x_val, split.y_val, batch_size=64, k=kk,
+              epochs=epochs, seed=seed, backward_fn=backward_fn, lr=lr)
+    return ClipRun(placement, kk, r.val_acc, r.train_loss)
 
+
+def _check_setup(c: float, norm: str, placements: Sequence[str]) -> None:
     _require_threshold(c)
     if norm not in ("group", "layer"):
         raise ValueError(f"norm must be 'group' or 'layer' (per-sample statistics), got {norm!r}; with BatchNorm "
                          "the micro-batch statistics would change the runs as well (chapter 1).")
-    runs = []
-    for placement in (("full batch",) if full_batch else ()) + tuple(placements):
-        kk, p = (1, "once") if placement == "full batch" else (k, placement)
-        backward_fn = functools.partial(clipped_accumulation, c=c, placement=_require_placement(p))
-        model = make_cnn(norm, seed=seed, device=split.x_train.device)
-        r = train(model, split.x_train, split.y_train, split.x_val, split.y_val, batch_size=64, k=kk,
-                  epochs=epochs, seed=seed, backward_fn=backward_fn, lr=lr)
-        runs.append(ClipRun(placement, kk, r.val_acc, r.train_loss))
-    return runs
+    for p in placements:
+        _require_placement(p)
+
+
+def train_placements(split: DigitsSplit, k: int, c: float, epochs: int = 8, seed: int = 0,
+                     placements: Sequence[str] = PLACEMENTS, norm: Literal["group", "layer"] = "group",
+                     full_batch: bool = True, lr: float = 0.05, workers: int = 1) -> list[ClipRun]:
+    """Train a SmallCNN with a per-sample normalization (``norm="group"`` or ``"layer"``, so that accumulation
+    is otherwise exact) with each clip placement, plus (if ``full_batch``) the full batch clipped once
+    (``placement="full batch"``, K = 1), on the same batches (SGD with momentum 0.9 at learning rate ``lr``).
+    With ``workers > 1`` the runs go to that many spawned processes (:func:`gradaccum.book.parallel.run_jobs`:
+    every run seeds itself, the same results to the bit)."""
+    _check_setup(c, norm, placements)
+    jobs = [dict(split=split, k=k, c=c, placement=p, epochs=epochs, seed=seed, norm=norm, lr=lr)
+            for p in (("full batch",) if full_batch else ()) + tuple(placements)]
+    return run_jobs(placement_run, jobs, workers)
 
 
 def last_epoch_loss(run: ClipRun, epochs: int) -> float:
@@ -210,15 +224,18 @@ def table_sweep(split: DigitsSplit, setups: Sequence[tuple[Literal["group", "lay
 def train_sweep(split: DigitsSplit, k: int = 8, epochs: int = 2,
                 setups: Sequence[tuple[Literal["group", "layer"], float]] = SETUPS,
                 seeds: Sequence[int] = (0, 1, 2), lr: float = 0.05,
-                placements: Sequence[str] = PLACEMENTS) -> dict[tuple[str, float, int], dict[str, float]]:
+                placements: Sequence[str] = PLACEMENTS, workers: int = 1,
+                ) -> dict[tuple[str, float, int], dict[str, float]]:
     """Last-epoch training loss of every placement, for every set-up and seed (short runs: ``epochs``; SGD with
-    momentum 0.9 at learning rate ``lr``)."""
-    out: dict[tuple[str, float, int], dict[str, float]] = {}
+    momentum 0.9 at learning rate ``lr``); ``workers`` as in :func:`train_placements`."""
     for norm, c in setups:
-        for s in seeds:
-            runs = train_placements(split, k, c, epochs=epochs, seed=s, placements=placements, norm=norm,
-                                    full_batch=False, lr=lr)
-            out[(norm, c, s)] = {r.placement: last_epoch_loss(r, epochs) for r in runs}
+        _check_setup(c, norm, placements)
+    keys = [(norm, c, s, p) for norm, c in setups for s in seeds for p in placements]
+    jobs = [dict(split=split, k=k, c=c, placement=p, epochs=epochs, seed=s, norm=norm, lr=lr)
+            for norm, c, s, p in keys]
+    out: dict[tuple[str, float, int], dict[str, float]] = {}
+    for (norm, c, s, p), run in zip(keys, run_jobs(placement_run, jobs, workers)):
+        out.setdefault((norm, c, s), {})[p] = last_epoch_loss(run, epochs)
     return out
 
 

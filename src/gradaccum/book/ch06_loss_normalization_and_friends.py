@@ -5,7 +5,7 @@ The book layer over :mod:`gradaccum.windows` (the torch-only tools the chapter d
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +15,7 @@ from torch import nn
 from gradaccum._validate import require_k
 from gradaccum.book.data import Vocab, encode_batch, spread_lines
 from gradaccum.book.models import make_cnn, make_lm
+from gradaccum.book.parallel import run_jobs
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.windows import (
     OptimizerName,
@@ -66,26 +67,41 @@ STUDY_LR = {"CNN, digits": {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3, "adam_be
             "char LM": {"sgd": 0.5, "momentum": 0.1, "adam": 1e-2, "adam_beta1_0": 1e-2}}
 
 
+def partial_step_run(setup: str, optimizer: OptimizerName, warm: int, seed: int, x: torch.Tensor, y: torch.Tensor,
+                     vocab: Vocab, k: int = 8, present: int = 3) -> float:
+    """One value of :func:`partial_step_study`: :func:`partial_step_ratio` for the set-up named ``setup``
+    (``"CNN, digits"``: ``x``, ``y`` are images and labels; ``"char LM"``: encoded lines and their targets)."""
+    if setup not in STUDY_LR:
+        raise ValueError(f"setup must be one of {list(STUDY_LR)}, got {setup!r}.")
+    model: nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    if setup == "CNN, digits":
+        model, loss_fn, b = make_cnn("group", seed=seed), nn.CrossEntropyLoss(), 8
+    else:
+        model, loss_fn, b = make_lm(vocab, seed=seed), token_loss, 2
+    return partial_step_ratio(model, loss_fn, x, y, b, k, present, optimizer, STUDY_LR[setup][optimizer], warm,
+                              seed=seed)
+
+
 def partial_step_study(x_digits: torch.Tensor, y_digits: torch.Tensor, lines: Sequence[str], vocab: Vocab,
                        seeds: Sequence[int] = (0, 1, 2), warm: Sequence[int] = (0, 10), k: int = 8,
                        present: int = 3, optimizers: Sequence[OptimizerName] = ("sgd", "momentum", "adam"),
-                       ) -> dict[tuple[str, str, int], list[float]]:
+                       workers: int = 1) -> dict[tuple[str, str, int], list[float]]:
     """:func:`partial_step_ratio` for two set-ups — the book's GroupNorm ``SmallCNN`` on the digits (micro-batches
     of 8 images) and the character LM on the corpus (micro-batches of 2 lines, token-mean loss) — with plain SGD,
     SGD with momentum 0.9 and Adam (learning rates :data:`STUDY_LR`), after each number of ``warm`` windows, one
     value per seed (the seed sets the model's initial weights and the batches); ``optimizers`` picks a subset.
+    With ``workers > 1`` the runs go to that many spawned processes (:func:`gradaccum.book.parallel.run_jobs`:
+    every run seeds itself, the same results to the bit).
     Returns ``{(set-up, optimizer, warm windows): [ratio per seed]}``."""
 
     lm_x, lm_y = encode_batch(lines, vocab)
-    setups = {"CNN, digits": (lambda sd: make_cnn("group", seed=sd), nn.CrossEntropyLoss(), x_digits, y_digits, 8),
-              "char LM": (lambda sd: make_lm(vocab, seed=sd), token_loss, lm_x, lm_y, 2)}
-    out: dict[tuple[str, str, int], list[float]] = {}
-    for name, (make, loss_fn, xs, ys, b) in setups.items():
-        for opt in optimizers:
-            for w in warm:
-                out[name, opt, w] = [partial_step_ratio(make(sd), loss_fn, xs, ys, b, k, present, opt,
-                                                        STUDY_LR[name][opt], w, seed=sd) for sd in seeds]
-    return out
+    data = {"CNN, digits": (x_digits, y_digits), "char LM": (lm_x, lm_y)}
+    keys = [(name, opt, w) for name in STUDY_LR for opt in optimizers for w in warm]
+    jobs = [dict(setup=name, optimizer=opt, warm=w, seed=sd, x=data[name][0], y=data[name][1], vocab=vocab, k=k,
+                 present=present) for name, opt, w in keys for sd in seeds]
+    ratios = iter(run_jobs(partial_step_run, jobs, workers))
+    return {key: [next(ratios) for _ in seeds] for key in keys}
 
 
 def train_lm(model: nn.Module, lines: Sequence[str], vocab: Vocab, steps: int = 150, k: int = 4,

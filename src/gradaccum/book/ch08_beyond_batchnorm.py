@@ -21,6 +21,7 @@ from gradaccum import coupled
 from gradaccum._validate import require_k
 from gradaccum.accumulate import flat_grad
 from gradaccum.book.models import make_cnn
+from gradaccum.book.parallel import run_jobs
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.timing import interleaved_medians
 
@@ -186,19 +187,25 @@ def train_contrastive(method: str, x: torch.Tensor, k: int, b: int, seed: int, s
     return enc
 
 
+def contrastive_run(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
+                    k: int, b: int, seed: int, schedule: str) -> dict[str, float]:
+    """Few-label accuracy after training with the full batch (= GradCache) and with plain accumulation, for one
+    (K, b), seed and schedule."""
+    return {m: few_label_accuracy(train_contrastive(m, x_train, k, b, seed, schedule), x_train, y_train, x_val,
+                                  y_val) for m in ("full", "plain")}
+
+
 def contrastive_study(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
                       settings: Sequence[tuple[int, int]] = ((16, 2), (4, 8)), seeds: Sequence[int] = (0, 1, 2),
-                      schedules: Sequence[str] = ("constant", "cosine")) -> dict[tuple[int, int, int, str], dict]:
-    """Few-label accuracy after training with the full batch (= GradCache) and with plain accumulation, for each
-    (K, b), seed and schedule (batch K · b = 32)."""
-    out = {}
-    for k, b in settings:
-        for seed in seeds:
-            for schedule in schedules:
-                out[k, b, seed, schedule] = {
-                    m: few_label_accuracy(train_contrastive(m, x_train, k, b, seed, schedule), x_train, y_train,
-                                          x_val, y_val) for m in ("full", "plain")}
-    return out
+                      schedules: Sequence[str] = ("constant", "cosine"), workers: int = 1,
+                      ) -> dict[tuple[int, int, int, str], dict]:
+    """:func:`contrastive_run` for each (K, b), seed and schedule (batch K · b = 32), keyed by
+    (K, b, seed, schedule); with ``workers > 1`` in that many spawned processes
+    (:func:`gradaccum.book.parallel.run_jobs`: every run seeds itself, the same results to the bit)."""
+    keys = [(k, b, seed, schedule) for k, b in settings for seed in seeds for schedule in schedules]
+    data = dict(x_train=x_train, y_train=y_train, x_val=x_val, y_val=y_val)
+    jobs = [dict(data, k=k, b=b, seed=seed, schedule=schedule) for k, b, seed, schedule in keys]
+    return dict(zip(keys, run_jobs(contrastive_run, jobs, workers)))
 
 
 def plot_contrastive(study: dict[tuple[int, int, int, str], dict]):
@@ -527,17 +534,33 @@ def max_parameter_difference(a: nn.Module, b: nn.Module) -> float:
         return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
+def scaling_run(x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, optimizer: str,
+                recipe: Recipe, seed: int, schedule: str, epochs: int = 4, accumulate: bool = False) -> float:
+    """Validation accuracy of one recipe's run after ``epochs`` epochs (batches of 16·K; K micro-batches of 16
+    when ``accumulate``, else one pass)."""
+    return accuracy(train_classifier(x, y, 16 * recipe.k, recipe.k if accumulate else 1,
+                                     BASE_LR[optimizer] * recipe.lr_factor, seed, schedule, epochs, recipe.warmup,
+                                     optimizer, adam_sde=recipe.adam_sde), x_val, y_val)
+
+
 def scaling_study(x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
                   seeds: Sequence[int] = (0, 1, 2), schedules: Sequence[str] = ("constant", "cosine"),
                   epochs: int = 4, optimizers: Sequence[str] = ("SGD", "Adam"), accumulate: bool = False,
-                  ) -> dict[tuple[str, str, int, str], float]:
+                  workers: int = 1) -> dict[tuple[str, str, int, str], float]:
     """Validation accuracy of every :data:`SCALING_RUNS` recipe after ``epochs`` epochs, keyed by
     (optimizer, label, seed, schedule). The batch of 16·K is processed as K micro-batches of 16 when
-    ``accumulate``, else in one pass: the same run to rounding (GroupNorm couples no samples), K times fewer calls."""
-    return {(opt, r.label, seed, schedule): accuracy(
-        train_classifier(x, y, 16 * r.k, r.k if accumulate else 1, BASE_LR[opt] * r.lr_factor, seed, schedule,
-                         epochs, r.warmup, opt, adam_sde=r.adam_sde), x_val, y_val)
-            for opt in optimizers for r in SCALING_RUNS[opt] for seed in seeds for schedule in schedules}
+    ``accumulate``, else in one pass: the same run to rounding (GroupNorm couples no samples), K times fewer calls.
+    With ``workers > 1`` the runs go to that many spawned processes (:func:`gradaccum.book.parallel.run_jobs`:
+    every run seeds itself, the same results to the bit)."""
+    for opt in optimizers:
+        if opt not in SCALING_RUNS:
+            raise ValueError(f"optimizer must be one of {list(SCALING_RUNS)}, got {opt!r}.")
+    runs = [(opt, r, seed, schedule) for opt in optimizers for r in SCALING_RUNS[opt] for seed in seeds
+            for schedule in schedules]
+    jobs = [dict(x=x, y=y, x_val=x_val, y_val=y_val, optimizer=opt, recipe=r, seed=seed, schedule=schedule,
+                 epochs=epochs, accumulate=accumulate) for opt, r, seed, schedule in runs]
+    results = run_jobs(scaling_run, jobs, workers)
+    return {(opt, r.label, seed, schedule): acc for (opt, r, seed, schedule), acc in zip(runs, results)}
 
 
 def _scaling_panel(ax, study: dict[tuple[str, str, int, str], float], optimizer: str, schedule: str,

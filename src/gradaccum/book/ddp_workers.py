@@ -12,6 +12,7 @@ workers do not need (no figures, no matplotlib).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -314,6 +315,35 @@ def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b
     return result
 
 
+def _task_buffers(rank: int, world_size: int, k: int, b: int, windows: int = 2, data: Any = None) -> dict[str, Any]:
+    """Which forward passes broadcast DDP's buffers (``broadcast_buffers=True``, the default) in ``windows``
+    accumulation windows of K micro-batches, the first K − 1 inside ``no_sync()``: one flag per forward, in order;
+    and this rank's first BatchNorm running mean after the last window. DDP decides the broadcast before a forward
+    from the flag the *previous* forward left (``require_forward_param_sync``)."""
+    x, y = _shard(rank, world_size, windows * k * b, torch.float64, data)
+    model = DDP(make_cnn("batch", seed=0))
+    calls = [0]
+    sync_buffers = model._sync_buffers
+
+    def counted() -> None:
+        calls[0] += 1
+        sync_buffers()
+
+    model._sync_buffers = counted  # type: ignore[method-assign]
+    broadcast = []
+    for w in range(windows):
+        xs, ys = x[w * k * b:(w + 1) * k * b], y[w * k * b:(w + 1) * k * b]
+        for i in range(k):
+            before = calls[0]
+            context = model.no_sync() if i < k - 1 else contextlib.nullcontext()
+            with context:
+                out = model(xs[i * b:(i + 1) * b])
+                (nn.functional.cross_entropy(out, ys[i * b:(i + 1) * b]) / k).backward()
+            broadcast.append(calls[0] > before)
+    bn = next(m for m in model.module.modules() if isinstance(m, nn.BatchNorm2d))
+    return {"broadcast": broadcast, "running_mean": torch.as_tensor(bn.running_mean).clone()}
+
+
 def _task_crash(rank: int, world_size: int, crash_rank: int, how: str) -> None:
     """Rank ``crash_rank`` fails (raises, or exits abruptly); the others wait in a collective."""
     if rank == crash_rank:
@@ -358,9 +388,9 @@ def _task_frameworks(rank: int, world_size: int, **kwargs: Any) -> Any:
 
 
 #: Tasks that train on the digits: launch() hands them the training images.
-DATA_TASKS = ("equality", "timing", "train", "placement")
+DATA_TASKS = ("equality", "timing", "train", "placement", "buffers")
 
 
 TASKS: dict[str, Callable[..., Any]] = {"equality": _task_equality, "timing": _task_timing, "crash": _task_crash,
                                         "train": _task_train, "placement": _task_placement,
-                                        "frameworks": _task_frameworks}
+                                        "frameworks": _task_frameworks, "buffers": _task_buffers}

@@ -15,6 +15,7 @@ from decimal import ROUND_HALF_UP, Decimal
 import torch
 
 from gradaccum import bn_statistics
+from gradaccum._validate import require_count, require_k
 
 
 @dataclass(frozen=True)
@@ -478,13 +479,24 @@ def grade_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Fe
 def grade_window_token_loss(answer: object, sums: tuple[float, ...] = (30.0, 10.0),
                             tokens: tuple[int, ...] = (100, 10)) -> Feedback:
     """Exercise: the loss of a window whose micro-batches have summed token losses ``sums`` over ``tokens``."""
+    if len(sums) != len(tokens) or len(sums) < 2:
+        raise ValueError(f"give one summed loss and one token count per micro-batch, at least two of each; got "
+                         f"{len(sums)} sums and {len(tokens)} counts.")
+    for n in tokens:
+        require_count(n, "every micro-batch's token count")
+    for s_ in sums:
+        if isinstance(s_, bool) or not isinstance(s_, (int, float)) or not math.isfinite(s_) or s_ < 0:
+            raise ValueError(f"a summed token loss is a finite number >= 0, got {s_!r}.")
     mean_of_means = sum(s / n for s, n in zip(sums, tokens)) / len(sums)
+    fewest, most = min(tokens), max(tokens)
+    weights = (f"it weighs each of the {fewest} tokens of the shortest micro-batch {most / fewest:.3g} times as "
+               f"much as a token of the longest." if fewest < most else
+               "here every micro-batch holds as many tokens, so it happens to agree; it does not in general.")
     return grade_number(
         answer,
         sum(sums) / sum(tokens),
         mistakes=[
-            (mean_of_means, "that is the mean of the micro-batch means: it weighs each of the 10 tokens of the short "
-                            "micro-batch ten times as much as a token of the long one."),
+            (mean_of_means, f"that is the mean of the micro-batch means: {weights}"),
             (sum(sums), "divide by the number of tokens."),
             (sum(sums) / len(sums), "divide by tokens, not by micro-batches."),
         ],
@@ -493,21 +505,27 @@ def grade_window_token_loss(answer: object, sums: tuple[float, ...] = (30.0, 10.
 
 
 def grade_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback:
-    """Exercise: the optimizer step at which a ``warmup``-step warmup ends when the scheduler steps per micro-batch."""
-    return grade_number(
-        answer,
-        warmup / k,
-        mistakes=[
-            (float(warmup), "that is where it should end; the scheduler here advances K times per optimizer step."),
-            (float(warmup * k), "the scheduler runs *faster*, not slower: K steps of the schedule per optimizer step."),
-        ],
-        hint="Each optimizer step advances the schedule by K.",
-        count=True,
-    )
+    """Exercise: the optimizer step after which a ``warmup``-step warmup has been counted when the scheduler steps
+    once per micro-batch: ⌈warmup / K⌉ (each optimizer step counts K schedule steps)."""
+    require_count(warmup, "warmup (schedule steps)")
+    require_k(k)
+    mistakes = [
+        (float(warmup), "that is where it should end; the scheduler here advances K times per optimizer step."),
+        (float(warmup * k), "the scheduler runs *faster*, not slower: K steps of the schedule per optimizer step."),
+    ]
+    if warmup % k:
+        mistakes.append((float(warmup // k), f"after {warmup // k} optimizer steps the schedule has counted "
+                                             f"{warmup // k * k} < {warmup} steps: round up."))
+    return grade_number(answer, float(-(-warmup // k)), mistakes=mistakes,
+                        hint="Each optimizer step advances the schedule by K; count whole optimizer steps.",
+                        count=True)
 
 
 def grade_partial_scale(answer: object, present: int = 3, k: int = 16) -> Feedback:
     """Exercise: the factor by which a last window of ``present`` micro-batches is too small when divided by K."""
+    require_k(k)
+    if isinstance(present, bool) or not isinstance(present, int) or not 1 <= present < k:
+        raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches, got {present!r}.")
     return grade_number(
         answer,
         present / k,
@@ -545,11 +563,17 @@ def grade_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float
 
 def grade_accelerate_warmup_end(answer: object, warmup: int = 600, processes: int = 8, k: int = 4) -> Feedback:
     """Exercise: the optimizer step at which a ``warmup``-step warmup, prepared by Accelerate on ``processes``
-    processes (``split_batches=False``) with ``k`` accumulation steps, reaches its peak."""
+    processes (``split_batches=False``) with ``k`` accumulation steps, reaches its peak: ⌈warmup / processes⌉."""
+    require_count(warmup, "warmup (schedule steps)")
+    require_count(processes, "processes")
+    require_k(k)
+    rounded_down = [(float(warmup // processes), f"after {warmup // processes} optimizer steps the schedule has "
+                                                 f"counted {warmup // processes * processes} < {warmup} steps: round "
+                                                 "up.")] if warmup % processes else []
     return grade_number(
         answer,
-        warmup / processes,
-        mistakes=[
+        float(-(-warmup // processes)),
+        mistakes=rounded_down + [
             (float(warmup), "that is where it would end in one process; the prepared scheduler steps num_processes "
                             "times per optimizer step."),
             (float(warmup * processes), "the schedule runs *faster* on several processes, not slower."),
