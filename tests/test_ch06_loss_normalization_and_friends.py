@@ -190,6 +190,8 @@ def test_window_tools_refuse_what_they_cannot_compute(lm):
         windows.adam_step_count(3, 0, False)
     with pytest.raises(ValueError, match="windows must be"):
         windows.adam_step_count(-1, 2, False)
+    with pytest.raises(ValueError, match=r"windows must be .*a NumPy integer"):
+        windows.adam_step_count(np.int64(3), 2, False)
     with pytest.raises(ValueError, match="steps >= 2"):
         windows.mask_agreement(windows.dropout_masks(1, 4, (5,)))
     with pytest.raises(ValueError, match=r"a NumPy integer: pass int\(\.\.\.\) of it"):

@@ -406,3 +406,25 @@ def test_another_k_with_an_equal_gradient_is_a_note_and_counts_are_always_there(
     torch.manual_seed(0)
     masked = nn.Sequential(nn.Linear(20, 32), _FeatureMask(32), nn.Linear(32, 5)).double()
     assert C.check(masked, loss_fn, x, y, K).counts["backward"] == 0
+
+
+def test_one_of_two_optimizers_emptied_inside_the_window_is_named():
+    """Carried from an earlier review: emptying one optimizer's parameters mid-window was reported as
+    `unexplained` (no single set of micro-batch weights fits a gradient whose parts keep different micro-batches)."""
+    model, loss_fn, x, y = make()
+
+    def step(model, loss_fn, x, y, k):
+        o1 = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        o2 = torch.optim.SGD(model[2].parameters(), lr=0.1)
+        o1.zero_grad()
+        o2.zero_grad()
+        for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            if i == 2:
+                o2.zero_grad()
+            (loss_fn(model(xb), yb) / k).backward()
+        o1.step()
+        o2.step()
+
+    report = C.check(model, loss_fn, x, y, K, step=step)
+    assert not report.ok and [f.code for f in report.findings] == ["zero_grad_inside_window"], report
+    assert "1× inside the window" in report.findings[0].evidence

@@ -573,10 +573,19 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         _other_sizes(m, out, sizes)
         return
     if residual > fit_tol:  # (a rank-deficient basis, e.g. duplicate micro-batches, still fits: min-norm weights)
+        inside_zeros = [ev for ev in _inside(_counts(events, "zero_grad"), len(m.passes)) if ev.after > 0]
         if m.unreplayed or m.outside_draws:
             _outside_randomness(m, out)
         elif m.has_step and sizes and sizes != [m.b]:
             _other_sizes(m, out, sizes)
+        elif inside_zeros:  # e.g. one of two optimizers emptied mid-window: each part keeps other micro-batches
+            out.add("zero_grad_inside_window", "zero_grad() inside the window: the gradient buffer is emptied "
+                    "between micro-batches", f"zero_grad() called {len(inside_zeros)}× inside the window, after "
+                    f"backward pass(es) {ordinal_list(sorted({ev.after for ev in inside_zeros}))}; where it empties "
+                    f"part of the parameters (one optimizer of several, say), no one set of micro-batch weights "
+                    f"gives your step's gradient (relative residual {num(residual)})",
+                    "zero the gradients once per window, before the first micro-batch (or after "
+                    "optimizer.step()), for every optimizer", 6)
         else:
             out.add("unexplained", "your step's gradient is not a combination of the micro-batch gradients",
                     f"relative residual {num(residual)} after fitting it with the K micro-batch gradients of loss_fn; "

@@ -251,8 +251,7 @@ def adam_step_count(windows: int, k: int, step_per_micro: bool) -> int:
     """Adam's ``state['step']`` after ``windows`` accumulation windows (it drives the bias correction
     1/(1 − β^t)); stepping per micro-batch advances it K times per window."""
     require_k(k)
-    if isinstance(windows, bool) or not isinstance(windows, numbers.Integral) or windows < 0:
-        raise ValueError(f"windows must be an int >= 0, got {windows!r}.")
+    require_count(windows, "windows", minimum=0)
     param = nn.Parameter(torch.zeros(3))
     opt = torch.optim.Adam([param], lr=1e-3)
     for _ in range(windows):
