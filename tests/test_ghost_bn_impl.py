@@ -66,6 +66,9 @@ def assert_matches_reference(impl: str, dims: int, g: int, v: int, c: int, hw: t
         x_ref = x.detach().double().requires_grad_()
         grad = torch.randn(shape, generator=gen, dtype=torch.float64)
         out = layer(x)
+        if dims == 2:  # the input's memory format is kept, as BatchNorm2d keeps it
+            assert out.is_contiguous(memory_format=torch.channels_last) == x.is_contiguous(
+                memory_format=torch.channels_last)
         out.backward(grad.to(dtype))
         out_ref = reference(x_ref, v, w_ref, b_ref, state, momentum)
         out_ref.backward(grad)

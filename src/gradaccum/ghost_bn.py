@@ -304,6 +304,8 @@ class GhostBatchNorm(_BatchNorm):
         with torch.no_grad():
             self.running_mean.lerp_(mean, factor)
             self.running_var.lerp_(var, factor)
+        if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+            return out.contiguous(memory_format=torch.channels_last)  # as BatchNorm2d keeps its input's layout
         return out
 
 
