@@ -388,3 +388,25 @@ def test_review_ghostify_refuses_a_batchnorm_without_its_shift():
 
     with pytest.raises(ValueError, match="bias=False"):
         ghostify(tnn.Sequential(tnn.Conv2d(1, 3, 3), tnn.BatchNorm2d(3, bias=False)), 2)
+
+
+def test_precise_bn_leaves_the_statistics_alone_when_its_pass_fails():
+    """Found by review: update_bn resets the statistics and sets momentum None before it runs the model, so a
+    failed pass left every layer reset (trained statistics lost, a cumulative average from then on)."""
+    from gradaccum.ghost_bn import ghostify
+    from gradaccum.precise_bn import precise_bn
+
+    model = make_cnn("batch").train()
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+                layer.running_mean.fill_(0.5)
+                layer.num_batches_tracked.fill_(7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="ghost batches of 4"):
+        precise_bn(ghostify(model, 4), torch.randn(24, 1, 8, 8, dtype=torch.float64), 6)
+    with pytest.raises(ValueError, match="expects images"):
+        precise_bn(model, torch.randn(24, 3, 8, 8, dtype=torch.float64), 4)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(m.momentum == 0.1 for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))

@@ -9,7 +9,7 @@ import torch
 from gradaccum import distributed
 from gradaccum.accumulate import agreement, full_batch_gradient
 from gradaccum.book import ch05_no_sync as ch5
-from gradaccum.book import ddp_workers, exercises
+from gradaccum.book import ddp_workers, exercises, parallel
 from gradaccum.book.models import make_cnn
 
 
@@ -89,6 +89,7 @@ def test_single_process_group_works():
 
 @pytest.mark.parametrize("how, message", [("raise", "failed on purpose"), ("exit", "exit code 3")])
 def test_failed_worker_surfaces_quickly_and_leaves_nothing(how, message):
+    parallel.shutdown()  # another test's kept study processes are children too
     start = time.perf_counter()
     with pytest.raises(ch5.WorkerFailed, match=message):
         ch5.launch("crash", world_size=2, crash_rank=1, how=how)
@@ -97,6 +98,7 @@ def test_failed_worker_surfaces_quickly_and_leaves_nothing(how, message):
 
 
 def test_hung_worker_is_killed_at_the_deadline():
+    parallel.shutdown()  # another test's kept study processes are children too
     start = time.perf_counter()
     with pytest.raises(ch5.WorkerFailed, match="did not finish within 5 s"):
         ch5.launch("crash", world_size=2, timeout=5, crash_rank=0, how="hang", pg_timeout=120)
@@ -191,6 +193,8 @@ def test_figures():
     assert len(ch5.plot_prediction(100, 8, 16, "PCIe 4.0 x16", 50).axes) == 1
     with pytest.raises(ValueError, match="interconnect"):
         ch5.plot_prediction(100, 8, 16, "carrier pigeon", 50)
+    with pytest.raises(ValueError, match="one node"):  # the page's NVLink is one node of up to 8 GPUs
+        ch5.plot_prediction(100, 8, 64, "NVLink 4 (H100)", 50)
     assert len(ch5.plot_savings_grid(10**8, [1, 4], [2, 8], 0.1, ["PCIe 4.0 x16"]).axes) == 2
 
 
@@ -293,3 +297,52 @@ def test_buffers_are_broadcast_only_at_the_first_forward_of_each_window():
     for r in ranks:
         assert r["broadcast"] == [True, False, False, False] * 2
     assert not torch.equal(ranks[0]["running_mean"], ranks[1]["running_mean"])
+
+
+def test_cost_model_graders_and_launcher_refuse_impossible_input():
+    """Found by review: these returned garbage (negative times, a 490 s saving, '✓ correct: 0') or crashed with a
+    ZeroDivisionError / TypeError / a worker's traceback fragment."""
+    link = distributed.PRESETS["Ethernet 10 Gb/s"]
+    for bandwidth, latency in ((0.0, 1e-6), (-1e9, 1e-6), (1e9, -1.0), (1e9, float("nan"))):
+        with pytest.raises(ValueError, match="Interconnect"):
+            distributed.Interconnect("bad", bandwidth, latency, "none")
+    for n_bytes in ("1e9", None, float("inf"), -1.0, torch.tensor(1e6)):
+        with pytest.raises(ValueError, match="n_bytes"):
+            distributed.ring_allreduce_time(n_bytes, 4, link)
+    for kwargs, message in ((dict(params=1.5), "params"), (dict(params=True), "params"),
+                            (dict(micro_compute=float("nan")), "micro_compute"), (dict(buckets=2.5), "buckets"),
+                            (dict(params=10, buckets=10**6), "buckets for 10 parameters"),
+                            (dict(copy_bandwidth=0.0), "copy_bandwidth"), (dict(bytes_per_param=0), "bytes_per_param")):
+        args = dict(params=1000, k=4, p=8, link=link, micro_compute=0.01) | kwargs
+        with pytest.raises(ValueError, match=message):
+            distributed.predict_step(**args)
+    for grader, kwargs in ((exercises.grade_allreduce_calls, dict(k=0)), (exercises.grade_allreduce_calls,
+                                                                         dict(buckets=2.5)),
+                           (exercises.grade_allreduce_calls, dict(k=True)), (exercises.grade_ring_bytes, dict(p=0)),
+                           (exercises.grade_ring_bytes, dict(p=2.5)), (exercises.grade_ring_bytes,
+                                                                      dict(megabytes=-100.0)),
+                           (exercises.grade_nosync_saving, dict(k=0)), (exercises.grade_nosync_saving,
+                                                                       dict(gb_per_s=0.0))):
+        with pytest.raises(ValueError):
+            grader(1.0, **kwargs)
+    with pytest.raises(ValueError, match="no positive bandwidth"):
+        ch5.fit_alpha_beta([1000, 2000], [2e-3, 1e-3], 2)
+    with pytest.raises(ValueError, match="two different sizes"):
+        ch5.fit_alpha_beta([1000, 1000], [1e-3, 1e-3], 2)
+    fit = ch5.fit_alpha_beta([1000, 2000, 4000], [0.9e-6, 2e-6, 4.1e-6], 2)  # the best line has alpha < 0
+    assert fit.latency == 0.0 and fit.bandwidth > 0
+    with pytest.raises(ValueError, match="smaller K or fewer ranks"):
+        distributed.micro_batch_that_fits(10, 4, 4, 1)
+    for kwargs, message in ((dict(k=4, b=0), "micro-batch|b must"), (dict(k=2.0, b=4), "K"),
+                            (dict(k=2, b=4, bucket_cap_mb=-1.0), "bucket_cap_mb")):
+        with pytest.raises(ValueError, match=message):
+            ch5.launch("equality", world_size=2, **kwargs)
+
+
+def test_static_graph_keeps_one_bucket_for_two_synchronized_backward_passes():
+    """Chapter 5's rule for static_graph=True: the first two synchronized backward passes use the single bucket,
+    the buckets are rebuilt before the third. At K = 1 the count equals the buckets only from step 3 (the
+    default rebuilds after the first: from step 2)."""
+    res = ch5.launch("equality", world_size=2, k=1, b=8, steps=4, bucket_cap_mb=0.005)[0]["sync every micro-batch"]
+    assert res["calls per step"] == [1, 3, 3, 3]
+    assert res["variants"]["static_graph=True"] == [1, 1, 3, 3]

@@ -125,18 +125,17 @@ def test_what_a_pre_hook_on_the_model_sees():
         assert conv_calls[0] == calls + 2 * 4  # and per micro-batch: pass 1 and the recomputation
 
 
-def test_the_trace_is_kept_per_model(monkeypatch):
+def test_the_model_is_traced_at_every_call(monkeypatch):
+    """A kept trace would bake in values the forward read (see the dict/global test below): one trace per call."""
     traces = []
     trace = fullbatch_bn._trace
     monkeypatch.setattr(fullbatch_bn, "_trace", lambda *a: traces.append(1) or trace(*a))
     model, (x, y) = make_cnn("batch").train(), _digits()
     for _ in range(3):
         fullbatch_bn.full_batch_stats_backward(model, LOSS, x, y, 4, exact=True, cache=True)
-    assert len(traces) == 1
+    assert len(traces) == 3
     model.head[1].eval()  # one BatchNorm frozen: another graph
     _assert_same(model, x, y, 4)
-    fullbatch_bn.full_batch_stats_backward(model, LOSS, x, y, 4, exact=True, cache=True)
-    assert len(traces) == 3  # _assert_same's copy, then the model again
 
 
 class _KeptInPlace(nn.Module):
@@ -298,3 +297,34 @@ def test_what_a_trace_would_get_wrong_is_refused_or_retraced():
     model.temp = 3.0
     assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
                           _reference(model, x, y), rtol=1e-10, atol=1e-12)
+
+
+class _Configured(nn.Module):
+    """A forward that reads a dict entry and a module-level global: values a kept trace would bake in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn, self.out = nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 4)
+        self.cfg = {"act": "relu"}
+
+    def forward(self, x):
+        h = self.bn(self.lin(x))
+        h = torch.relu(h) if self.cfg["act"] == "relu" else torch.tanh(h)
+        return self.out(h) * _SCALE[0]
+
+
+_SCALE = [1.0]
+
+
+def test_a_changed_dict_entry_or_global_is_never_served_from_a_stale_trace():
+    """Found by review: the cached scheme kept its trace while the forward's dict entry or a global changed, and
+    returned another network's gradient (relative error 0.8) without a word. It now traces at every call."""
+    torch.manual_seed(0)
+    model = _Configured().double()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    for change in (lambda: model.cfg.update(act="tanh"), lambda: _SCALE.__setitem__(0, 3.0)):
+        fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
+        change()
+        assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
+                              _reference(model, x, y), rtol=1e-10, atol=1e-12)
+    _SCALE[0] = 1.0

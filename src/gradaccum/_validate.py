@@ -35,8 +35,10 @@ def require_micro_batch(b: int, batch_norm: bool = True) -> int:
         raise ValueError(f"micro-batch size must be an int >= 1, got {b!r}{_numpy_hint(b)}.")
     if batch_norm and b < 2:
         raise ValueError(
-            "micro-batch size 1 with BatchNorm in training: the batch variance of one sample is 0, so every "
-            "output equals the shift β and no gradient reaches the layer's input. Use b >= 2, or replace "
+            "micro-batch size 1 with BatchNorm in training: where a channel has one value per sample (a "
+            "BatchNorm1d on features) its batch variance is 0, every output equals the shift β and no gradient "
+            "reaches the layer's input; a convolutional BatchNorm normalizes over one image only. Use b >= 2, or "
+            "replace "
             "BatchNorm with GroupNorm/LayerNorm."
         )
     return b

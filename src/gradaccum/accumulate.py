@@ -107,15 +107,29 @@ class Agreement:
 
 
 def agreement(g_ref: torch.Tensor, g: torch.Tensor) -> Agreement:
-    """Relative error and cosine similarity of ``g`` against ``g_ref`` (flat vectors of equal length)."""
+    r"""Relative error :math:`\lVert g - g_\text{ref}\rVert / \lVert g_\text{ref}\rVert` and cosine
+    :math:`\langle g, g_\text{ref}\rangle / (\lVert g\rVert\,\lVert g_\text{ref}\rVert)` of ``g`` against
+    ``g_ref`` (flat vectors of equal length; the cosine of a zero ``g`` is 0). Both are computed in float64 after
+    dividing the two vectors by their largest entry, with no small-norm clamp: exact for tiny gradients too."""
+    for name, t in (("g_ref", g_ref), ("g", g)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a flat (1-D) tensor, got {shape}; flatten it first (flat_grad(model) "
+                             "for a model's gradient, or t.flatten()).")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} holds NaN or inf entries: a relative error or cosine of it means nothing; "
+                             "find where the gradient overflowed first.")
     if g_ref.shape != g.shape:
         raise ValueError(f"gradients have different shapes {tuple(g_ref.shape)} and {tuple(g.shape)}.")
-    ref_norm = torch.linalg.vector_norm(g_ref)
-    if ref_norm == 0:
+    a, b = g_ref.detach().double(), g.detach().double()
+    scale = float(torch.maximum(a.abs().max(), b.abs().max())) if a.numel() else 0.0
+    if a.numel() == 0 or not bool(a.abs().max() > 0):
         raise ValueError("the reference gradient is zero; relative error is undefined.")
-    rel = torch.linalg.vector_norm(g - g_ref) / ref_norm
-    cos = torch.nn.functional.cosine_similarity(g, g_ref, dim=0)
-    return Agreement(float(rel), float(cos))
+    a, b = a / scale, b / scale
+    ref_norm, norm = torch.linalg.vector_norm(a), torch.linalg.vector_norm(b)
+    rel = float(torch.linalg.vector_norm(b - a) / ref_norm)
+    cos = float((a @ b) / (ref_norm * norm)) if norm > 0 else 0.0
+    return Agreement(rel, min(1.0, max(-1.0, cos)))
 
 
 # ---------------------------------------------------------------------------------------------- training

@@ -10,7 +10,11 @@ and updates its running statistics with momentum :math:`m` (PyTorch's default 0.
 
 .. math::
     \bar\mu \leftarrow (1-m)\,\bar\mu + m\,\hat\mu_B, \qquad
-    \bar\sigma^2 \leftarrow (1-m)\,\bar\sigma^2 + m\,\tfrac{b}{b-1}\hat\sigma^2_B \quad\text{(unbiased)}.
+    \bar\sigma^2 \leftarrow (1-m)\,\bar\sigma^2 + m\,\tfrac{N}{N-1}\hat\sigma^2_B \quad\text{(unbiased)},
+
+with :math:`N` the number of values each channel's statistics average over: :math:`N = b` for a ``BatchNorm1d``
+on (b, C) features, :math:`N = b\cdot H\cdot W` for a ``BatchNorm2d`` (the formulas above are then over all
+:math:`N` values of the channel).
 
 Under accumulation :math:`B` is a micro-batch: the statistics come from :math:`b` samples, not :math:`Kb`,
 and the running statistics are updated :math:`K` times per optimizer step.
@@ -62,7 +66,9 @@ def biased_variance_factor(b: int) -> float:
     BatchNorm normalizes training batches with this biased estimate but stores the unbiased one in
     ``running_var``; at b = 2 the training-time variance is on average half the population's.
     """
-    require_micro_batch(b, batch_norm=False)
+    if isinstance(b, bool) or not isinstance(b, int) or b < 2:
+        raise ValueError(f"b must be an int >= 2 (the biased variance of one sample is 0: the ratio is undefined "
+                         f"for b = 1), got {b!r}.")
     return (b - 1) / b
 
 

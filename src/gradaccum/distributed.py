@@ -21,6 +21,7 @@ over the gradients besides the all-reduce: copy in (and divide), copy out.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradaccum._validate import require_k
+from gradaccum._validate import require_count, require_k, require_positive
 from gradaccum.accumulate import split_batch
 
 
@@ -102,7 +103,10 @@ def micro_batch_that_fits(n_images: int, world_size: int, k: int, steps: int, ca
     b = min(cap, n_images // (world_size * k * steps))
     if b < 1:
         raise ValueError(f"{world_size} ranks × K={k} × {steps} steps need more than the {n_images} images even "
-                         f"with micro-batches of 1; use at most {n_images // (world_size * k)} steps or a smaller K.")
+                         + (f"with micro-batches of 1; use at most {n_images // (world_size * k)} steps or a smaller K."
+                            if n_images >= world_size * k else
+                            f"with micro-batches of 1; even one step needs {world_size * k} images: use a smaller K "
+                            "or fewer ranks."))
     return b
 
 
@@ -114,6 +118,13 @@ class Interconnect:
     bandwidth: float
     latency: float
     source: str
+
+    def __post_init__(self) -> None:
+        require_positive(self.bandwidth, "an Interconnect's bandwidth (bytes/s)")
+        if isinstance(self.latency, bool) or not isinstance(self.latency, (int, float)) \
+                or not math.isfinite(self.latency) or self.latency < 0:
+            raise ValueError(f"an Interconnect's latency must be a finite number of seconds >= 0, got "
+                             f"{self.latency!r}.")
 
 
 #: Nominal per-direction link rates from the standards and datasheets cited in the chapter; the latencies are
@@ -135,8 +146,9 @@ def ring_allreduce_time(n_bytes: float, p: int, link: Interconnect) -> float:
     """
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
         raise ValueError(f"p is a number of ranks: an int >= 1, got {p!r}; round it to a whole number of ranks.")
-    if not n_bytes >= 0:
-        raise ValueError(f"n_bytes must be >= 0, got {n_bytes!r}.")
+    if isinstance(n_bytes, bool) or not isinstance(n_bytes, (int, float)) or not math.isfinite(n_bytes) \
+            or n_bytes < 0:
+        raise ValueError(f"n_bytes must be a finite number >= 0 (a Python int or float), got {n_bytes!r}.")
     if p == 1:
         return 0.0
     return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * n_bytes / link.bandwidth
@@ -169,8 +181,18 @@ def predict_step(params: int, k: int, p: int, link: Interconnect, micro_compute:
     does.
     """
     require_k(k)
-    if params < 1 or micro_compute < 0 or buckets < 1 or copy_passes < 0:
-        raise ValueError("params and buckets must be positive, micro_compute and copy_passes non-negative.")
+    require_count(params, "params (the number of parameters)")
+    require_count(buckets, "buckets")
+    require_count(bytes_per_param, "bytes_per_param")
+    require_count(copy_passes, "copy_passes", minimum=0)
+    if buckets > params:
+        raise ValueError(f"{buckets} buckets for {params} parameters: a bucket holds at least one parameter; use at "
+                         f"most {params} buckets.")
+    if isinstance(micro_compute, bool) or not isinstance(micro_compute, (int, float)) \
+            or not math.isfinite(micro_compute) or micro_compute < 0:
+        raise ValueError(f"micro_compute must be a finite number of seconds >= 0, got {micro_compute!r}.")
+    if copy_bandwidth is not None:
+        require_positive(copy_bandwidth, "copy_bandwidth (bytes/s)")
     n_bytes = params * bytes_per_param
     one = buckets * ring_allreduce_time(n_bytes / buckets, p, link)
     if copy_bandwidth is not None and p > 1:

@@ -14,7 +14,6 @@ import contextlib
 import copy
 import functools
 import random
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -137,7 +136,9 @@ def batchnorm_layers(model: nn.Module, x: torch.Tensor) -> list[tuple[str, _Batc
 def _twice_message(name: str) -> str:
     return (f"BatchNorm layer {_label(name)} is called more than once per forward pass; the scheme gives each layer "
             "one set of full-batch statistics, so it needs each batch-statistics BatchNorm called once. Give each "
-            "call its own BatchNorm module (or freeze this one with .eval()).")
+            "call its own BatchNorm module (or freeze this one with .eval()). If the second call is activation "
+            "checkpointing recomputing the layer during backward (torch.utils.checkpoint with "
+            "use_reentrant=False), use cache=True, or reentrant checkpointing.")
 
 
 def _cuda_devices(model: nn.Module, x: torch.Tensor) -> list[int]:
@@ -550,26 +551,10 @@ class _Plan:
     read_at: dict[fx.Node, tuple[int, str]]
 
 
-_plans: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], _Plan]] = weakref.WeakKeyDictionary()
-_MODULE_STATE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_state_dict_hooks",
-                 "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"}
-
-
-def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
-    """What a trace reads besides the code: each module's mode, hooks, parameters, buffers and plain attributes
-    (numbers, strings, flags by value; any other object by identity)."""
-    def value(v: Any) -> Any:
-        return v if isinstance(v, (int, float, str, bool, type(None))) else id(v)
-
-    return tuple((id(m), m.training, _has_hooks(m), tuple(map(id, m.parameters(recurse=False))),
-                  tuple((n, id(b)) for n, b in m.named_buffers(recurse=False)),
-                  tuple((k, value(v)) for k, v in vars(m).items() if k not in _MODULE_STATE and "hook" not in k))
-                 for m in model.modules())
-
-
 def _plan(model: nn.Module, names: dict[_BatchNorm, str]) -> _Plan:
-    """The stages of ``model``, traced once and kept while the model lives; traced again when anything the trace
-    read changes (:func:`_fingerprint`: modules, modes, hooks, parameters, buffers, plain attributes). ValueError
+    """The stages of ``model``, traced at every call: a trace bakes in whatever the forward read while it ran (a
+    dict's entries, a module-level global, an attribute's value), and no check of the model can tell that one of
+    those changed, so a kept trace could silently compute another network. ValueError
     for hooks the stages would skip: on the model (a forward pre-hook that only looks is allowed; one that changes
     the input is refused when it runs, see :func:`_find_rng_starts`) and on the BatchNorm layers they replace."""
     if model._forward_hooks or model._backward_hooks or model._backward_pre_hooks:
@@ -579,13 +564,7 @@ def _plan(model: nn.Module, names: dict[_BatchNorm, str]) -> _Plan:
     if hooked:
         raise ValueError(f"BatchNorm layer {_label(hooked[0])} has hooks; cache=True computes the layers it cuts at "
                          "itself, so their hooks would not run. Remove them or use cache=False.")
-    key = (_fingerprint(model), tuple(map(id, names)))
-    kept = _plans.get(model)
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    plan = _trace(model, names)
-    _plans[model] = (key, plan)
-    return plan
+    return _trace(model, names)
 
 
 @contextmanager
@@ -1052,13 +1031,13 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
     the same cost as the exact one. The model's ``forward`` itself is called once (micro-batch 0, which shows
     whether the model draws random numbers) or K times (it does: each micro-batch's generator state is found as
     without the cache); the stages call the model's submodules that torch.fx keeps whole (torch.nn layers),
-    whose hooks run. The trace is kept with the model and made again when anything it read changes (modules,
-    modes, hooks, parameters, buffers, plain attributes). ValueError, saying to use ``cache=False``, for a model
-    torch.fx cannot trace (Python control flow on tensor values), with more than one input, whose forward changes
-    autograd's mode (a ``torch.no_grad()`` block: a trace does not record it) or draws from Python's ``random``,
-    with hooks the stages would skip (on the model, on the BatchNorm layers; a forward pre-hook on the model that
-    leaves the input alone is allowed and sees the calls above), or whose values read across a cut are changed in
-    place.
+    whose hooks run. The trace is made at every call (milliseconds: a trace bakes in what the forward read, and a
+    kept one would silently go stale when a dict entry or a global the forward reads changes). ValueError, saying
+    to use ``cache=False``, for a model torch.fx cannot trace (Python control flow on tensor values), with more
+    than one input, whose forward changes autograd's mode (a ``torch.no_grad()`` block: a trace does not record
+    it) or draws from Python's ``random``, with hooks the stages would skip (on the model, on the BatchNorm
+    layers; a forward pre-hook on the model that leaves the input alone is allowed and sees the calls above), or
+    whose values read across a cut are changed in place.
 
     Layers are treated as ``nn.BatchNorm`` treats them: a training-mode layer (or an eval-mode one without
     running statistics) normalizes with the full batch's statistics; an eval-mode layer with running statistics

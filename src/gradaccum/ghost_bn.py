@@ -35,13 +35,13 @@ def auto_impl(x: torch.Tensor, virtual_batch_size: int) -> str:
 
     Measured on the book's 2-core CPU, one thread (``gradaccum/book/ghost_bn_cpu.json``, written by
     ``benchmarks/ghost_bn.py``; forward + backward relative to one ``nn.BatchNorm`` call on the whole batch):
-    256×64×16×16 with v=32 (524,288 values per ghost batch), loop 1.13×, fold 1.61×; 64×16×8×8 with v=4 (4,096),
-    loop 3.2×, fold 1.9×; 4096×256 with v=32 (8,192), loop 3.5×, fold 2.6×. The loop writes each ghost batch
+    256×64×16×16 with v=32 (524,288 values per ghost batch), loop 0.90×, fold 1.36×; 64×16×8×8 with v=4 (4,096),
+    loop 3.9×, fold 2.1×; 4096×256 with v=32 (8,192), loop 3.1×, fold 2.7×. The loop writes each ghost batch
     straight into its slice of the output, so for large ghost batches it costs little more than BatchNorm; for
     small ones its G kernel calls cost more than the fold's copies in and out of the folded layout (the
     crossover, between 32,768 and 131,072 values, was measured on more shapes while choosing). CUDA was not
     measured for this edition (an earlier calibration on an H200 put the fold at 1.4×, against 2.7–4.4× for a loop
-    of ``nn.BatchNorm2d``), so every device but the CPU gets the fold. ``"compile"`` (0.80×, 1.9× and 1.7× on the three
+    of ``nn.BatchNorm2d``), so every device but the CPU gets the fold. ``"compile"`` (0.61×, 2.0× and 1.7× on the three
     shapes, timed between the other rows) is never picked: it takes seconds to compile every new input shape (6 to
     18 s on this CPU with an empty compile cache) and needs a C++ compiler.
     """
@@ -247,7 +247,9 @@ class GhostBatchNorm(_BatchNorm):
     batches folded into the channel dimension — a copy of shape :math:`(v, G\cdot C, \dots)` — so that one
     ``F.batch_norm`` call normalizes all of them; ``"compile"``, the formulas of ghost BatchNorm and of its
     gradient written as array math and compiled by ``torch.compile`` (once differentiable; seconds to compile
-    per input shape; after a failure to compile it warns once and runs the same formulas eagerly);
+    per input shape; after a failure to compile it warns once and runs the same formulas eagerly; all layers share
+    one compiled function, so after eight input shapes ``torch.compile``'s recompile limit runs further shapes
+    eagerly too, without a warning, slower than the fold);
     ``"auto"`` (default), :func:`auto_impl`: the loop on CPU for large ghost batches, the fold otherwise.
     """
 
@@ -278,7 +280,9 @@ class GhostBatchNorm(_BatchNorm):
     def _check_input_dim(self, x: torch.Tensor) -> None:
         expected = 4 if self.dims == 2 else 2
         if x.dim() != expected:
-            raise ValueError(f"GhostBatchNorm(dims={self.dims}) expects a {expected}-D input, got {x.dim()}-D.")
+            raise ValueError(f"GhostBatchNorm(dims={self.dims}) expects a {expected}-D input, got {x.dim()}-D"
+                             + ("; for (N, C, L) sequences, reshape to (N, C, 1, L) and use dims=2."
+                                if x.dim() == 3 else "."))
         if x.shape[1] != self.num_features:
             raise ValueError(f"GhostBatchNorm({self.num_features}, ...) got an input with {x.shape[1]} channels "
                              f"(shape {tuple(x.shape)}): its dimension 1 must hold the {self.num_features} "

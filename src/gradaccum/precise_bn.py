@@ -20,6 +20,7 @@ def precise_bn(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
     statistics: recomputing them would silently undo the freeze) and one without running statistics; a model handed
     over in eval mode as a whole cannot show which layers were frozen, and every layer is recomputed. The last
     ``x.shape[0] mod batch_size`` samples are left out, so that every batch has the size training normalized with.
+    If the pass fails (an input the model refuses), every layer's statistics and momentum are put back as they were.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 2 <= batch_size <= x.shape[0]:
         raise ValueError(f"batch_size must be an int between 2 and {x.shape[0]}, got {batch_size!r}.")
@@ -35,11 +36,26 @@ def precise_bn(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
             raise ValueError(f"BatchNorm layer {name or '(the model)'!r} is in eval mode while the model trains "
                              "(frozen statistics): PreciseBN would overwrite them. Recompute on a sub-module "
                              "without it, or unfreeze it first.")
+    for name, layer in layers:
+        v = getattr(layer, "virtual_batch_size", None)
+        if v is not None and batch_size != v and batch_size % v:
+            raise ValueError(f"layer {name or '(the model)'!r} is a GhostBatchNorm with ghost batches of {v}: "
+                             f"batch_size {batch_size} must be {v} or a multiple of it.")
     modes = {m: m.training for m in model.modules()}
+    saved = {layer: (layer.momentum, {k: b.detach().clone() for k, b in layer.named_buffers(recurse=False)})
+             for _, layer in layers}
     usable = x.shape[0] - x.shape[0] % batch_size
+    done = False
     try:
         with torch.no_grad():
             torch.optim.swa_utils.update_bn(list(x[:usable].split(batch_size)), model)
+        done = True
     finally:
         for module, training in modes.items():
             module.train(training)
+        if not done:  # update_bn had already reset the statistics and set momentum None: put them back
+            with torch.no_grad():
+                for layer, (momentum, buffers) in saved.items():
+                    layer.momentum = momentum
+                    for k, b in layer.named_buffers(recurse=False):
+                        b.copy_(buffers[k])

@@ -46,6 +46,8 @@ def normalized_feature_sizes(b: int, draws: int = 20000, seed: int = 0) -> tuple
     Returns (RMS of training-mode outputs, RMS of eval-mode outputs, mean |eval| / mean |train|).
     """
     require_micro_batch(b)
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise ValueError(f"draws must be an int >= 1, got {draws!r}.")
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(b, draws, generator=gen, dtype=torch.float64)  # column j: micro-batch j of b samples
     with torch.no_grad():  # fresh running statistics are the population's, (0, 1)
@@ -73,17 +75,24 @@ class MomentSpread:
 def moment_spread(features: torch.Tensor, b: int, draws: int = 2000, seed: int = 0) -> MomentSpread:
     """Draw ``draws`` micro-batches of size b (without replacement) from ``features`` (N, C) and measure.
 
-    Channels with zero variance are left out.
+    Channels with zero variance are left out; b must be below N (a micro-batch of all N samples has no spread).
     """
     require_micro_batch(b)
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 2:
+        raise ValueError(f"draws must be an int >= 2 (a spread needs at least two micro-batches), got {draws!r}.")
     if features.dim() != 2:
         raise ValueError(f"features must have shape (N, C), got {tuple(features.shape)}.")
     n = features.shape[0]
-    if b > n:
-        raise ValueError(f"micro-batch size {b} exceeds the {n} available samples.")
+    if b >= n:
+        raise ValueError(f"micro-batch size {b} must be below the {n} available samples: a micro-batch of all of "
+                         "them always has the same mean (its spread is 0, and the ratio to it undefined).")
     feats = features.detach().double().cpu()
+    if not bool(torch.isfinite(feats).all()):
+        raise ValueError("features hold NaN or inf values; pass finite activations.")
     sigma2 = feats.var(0, correction=0)
     keep = sigma2 > 1e-12 * sigma2.max()
+    if not bool(keep.any()):
+        raise ValueError("every channel of features is constant: there is no spread to measure.")
     feats, sigma2 = feats[:, keep], sigma2[keep]
     gen = torch.Generator().manual_seed(seed)
     idx = torch.stack([torch.randperm(n, generator=gen)[:b] for _ in range(draws)])  # (draws, b)

@@ -95,7 +95,9 @@ def precise_bn_size_effect(model: nn.Module, x: torch.Tensor, x_val: torch.Tenso
     """Run PreciseBN on two copies of ``model``, in batches of ``small`` and of ``large``, and compare.
 
     ``update_bn`` averages what BatchNorm stores per batch — the mean and the *unbiased* variance — so at the
-    first BatchNorm layer both sizes estimate the same population values. At later layers the inputs
+    first BatchNorm layer both sizes estimate the same population values for independent values (features); for
+    feature maps, whose positions within an image are correlated, a batch of b images misses about 1/b of the
+    variance between images, so small batches give a lower running variance. At later layers the inputs
     themselves differ, because during the pass every earlier layer normalizes each batch with that batch's
     statistics.
     """

@@ -28,13 +28,23 @@ from gradaccum.distributed import (
 
 
 def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float], p: int) -> Interconnect:
-    """Least-squares fit of the ring model's latency and bandwidth to measured all-reduce times."""
+    """Least-squares fit of the ring model's latency and bandwidth to measured all-reduce times; where the best
+    fit has a negative latency, the bandwidth is fitted again with latency 0. Refused (``ValueError``) where the
+    times do not grow with the message size: no positive bandwidth fits them."""
 
-    if len(sizes_bytes) < 2 or p < 2:
-        raise ValueError("need at least two message sizes and p >= 2 to fit latency and bandwidth.")
-    a = np.column_stack([np.full(len(sizes_bytes), 2.0 * (p - 1)), 2.0 * (p - 1) / p * np.array(sizes_bytes, float)])
-    (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.array(seconds), rcond=None)
-    return Interconnect("measured", 1.0 / inv_beta, max(float(alpha), 0.0), "fit")
+    if len(set(sizes_bytes)) < 2 or len(sizes_bytes) != len(seconds) or isinstance(p, bool) or not isinstance(p, int) \
+            or p < 2:
+        raise ValueError("need one time per message size, at least two different sizes, and an int p >= 2 to fit "
+                         "latency and bandwidth.")
+    volume = 2.0 * (p - 1) / p * np.array(sizes_bytes, float)
+    a = np.column_stack([np.full(len(sizes_bytes), 2.0 * (p - 1)), volume])
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.array(seconds, float), rcond=None)
+    if alpha < 0:  # latency 0, bandwidth refitted through the origin
+        alpha, inv_beta = 0.0, float(volume @ np.array(seconds, float) / (volume @ volume))
+    if not inv_beta > 0:
+        raise ValueError("the measured times do not grow with the message size, so no positive bandwidth fits "
+                         "them: time larger messages, or rerun on a quieter machine.")
+    return Interconnect("measured", 1.0 / float(inv_beta), float(alpha), "fit")
 
 
 def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, micro_compute: float) -> Any:
@@ -98,7 +108,8 @@ def analyse_timing(result: dict[str, Any], p: int) -> TimingFit:
         sync, nosync = result["steps"][width, k, False], result["steps"][width, k, True]
         pairs = result.get("pairs", {}).get((width, k))
         saved = statistics.median(a - b for a, b in pairs) if pairs else sync - nosync
-        pred = predict_step(params, k, p, link, 0.0, copy_bandwidth=copy_bw).saving
+        # a copy slope <= 0 (copies too fast to time): the copies count as free
+        pred = predict_step(params, k, p, link, 0.0, copy_bandwidth=None if copy_bw == float("inf") else copy_bw).saving
         rows.append((width, params, k, sync, nosync, saved, pred))
     return TimingFit(link, copy_bw, rows)
 
@@ -140,6 +151,9 @@ def plot_prediction(params_millions: float, k: int, p: int, preset: str, micro_c
         raise ValueError(f"unknown interconnect {preset!r}; choose one of {list(PRESETS)}.")
     if params_millions <= 0:
         raise ValueError("the model needs a positive number of parameters.")
+    if preset.startswith("NVLink") and p > 8:
+        raise ValueError(f"NVLink connects the GPUs of one node (up to 8 here); {p} GPUs span several nodes and "
+                         "talk over the network: pick p ≤ 8, or InfiniBand or Ethernet.")
     pred = predict_step(int(params_millions * 1e6), k, p, PRESETS[preset], micro_compute_ms / 1e3, bytes_per_param=4)
     fig, (ax,) = figure(1, 7.2, 2.8)
     names = ["all-reduce every micro-batch", "no_sync (one all-reduce)"]

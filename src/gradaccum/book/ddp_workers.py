@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradaccum._validate import require_count, require_k, require_positive
 from gradaccum.accumulate import accumulated_gradient, flat_grad
 from gradaccum.book.models import make_cnn, mlp
 from gradaccum.distributed import (
@@ -89,6 +90,13 @@ def launch(task: str, world_size: int = 2, timeout: float = 60.0, **kwargs: Any)
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
     if not timeout > 0:
         raise ValueError(f"timeout must be positive, got {timeout}.")
+    if "k" in kwargs:  # checked here, before any process starts (a worker's error says less)
+        require_k(kwargs["k"])
+    for name in ("b", "steps", "windows"):
+        if name in kwargs:
+            require_count(kwargs[name], name)
+    if kwargs.get("bucket_cap_mb") is not None:
+        require_positive(kwargs["bucket_cap_mb"], "bucket_cap_mb")
     if task in DATA_TASKS and "data" not in kwargs:
         from gradaccum.book.data import load_digits_split  # here, not at the top: workers never load sklearn
 

@@ -15,7 +15,7 @@ from decimal import ROUND_HALF_UP, Decimal
 import torch
 
 from gradaccum import bn_statistics
-from gradaccum._validate import require_count, require_k
+from gradaccum._validate import require_count, require_k, require_positive
 
 
 @dataclass(frozen=True)
@@ -438,6 +438,8 @@ def grade_backoff_steps(answer: object, k: int = 8) -> Feedback:
 
 def grade_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedback:
     """Exercise: all-reduce calls per optimizer step under naive accumulation (DDP, ``buckets`` buckets)."""
+    require_k(k)
+    require_count(buckets, "buckets")
     return grade_number(
         answer,
         float(k * buckets),
@@ -456,6 +458,8 @@ def grade_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedb
 
 def grade_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Feedback:
     """Exercise: megabytes each rank sends in a ring all-reduce of ``megabytes`` of gradients over p ranks."""
+    require_count(p, "p (the number of ranks)", minimum=2)
+    require_positive(megabytes, "megabytes")
     return grade_number(
         answer,
         2 * (p - 1) / p * megabytes,
@@ -470,6 +474,29 @@ def grade_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Fe
                                                 "gigabytes."),
         ],
         hint="2(p − 1) rounds, each sending one chunk of n/p.",
+    )
+
+
+def grade_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float = 100.0,
+                        gb_per_s: float = 10.0) -> Feedback:
+    """Exercise: milliseconds per optimizer step that no_sync saves (α–β model, latency and copies ignored)."""
+    require_k(k)
+    require_count(p, "p (the number of ranks)", minimum=2)
+    require_positive(megabytes, "megabytes")
+    require_positive(gb_per_s, "gb_per_s")
+    one = 2 * (p - 1) / p * megabytes / 1000 / gb_per_s * 1000  # ms per ring all-reduce
+    return grade_number(
+        answer,
+        (k - 1) * one,
+        mistakes=[
+            (k * one, "no_sync saves K − 1 all-reduces, not K: one remains at the end of the window."),
+            (one, "that is one all-reduce; no_sync saves K − 1 of them per step."),
+            ((k - 1) * megabytes / 1000 / gb_per_s * 1000, "a ring all-reduce sends 2(p − 1)/p · n bytes, not n."),
+            ((k - 1) * one / 2, "a ring all-reduce has two phases (reduce-scatter and all-gather): 2(p − 1)/p · n."),
+            ((k - 1) * one / 1000, "right number, wrong unit: that is in seconds; the answer is asked in "
+                                   "milliseconds."),
+        ],
+        hint="(K − 1) · 2(p − 1)/p · n / β.",
     )
 
 
@@ -536,25 +563,6 @@ def grade_partial_scale(answer: object, present: int = 3, k: int = 16) -> Feedba
             ((k - present) / k, "that is the share that is *missing*; the question asks for the factor that remains."),
         ],
         hint="Sum of `present` terms, each divided by K, against the mean of those terms.",
-    )
-
-
-def grade_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float = 100.0,
-                        gb_per_s: float = 10.0) -> Feedback:
-    """Exercise: milliseconds per optimizer step that no_sync saves (α–β model, latency and copies ignored)."""
-    one = 2 * (p - 1) / p * megabytes / 1000 / gb_per_s * 1000  # ms per ring all-reduce
-    return grade_number(
-        answer,
-        (k - 1) * one,
-        mistakes=[
-            (k * one, "no_sync saves K − 1 all-reduces, not K: one remains at the end of the window."),
-            (one, "that is one all-reduce; no_sync saves K − 1 of them per step."),
-            ((k - 1) * megabytes / 1000 / gb_per_s * 1000, "a ring all-reduce sends 2(p − 1)/p · n bytes, not n."),
-            ((k - 1) * one / 2, "a ring all-reduce has two phases (reduce-scatter and all-gather): 2(p − 1)/p · n."),
-            ((k - 1) * one / 1000, "right number, wrong unit: that is in seconds; the answer is asked in "
-                                   "milliseconds."),
-        ],
-        hint="(K − 1) · 2(p − 1)/p · n / β.",
     )
 
 
