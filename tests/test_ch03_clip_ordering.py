@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from gradaccum import clipping
 from gradaccum.accumulate import agreement, flat_grad, full_batch_gradient
@@ -296,3 +297,34 @@ def test_runs_in_two_processes_are_the_sequential_ones(digits):
     assert ch3.train_sweep(digits, **sweep) == ch3.train_sweep(digits, **sweep, workers=2)
     with pytest.raises(ValueError, match="unknown placement"):
         ch3.train_sweep(digits, placements=("twice",), workers=2)
+
+
+def test_clipping_tools_refuse_impossible_input_and_the_order_grader_follows_the_norm():
+    """Found by review: clip_vector reversed a vector for c = -1, raw_micro_all_clipped took a mean cosine no K
+    unit vectors can have, the scaler tools took scale 0 (NaN) or -2, clipped_accumulation checked mode only after
+    the window, and the scaler-order grader expected c/S even when the clip does not act."""
+    from gradaccum.book import exercises
+
+    v = torch.tensor([3.0, 4.0])
+    for c in (-1.0, 0.0, float("nan")):
+        for mode in ("norm", "value"):
+            with pytest.raises(ValueError, match="threshold"):
+                clipping.clip_vector(v, c, mode)
+    with pytest.raises(ValueError, match="floating-point"):
+        clipping.clip_vector(torch.tensor([3, 4]), 1.0)
+    with pytest.raises(ValueError, match=r"\[-1/\(K-1\), 1\]"):
+        clipping.raw_micro_all_clipped(-1.0, 3, 2.0)
+    for kwargs in (dict(scale=0.0), dict(scale=-2.0), dict(grad_norm=True), dict(scale=1e300)):
+        with pytest.raises(ValueError):
+            clipping.scaler_clip_norm(**(dict(grad_norm=4.0, c=1.0) | kwargs))
+    model = nn.Sequential(nn.Linear(3, 2)).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    with pytest.raises(ValueError, match="init_scale"):
+        clipping.clip_with_scaler(model, nn.CrossEntropyLoss(), x, y, 2, 1.0, init_scale=0.0)
+    with pytest.raises(ValueError, match="mode"):
+        clipping.clipped_accumulation(model, nn.CrossEntropyLoss(), x, y, 2, 1.0, "once", mode="Value")
+    assert all(p.grad is None for p in model.parameters())  # refused before any backward
+    assert exercises.grade_scaler_clip_order(1e-6, scale=1.0, c=1.0, norm=1e-6).correct  # the clip does not act
+    assert exercises.grade_scaler_clip_order(1.0 / 65536).correct
+    with pytest.raises(ValueError):
+        exercises.grade_scaler_clip_order(1.0, scale=0.0)

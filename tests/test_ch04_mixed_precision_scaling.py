@@ -320,3 +320,34 @@ def test_kernel_gradients_leave_out_fp32_normalization_parameters(digits, loss_f
     assert predicted == measured
     with pytest.raises(ValueError, match="no linear or convolution"):
         precision.kernel_gradients(nn.Sequential(nn.GroupNorm(1, 4)), loss_fn, torch.ones(4, 4, 2), y[:4], 2)
+
+
+def test_amp_tools_and_graders_refuse_what_they_cannot_do(digits):
+    """Found by review: a model's own crash (a loss given wrong shapes) came back as the pattern's 'error',
+    overflow_micro outside the window and lr = 0 were accepted, the smallest-positive grader expected 2^-18 for
+    float8_e5m2fnuz (whose finfo eps is not its format's), and the graders took impossible parameters."""
+    from gradaccum.book import exercises
+
+    model = make_cnn("group", dtype=torch.float32)
+    x, y = digits.x_train[:16].float(), digits.y_train[:16]
+    wrong_shape = lambda out, target: nn.functional.mse_loss(out, out[:, :3])  # noqa: E731
+    with pytest.raises(RuntimeError):  # the model's or loss's own error propagates
+        precision.amp_window(model, wrong_shape, x, y, 4, "correct")
+    for kwargs, message in ((dict(overflow_micro=4), "overflow_micro"), (dict(overflow_micro=True), "overflow_micro"),
+                            (dict(lr=0.0), "lr"), (dict(lr=float("nan")), "lr")):
+        with pytest.raises(ValueError, match=message):
+            precision.amp_window(model, nn.CrossEntropyLoss(), x, y, 4, "correct", **kwargs)
+    assert precision.amp_window(model, nn.CrossEntropyLoss(), x, y, 4, "unscale_per_micro").error.startswith(
+        "RuntimeError: unscale_() has already been called")
+    for dtype in ("float8_e5m2fnuz", torch.float16):
+        with pytest.raises(ValueError):
+            exercises.grade_smallest_positive(1e-5, dtype=dtype)
+    with pytest.raises(ValueError, match="finfo"):
+        precision.format_info(torch.float8_e5m2fnuz)
+    for grader, kwargs in ((exercises.grade_effective_scale, dict(k=0)), (exercises.grade_effective_scale,
+                                                                          dict(scale=-1.0)),
+                           (exercises.grade_backoff_scale, dict(backoff=2.0)), (exercises.grade_backoff_scale,
+                                                                               dict(scale=0.0)),
+                           (exercises.grade_backoff_steps, dict(k=2.5))):
+        with pytest.raises(ValueError):
+            grader(1.0, **kwargs)

@@ -5,6 +5,7 @@ checkpointing reruns BatchNorm's statistics update, and the wrapper keeps them."
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -333,3 +334,34 @@ def test_the_checkpoint_wrapper_also_keeps_instance_norm_statistics():
     assert torch.allclose(norm(kept).running_mean, norm(plain).running_mean, rtol=0, atol=1e-15)
     assert torch.allclose(norm(kept).running_var, norm(plain).running_var, rtol=0, atol=1e-15)
     assert norm(kept).momentum == 0.1 and rel(grads(kept), grads(plain)) < 1e-13
+
+
+def test_coupled_tools_refuse_what_they_cannot_compute():
+    """Found by review: empty batches gave NaN, fractions of the wrong length or sum and logits gave numbers,
+    a function handed to checkpoint_keeping_bn_stats failed only in backward, and negative reruns a momentum."""
+    enc = nn.Linear(4, 3).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="non-empty"):
+        coupled.grad_cache_backward([enc, enc], [x[:0], x[:0]], 2)
+    with pytest.raises(ValueError, match="no pairs"):
+        coupled.info_nce(x[:0], x[:0])
+    for bad in (torch.tensor([0.1, 0.2]), True, math.inf, "0.1"):
+        with pytest.raises(ValueError, match="temperature"):
+            coupled.info_nce(x, x, bad)
+    with pytest.raises(ValueError, match=r"indices in \[0, 2\)"):
+        coupled.expert_fractions(torch.tensor([0, 5]), 2)
+    with pytest.raises(ValueError, match="n_experts"):
+        coupled.expert_fractions(torch.tensor([0, 1]), 2.5)
+    with pytest.raises(ValueError, match="one column per expert"):
+        coupled.window_fractions(nn.Linear(4, 4).double(), [x[:4], x[4:]], 2)
+    probs = torch.softmax(torch.randn(6, 4, dtype=torch.float64), 1)
+    for fractions in (torch.full((4,), 1.0, dtype=torch.float64), torch.tensor([0.5, 0.5, 0.5, -0.5]).double()):
+        with pytest.raises(ValueError, match="fractions"):
+            coupled.switch_aux_loss(probs, fractions)
+    with pytest.raises(ValueError, match="softmax"):
+        coupled.switch_aux_loss(torch.randn(6, 4))
+    for kwargs in (dict(reruns=-1), dict(reruns=0.5), dict(m=True), dict(m=None)):
+        with pytest.raises(ValueError):
+            coupled.recompute_momentum(**(dict(m=0.1, k=2) | kwargs))
+    with pytest.raises(ValueError, match="nn.Module"):
+        coupled.checkpoint_keeping_bn_stats(lambda t: enc(t), x)

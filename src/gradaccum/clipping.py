@@ -63,8 +63,20 @@ EPS = 1e-6  # clip_grad_norm_'s constant
 def _require_threshold(c: float) -> float:
     """A clipping threshold must be a positive finite number."""
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
-        raise ValueError(f"the clipping threshold must be a positive finite number, got {c!r}.")
+        raise ValueError(f"the clipping threshold must be a positive finite number (a Python float: pass float(c) "
+                         f"for a NumPy or torch scalar), got {c!r}.")
     return float(c)
+
+
+def _require_mode(mode: str) -> None:
+    if mode not in ("norm", "value"):
+        raise ValueError(f"mode must be 'norm' or 'value', got {mode!r}.")
+
+
+def _require_scale(scale: float, name: str = "the loss scale") -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {scale!r}.")
+    return float(scale)
 
 
 def _require_placement(placement: str) -> Placement:
@@ -75,6 +87,11 @@ def _require_placement(placement: str) -> Placement:
 
 def clip_vector(v: torch.Tensor, c: float, mode: Literal["norm", "value"] = "norm") -> torch.Tensor:
     """``clip_grad_norm_`` (or ``clip_grad_value_``) applied to one flat vector, out of place."""
+    _require_threshold(c)
+    _require_mode(mode)
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+        raise ValueError(f"v must be a floating-point tensor (as a gradient is), got "
+                         f"{v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}.")
     if mode == "value":
         return v.clamp(-c, c)
     if mode != "norm":
@@ -201,6 +218,7 @@ def clipped_accumulation(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     """
     _require_threshold(c)
     _require_placement(placement)
+    _require_mode(mode)
     params = [p for p in model.parameters() if p.requires_grad]
     total = 0.0
     for xb, yb in split_batch(x, y, k):
@@ -291,6 +309,7 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     ``unscale_`` (wrong; ``scaler.step`` would unscale after the clip). Runs on a copy of ``model``."""
 
     _require_threshold(c)
+    _require_scale(init_scale, "init_scale")
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     device_type = next(work.parameters()).device.type
@@ -324,8 +343,9 @@ def raw_micro_all_clipped(agreement: float, k: int, smallest_over_c: float) -> f
     At fixed agreement :math:`\bar a` the step still shrinks as K grows, towards :math:`\sqrt{\bar a}`
     (:math:`1/\sqrt K` for unrelated micro-gradients)."""
     require_k(k)
-    if not -1.0 <= agreement <= 1.0:
-        raise ValueError(f"agreement is a mean cosine and must lie in [-1, 1], got {agreement}.")
+    if not -1.0 / (k - 1 if k > 1 else 1) <= agreement <= 1.0:
+        raise ValueError(f"agreement is the mean pairwise cosine of K = {k} unit vectors, which lies in "
+                         f"[-1/(K-1), 1] = [{-1 / max(k - 1, 1):.3g}, 1], got {agreement}.")
     if not smallest_over_c > 1.0:
         raise ValueError(f"the formula needs every micro-gradient longer than c, but the shortest has norm "
                          f"{smallest_over_c}·c; compute (a2) with combine(grads, c, 'raw_micro') instead.")
@@ -338,8 +358,13 @@ def scaler_clip_norm(grad_norm: float, c: float, scale: float = 2.0**16, unscale
     ``unscale_`` (wrong: the clip sees the scaled norm S·‖g‖ and brings it to c, unscaling leaves c/S).
     Uses a real scaler on one float64 parameter on the CPU."""
     _require_threshold(c)
-    if not grad_norm > 0 or not math.isfinite(grad_norm):
-        raise ValueError(f"grad_norm must be a positive finite number, got {grad_norm}.")
+    _require_scale(grad_norm, "grad_norm")
+    _require_scale(scale, "the loss scale")
+    if scale > torch.finfo(torch.float32).max:
+        raise ValueError(f"GradScaler keeps its scale in float32, whose largest value is "
+                         f"{torch.finfo(torch.float32).max:g}; got scale {scale:g}.")
+    if grad_norm * scale > torch.finfo(torch.float64).max / 4:
+        raise ValueError(f"grad_norm · scale = {grad_norm * scale:g} overflows float64; give a smaller scale.")
     p = nn.Parameter(torch.zeros(2, dtype=torch.float64))
     opt = torch.optim.SGD([p], lr=0.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=scale)

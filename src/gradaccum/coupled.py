@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradaccum._validate import require_k
+from gradaccum._validate import require_count, require_k
 
 __all__ = ["info_nce", "micro_batch_info_nce", "plain_accumulation_backward", "grad_cache_backward",
            "expert_fractions", "switch_aux_loss", "window_fractions", "checkpoint_keeping_bn_stats",
@@ -47,6 +47,22 @@ _BN = nn.modules.batchnorm._BatchNorm
 _NORM = nn.modules.batchnorm._NormBase  # BatchNorm and InstanceNorm: both may keep running statistics
 
 
+def _temperature(temperature: float | torch.Tensor) -> float | torch.Tensor:
+    """A positive finite temperature (or a one-element floating tensor, for a learnable one, as a scalar)."""
+    if isinstance(temperature, torch.Tensor):  # a learnable temperature: one positive finite value
+        valid = (temperature.numel() == 1 and temperature.is_floating_point()
+                 and bool(torch.isfinite(temperature).all()) and bool((temperature > 0).all()))
+    else:
+        valid = (isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
+                 and 0 < temperature < math.inf)
+    if not valid:
+        raise ValueError(f"temperature must be a positive finite number (or a one-element floating tensor, for a "
+                         f"learnable temperature), got {temperature!r}.")
+    if isinstance(temperature, torch.Tensor):
+        return temperature.reshape(())  # a (1, 1) temperature must not broadcast the logits to 3-D
+    return temperature
+
+
 def info_nce(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.1) -> torch.Tensor:
     r"""InfoNCE over in-batch negatives: the mean over i of
     :math:`-\log\,\mathrm{softmax}_j(\hat a_i\cdot\hat b_j/\tau)_i` (the positive of ``a[i]`` is ``b[i]``; every
@@ -54,9 +70,9 @@ def info_nce(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.1) -> torc
     if a.shape != b.shape or a.dim() != 2:
         raise ValueError(f"a and b must be (n, d) embeddings of the same shape, got {tuple(a.shape)} and "
                          f"{tuple(b.shape)}.")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}.")
-    logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / temperature
+    if len(a) == 0:
+        raise ValueError("no pairs: InfoNCE over an empty batch is undefined; give at least one pair.")
+    logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / _temperature(temperature)
     return F.cross_entropy(logits, torch.arange(len(a), device=a.device))
 
 
@@ -80,17 +96,7 @@ def micro_batch_info_nce(a: torch.Tensor, b: torch.Tensor, k: int,
     if n == 0 or n % k:
         raise ValueError(f"K = {k} does not divide the batch of {n} into non-empty micro-batches; pick a batch "
                          "that K divides.")
-    if isinstance(temperature, torch.Tensor):  # a learnable temperature: one positive finite value
-        valid = (temperature.numel() == 1 and temperature.is_floating_point()
-                 and bool(torch.isfinite(temperature).all()) and bool((temperature > 0).all()))
-    else:
-        valid = (isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
-                 and 0 < temperature < math.inf)
-    if not valid:
-        raise ValueError(f"temperature must be a positive finite number (or a one-element floating tensor, for a "
-                         f"learnable temperature), got {temperature!r}.")
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.reshape(())  # a (1, 1) temperature must not broadcast the logits to 3-D
+    temperature = _temperature(temperature)
     logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / temperature
     block = torch.arange(n, device=a.device) // (n // k)
     logits = logits.masked_fill(block[:, None] != block[None, :], float("-inf"))
@@ -102,8 +108,9 @@ def _split(inputs: Sequence[torch.Tensor], k: int) -> list[tuple[torch.Tensor, .
     n = len(inputs[0])
     if any(len(x) != n for x in inputs):
         raise ValueError(f"every input needs the same number of samples, got {[len(x) for x in inputs]}.")
-    if n % k:
-        raise ValueError(f"K = {k} does not divide the batch of {n}; pick a batch that K divides.")
+    if n == 0 or n % k:
+        raise ValueError(f"K = {k} does not divide the batch of {n} into non-empty micro-batches; pick a batch "
+                         "that K divides.")
     return [tuple(x.chunk(k)[j] for x in inputs) for j in range(k)]
 
 
@@ -242,10 +249,13 @@ def expert_fractions(expert: torch.Tensor, n_experts: int) -> torch.Tensor:
     """:math:`f_i`: the fraction of tokens routed to each expert (``expert``: the chosen expert per token). With
     top-k routing (``expert`` of shape (T, k)) the fractions sum to 1, divided by T·k as Megatron-LM does;
     Hugging Face's Mixtral loss divides by T, so its fractions sum to k and its loss is k times larger."""
-    if n_experts < 1:
-        raise ValueError(f"n_experts must be >= 1, got {n_experts}.")
+    require_count(n_experts, "n_experts")
     if expert.numel() == 0:
         raise ValueError("no tokens: the fractions are undefined.")
+    if expert.is_floating_point() or expert.is_complex() or expert.dtype == torch.bool \
+            or int(expert.min()) < 0 or int(expert.max()) >= n_experts:
+        raise ValueError(f"expert must hold integer expert indices in [0, {n_experts}), got dtype {expert.dtype}, "
+                         f"values from {expert.min().item()} to {expert.max().item()}.")
     return torch.bincount(expert.reshape(-1), minlength=n_experts).to(torch.float64) / expert.numel()
 
 
@@ -253,12 +263,22 @@ def switch_aux_loss(probs: torch.Tensor, fractions: torch.Tensor | None = None) 
     r"""The Switch Transformer's load-balancing loss :math:`N \sum_i f_i P_i` for router probabilities ``probs``
     (tokens × N). :math:`f` is computed from the argmax of ``probs`` unless ``fractions`` (e.g. a window's,
     :func:`window_fractions`) is given; :math:`P_i` is the mean of ``probs`` over these tokens."""
-    if probs.dim() != 2:
-        raise ValueError(f"probs must be (tokens, experts), got shape {tuple(probs.shape)}.")
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.shape[0] == 0:
+        raise ValueError(f"probs must be a (tokens, experts) tensor with at least one token, got "
+                         f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__}.")
+    sums = probs.detach().sum(1)
+    if bool((probs.detach() < 0).any()) or not torch.allclose(sums, torch.ones_like(sums), atol=1e-4):
+        raise ValueError("each row of probs must be a probability distribution (non-negative, summing to 1): pass "
+                         "the router's softmax, not its logits.")
     n = probs.shape[1]
     f = expert_fractions(probs.argmax(1), n) if fractions is None else fractions
-    if f.shape != (n,):
-        raise ValueError(f"fractions must have one entry per expert ({n}), got shape {tuple(f.shape)}.")
+    if not isinstance(f, torch.Tensor) or f.shape != (n,):
+        raise ValueError(f"fractions must be a tensor with one entry per expert ({n}), got "
+                         f"{tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__}.")
+    total = float(f.sum())
+    if not f.is_floating_point() or bool((f < 0).any()) or abs(total - 1) > 1e-6:
+        raise ValueError(f"fractions must be non-negative floats summing to 1 (for top-k routing, divide the counts "
+                         f"by tokens × k, as expert_fractions does), got a sum of {total:g}.")
     return n * (f.to(probs.dtype) * probs.mean(0)).sum()
 
 
@@ -269,9 +289,13 @@ def window_fractions(router: Callable[[torch.Tensor], torch.Tensor], micro_batch
     :func:`switch_aux_loss` per micro-batch, weighted :math:`n_k/T` (its share of the window's tokens, 1/K for
     equal micro-batches), sums to the window's loss exactly. In a deep MoE the routers' inputs come from the
     layers before them: counting the window then costs a forward pass without a graph."""
+    require_count(n_experts, "n_experts")
     with torch.no_grad():
-        experts = torch.cat([router(x).argmax(1) for x in micro_batches])
-    return expert_fractions(experts, n_experts)
+        scores = [router(x) for x in micro_batches]
+    if any(sc.dim() != 2 or sc.shape[1] != n_experts for sc in scores):
+        raise ValueError(f"the router must give (tokens, {n_experts}) scores, one column per expert; got shapes "
+                         f"{sorted({tuple(sc.shape) for sc in scores})}.")
+    return expert_fractions(torch.cat([sc.argmax(1) for sc in scores]), n_experts)
 
 
 # ------------------------------------------------------------------------------ checkpointing and BatchNorm
@@ -281,9 +305,21 @@ def recompute_momentum(m: float, k: int, reruns: int = 1) -> float:
     """The effective BatchNorm momentum per optimizer step when each of K micro-batches runs the forward
     ``1 + reruns`` times with the same statistics: :math:`1 - (1-m)^{(1+\\text{reruns})K}`."""
     require_k(k)
-    if not 0 < m <= 1:
-        raise ValueError(f"momentum must lie in (0, 1], got {m}.")
+    if m is None:
+        raise ValueError("momentum=None is BatchNorm's cumulative average: reruns add more batches to the average "
+                         "instead of moving it by a momentum, so this formula does not apply.")
+    if isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0 < m <= 1:
+        raise ValueError(f"momentum must lie in (0, 1], got {m!r}.")
+    require_count(reruns, "reruns", minimum=0)
     return 1 - (1 - m) ** ((1 + reruns) * k)
+
+
+def _require_module(module: object) -> None:
+    """The layers kept are the module's own: a function reaching layers through a closure is refused."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"checkpoint_keeping_bn_stats needs the nn.Module to checkpoint (its BatchNorm layers are the "
+                         f"ones kept), got {type(module).__name__}; wrap the function's layers in an nn.Module, or "
+                         "pass the module whose method you checkpoint.")
 
 
 @contextlib.contextmanager
@@ -307,6 +343,7 @@ def checkpoint_keeping_bn_stats(module: nn.Module, *args: torch.Tensor) -> torch
     """``torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)`` whose recomputation during
     backward leaves the running statistics of BatchNorm and InstanceNorm layers (and ``num_batches_tracked``) as the
     first forward left them.
-    The output and the gradient are the same as without checkpointing."""
+    The output and the gradient are the same as without checkpointing (``module``: an ``nn.Module``)."""
+    _require_module(module)
     return checkpoint(module, *args, use_reentrant=False,
                       context_fn=lambda: (contextlib.nullcontext(), _frozen_bn(module)))

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gradaccum._validate import _numpy_hint
+
 
 def precise_bn(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
     """Recompute every BatchNorm layer's running statistics after training ("PreciseBN", Wu & Johnson 2021).
@@ -23,7 +25,8 @@ def precise_bn(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
     If the pass fails (an input the model refuses), every layer's statistics and momentum are put back as they were.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 2 <= batch_size <= x.shape[0]:
-        raise ValueError(f"batch_size must be an int between 2 and {x.shape[0]}, got {batch_size!r}.")
+        raise ValueError(f"batch_size must be an int between 2 and {x.shape[0]}, got {batch_size!r}"
+                         f"{_numpy_hint(batch_size)}.")
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
     if not layers:
         raise ValueError("the model has no BatchNorm layer; PreciseBN has nothing to recompute.")

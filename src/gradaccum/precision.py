@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import nn
 
 from gradaccum._validate import require_k
 from gradaccum.accumulate import LossFn, flat_grad, full_batch_gradient, split_batch
+
+_T = TypeVar("_T")
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -44,12 +46,15 @@ def format_info(dtype: torch.dtype) -> FormatInfo:
 
     The smallest subnormal is checked: it survives a cast to ``dtype``, half of it does not.
     """
-    if not dtype.is_floating_point:
-        raise ValueError(f"{dtype} is not a floating-point type.")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{dtype!r} is not a torch floating-point dtype; pass e.g. torch.float16.")
     fi = torch.finfo(dtype)
     sub = fi.smallest_normal * fi.eps
     if float(torch.tensor(sub, dtype=dtype)) != sub or float(torch.tensor(sub / 2, dtype=dtype)) != 0.0:
-        raise RuntimeError(f"unexpected subnormal behaviour for {dtype}")  # pragma: no cover
+        raise ValueError(f"{dtype}: torch.finfo's smallest normal × eps is not this format's smallest positive "
+                         "number (a format without subnormals, or one whose finfo disagrees with its casts, like "
+                         "the fnuz float8 types); use float16, bfloat16, float32, float64, float8_e4m3fn or "
+                         "float8_e5m2.")
     return FormatInfo(str(dtype).replace("torch.", ""), fi.max, fi.smallest_normal, sub, fi.eps,
                       int(round(-math.log2(fi.eps))))
 
@@ -270,6 +275,13 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     if divide == "grads" and pattern not in ("correct", "no_scaler"):
         raise ValueError(f"divide='grads' is defined for the patterns 'correct' and 'no_scaler', not {pattern!r}.")
     _require_float32_model(model)
+    require_k(k)
+    if overflow_micro is not None and (isinstance(overflow_micro, bool) or not isinstance(overflow_micro, int)
+                                       or not 0 <= overflow_micro < k):
+        raise ValueError(f"overflow_micro must be None or the index of a micro-batch, an int in [0, {k}), got "
+                         f"{overflow_micro!r}.")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"lr must be a positive finite number (the update is divided by it), got {lr!r}.")
     work = copy.deepcopy(model).train()
     device_type = next(work.parameters()).device.type
     _require_amp(device_type, dtype)
@@ -290,28 +302,41 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
             result.scales.append(float(scaler.get_scale()) if scaler.is_enabled() else 1.0)
             scaler.scale(loss).backward()
             if pattern == "unscale_per_micro":
-                scaler.unscale_(opt)
+                _scaler(scaler.unscale_, opt)
             elif pattern == "unscale_update_per_micro":
-                scaler.unscale_(opt)
-                scaler.update()
+                _scaler(scaler.unscale_, opt)
+                _scaler(scaler.update)
             elif pattern == "scale_changes_in_window":
-                scaler.update(new_scale=2.0 * float(scaler.get_scale()))
+                _scaler(scaler.update, new_scale=2.0 * float(scaler.get_scale()))
             elif pattern == "step_per_micro":
-                steps_before = _step(scaler, opt, work, start, lr, steps_before)
+                steps_before = _scaler(_step, scaler, opt, work, start, lr, steps_before)
                 opt.zero_grad(set_to_none=True)
         if pattern != "step_per_micro":
             if divide == "grads":
-                scaler.unscale_(opt)  # no-op when the scaler is disabled
+                _scaler(scaler.unscale_, opt)  # no-op when the scaler is disabled
                 for p in work.parameters():
                     if p.grad is not None:
                         p.grad /= k
-            steps_before = _step(scaler, opt, work, start, lr, steps_before)
-    except (RuntimeError, AssertionError) as err:
-        result.error = f"{type(err).__name__}: {err}"
+            steps_before = _scaler(_step, scaler, opt, work, start, lr, steps_before)
+    except _ScalerRefused as err:  # only the GradScaler's own errors are the pattern's result
+        result.error = str(err)
     result.steps = steps_before
     result.final_scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
     result.update = torch.cat([(s - p.detach()).flatten() for s, p in zip(start, work.parameters())]) / lr
     return result
+
+
+class _ScalerRefused(Exception):
+    """A GradScaler call raised: what a mistaken pattern leads to, reported in :class:`WindowResult`."""
+
+
+def _scaler(call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``call(*args, **kwargs)``, with a RuntimeError or AssertionError the GradScaler raises turned into
+    :class:`_ScalerRefused` (errors of the model or the loss, raised outside these calls, propagate as they are)."""
+    try:
+        return call(*args, **kwargs)
+    except (RuntimeError, AssertionError) as err:
+        raise _ScalerRefused(f"{type(err).__name__}: {err}") from err
 
 
 def _step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, model: nn.Module, start: list[torch.Tensor],

@@ -14,7 +14,7 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import torch
 
-from gradaccum import bn_statistics
+from gradaccum import bn_statistics, precision
 from gradaccum._validate import require_count, require_k, require_positive
 
 
@@ -343,19 +343,26 @@ def grade_clip_raw_micro(answer: object) -> Feedback:
 
 
 def grade_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1.0, norm: float = 4.0) -> Feedback:
-    """Exercise: gradient norm the optimizer receives when clip_grad_norm_(c) runs *before* scaler.unscale_."""
-    expected = c / scale
+    """Exercise: gradient norm the optimizer receives when clip_grad_norm_(c) runs *before* scaler.unscale_: the
+    clip sees the scaled norm S·‖g‖; when that exceeds c it brings it to c and unscaling leaves c/S, otherwise the
+    clip does nothing and ‖g‖ arrives."""
+    scale, c, norm = (require_positive(v, name) for v, name in ((scale, "scale"), (c, "c"), (norm, "norm")))
+    if norm * scale <= c:  # the clip does not act
+        return grade_number(answer, norm, mistakes=[
+            (c / scale, f"here the scaled gradient has norm S·{norm:g} = {norm * scale:g}, not above c, so the clip "
+                        "does nothing: unscaling gives back the gradient itself."),
+        ], hint="Follow the norm: is the scaled gradient above c?")
     return grade_number(
         answer,
-        expected,
+        c / scale,
         mistakes=[
             (c, "that is the right order (unscale_, then clip). Here the clip sees the *scaled* gradient."),
-            (norm, "the scaled gradient has norm S·4, far above c, so the clip does act: it brings it to c, and "
-                   "unscaling then divides by S."),
+            (norm, f"the scaled gradient has norm S·{norm:g}, far above c, so the clip does act: it brings it to c, "
+                   "and unscaling then divides by S."),
             (c * scale, "unscaling divides by S; it does not multiply."),
-            (norm / scale, "after the clip the scaled gradient has norm c, not 4·S/S."),
+            (norm / scale, f"after the clip the scaled gradient has norm c, not S·{norm:g}/S."),
         ],
-        hint="Follow the norm: scaled gradient S·4 → clipped to c → divided by S.",
+        hint=f"Follow the norm: scaled gradient S·{norm:g} → clipped to c → divided by S.",
     )
 
 
@@ -364,6 +371,8 @@ def grade_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1
 
 def grade_effective_scale(answer: object, scale: float = 65536.0, k: int = 32) -> Feedback:
     """Exercise: the factor every gradient inside micro-batch k's backward pass carries."""
+    require_k(k)
+    require_positive(scale, "scale")
     return grade_number(
         answer,
         scale / k,
@@ -381,8 +390,11 @@ def grade_smallest_positive(answer: object, dtype: str = "float8_e4m3fn") -> Fee
     """Exercise: the smallest positive number of the floating-point format ``dtype`` (a torch dtype name): its
     smallest normal number times its machine epsilon, the last subnormal (from ``torch.finfo``); three
     significant digits."""
-    if not isinstance(getattr(torch, dtype, None), torch.dtype) or not getattr(torch, dtype).is_floating_point:
-        raise ValueError(f"{dtype!r} is not a torch floating-point dtype; use e.g. 'float16' or 'float8_e4m3fn'.")
+    if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype) \
+            or not getattr(torch, dtype).is_floating_point:
+        raise ValueError(f"{dtype!r} is not a torch floating-point dtype name; use e.g. 'float16' or "
+                         "'float8_e4m3fn'.")
+    precision.format_info(getattr(torch, dtype))  # refuses a format whose finfo does not give its subnormals
     info, f16 = torch.finfo(getattr(torch, dtype)), torch.finfo(torch.float16)
     smallest = info.smallest_normal * info.eps
     bits = round(-math.log2(info.eps))
@@ -403,6 +415,9 @@ def grade_smallest_positive(answer: object, dtype: str = "float8_e4m3fn") -> Fee
 
 def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 0.5) -> Feedback:
     """Exercise: the loss scale after a window in which one micro-batch overflowed (correct recipe)."""
+    require_positive(scale, "scale")
+    if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or not 0 < backoff < 1:
+        raise ValueError(f"backoff must lie in (0, 1), as GradScaler requires, got {backoff!r}.")
     return grade_number(
         answer,
         scale * backoff,
@@ -419,6 +434,7 @@ def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 
 def grade_backoff_steps(answer: object, k: int = 8) -> Feedback:
     """Exercise: the optimizer steps taken in a window of K micro-batches in which one overflowed (correct
     recipe)."""
+    require_k(k)
     return grade_number(
         answer,
         0.0,
