@@ -436,3 +436,24 @@ def test_accelerate_ignores_its_split_batches_keyword():
     reads that keyword (no warning). The DataLoaderConfiguration spelling is the one that works."""
     assert fw.accelerate_split_batches() == {"Accelerator(split_batches=True)": False,
                                              "DataLoaderConfiguration(split_batches=True)": True}
+
+
+def test_framework_tools_and_graders_refuse_impossible_input():
+    """Found by review: mismatched inputs paired silently, a zero reference gave nan or inf, and the chapter 7
+    graders crashed (ZeroDivisionError, IndexError) or graded a negative count."""
+    import pytest
+
+    from gradaccum.book import exercises
+
+    with pytest.raises(ValueError, match="samples but y has"):
+        fw.split(torch.zeros(12, 2), torch.zeros(8), 4)
+    with pytest.raises(ValueError, match="zero"):
+        fw.step_factor(torch.ones(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="zero"):
+        fw.relative_error(torch.ones(3), torch.zeros(3))
+    for kwargs in (dict(k=0), dict(k=-4), dict(micro_batches=-2, k=4), dict(micro_batches=10.5), dict(k=4.0)):
+        with pytest.raises(ValueError):
+            exercises.grade_framework_partial_weight(0.5, **kwargs)
+    for tokens in ((), ((),), "ab", ((1.5, 2),), ((True, 2),)):
+        with pytest.raises(ValueError):
+            exercises.grade_accelerate_token_factor(0.5, rank_tokens=tokens)

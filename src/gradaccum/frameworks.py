@@ -677,6 +677,8 @@ def split(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, 
     """``k`` equal micro-batches of ``(x, y)`` (``ValueError`` if ``k`` does not divide the batch)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}.")
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} samples but y has {len(y)}; pass matching inputs and targets.")
     if len(x) % k:
         raise ValueError(f"k = {k} does not divide the batch of {len(x)}; pick a batch that k divides.")
     return list(zip(x.chunk(k), y.chunk(k)))
@@ -754,12 +756,16 @@ def lightning_module_step(k: int | None = None, **trainer_options: Any) -> Calla
 
 def step_factor(grad: torch.Tensor, reference: torch.Tensor) -> float:
     """The factor ``c`` with ``grad ≈ c · reference`` (least squares): 1 for a correctly weighted step."""
+    if not bool(reference.double().abs().max() > 0):
+        raise ValueError("the reference gradient is zero: no factor relates a step to it.")
     return float(grad.double() @ reference.double() / (reference.double() @ reference.double()))
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in float64."""
     a, b = a.double(), b.double()
+    if not bool(b.abs().max() > 0):
+        raise ValueError("the reference gradient b is zero: a relative error to it is undefined.")
     return float((a - b).norm() / b.norm())
 
 

@@ -614,6 +614,8 @@ def grade_accelerate_warmup_end(answer: object, warmup: int = 600, processes: in
 def grade_framework_partial_weight(answer: object, micro_batches: int = 90, k: int = 16) -> Feedback:
     """Exercise: the weight Lightning gives the last (partial) window of an epoch of ``micro_batches``
     micro-batches with ``accumulate_grad_batches = k``: its gradient over the mean gradient of its micro-batches."""
+    require_k(k)
+    require_count(micro_batches, "micro_batches")
     if not 0 < micro_batches % k:
         raise ValueError(f"{micro_batches} micro-batches fill windows of {k} exactly: pick a count that leaves a "
                          "partial window.")
@@ -637,9 +639,14 @@ def grade_accelerate_token_factor(answer: object,
                                   ) -> Feedback:
     """Exercise: the factor by which Accelerate's token recipe multiplies a micro-batch's summed token loss, for
     one window of K micro-batches per process with the given target-token counts (``rank_tokens[p][k]``)."""
+    if not isinstance(rank_tokens, (tuple, list)) or not rank_tokens \
+            or not all(isinstance(r, (tuple, list)) and r for r in rank_tokens):
+        raise ValueError("give one tuple of token counts per process, each with at least one micro-batch.")
     k, processes = len(rank_tokens[0]), len(rank_tokens)
-    if any(len(r) != k for r in rank_tokens) or any(t < 1 for r in rank_tokens for t in r):
-        raise ValueError("give every process the same number of micro-batches, each with at least one token.")
+    if any(len(r) != k for r in rank_tokens) or any(isinstance(t, bool) or not isinstance(t, int) or t < 1
+                                                     for r in rank_tokens for t in r):
+        raise ValueError("give every process the same number of micro-batches, each with a whole number (>= 1) of "
+                         "tokens.")
     total = sum(sum(r) for r in rank_tokens)
     own = sum(rank_tokens[0])
     return grade_number(
