@@ -40,7 +40,7 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
-from gradaccum._validate import require_k
+from gradaccum._validate import require_k, require_positive
 from gradaccum.accumulate import LossFn, flat_grad, split_batch
 
 Placement = Literal["once", "scaled_micro", "raw_micro", "running"]
@@ -72,11 +72,6 @@ def _require_mode(mode: str) -> None:
     if mode not in ("norm", "value"):
         raise ValueError(f"mode must be 'norm' or 'value', got {mode!r}.")
 
-
-def _require_scale(scale: float, name: str = "the loss scale") -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {scale!r}.")
-    return float(scale)
 
 
 def _require_placement(placement: str) -> Placement:
@@ -309,7 +304,7 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     ``unscale_`` (wrong; ``scaler.step`` would unscale after the clip). Runs on a copy of ``model``."""
 
     _require_threshold(c)
-    _require_scale(init_scale, "init_scale")
+    require_positive(init_scale, "init_scale")
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     device_type = next(work.parameters()).device.type
@@ -358,8 +353,8 @@ def scaler_clip_norm(grad_norm: float, c: float, scale: float = 2.0**16, unscale
     ``unscale_`` (wrong: the clip sees the scaled norm S·‖g‖ and brings it to c, unscaling leaves c/S).
     Uses a real scaler on one float64 parameter on the CPU."""
     _require_threshold(c)
-    _require_scale(grad_norm, "grad_norm")
-    _require_scale(scale, "the loss scale")
+    require_positive(grad_norm, "grad_norm")
+    require_positive(scale, "the loss scale")
     if scale > torch.finfo(torch.float32).max:
         raise ValueError(f"GradScaler keeps its scale in float32, whose largest value is "
                          f"{torch.finfo(torch.float32).max:g}; got scale {scale:g}.")
