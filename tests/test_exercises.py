@@ -241,3 +241,26 @@ def test_float32_of_a_rounded_answer_near_the_half_unit_passes():
     import numpy as np
 
     assert ex.grade_corrected_momentum(np.float32(0.0092237), m=0.06280683266861457, k=7)
+
+
+def test_chapter_1_and_8_graders_refuse_impossible_exercises():
+    """Found by review: k = 2, b = 0 was graded, a momentum of 0 or K = 2.5 accepted, fractions summing to 2
+    graded, and a nested list answer raised TypeError."""
+    import numpy as np
+
+    from gradaccum import _validate
+
+    for kwargs in (dict(k=2, b=0), dict(k=0, b=7), dict(k=2, b=1.5)):
+        with pytest.raises(ValueError):
+            ex.grade_negatives_per_sample(1, **kwargs)
+    for kwargs in (dict(m=0.0), dict(k=2.5), dict(m=True)):
+        with pytest.raises(ValueError):
+            ex.grade_recompute_momentum(0.1, **kwargs)
+    for kwargs in (dict(fractions=(1.0, 1.0)), dict(fractions=(1.5, -0.5)), dict(probs=(0.9, 0.9))):
+        with pytest.raises(ValueError):
+            ex.grade_switch_aux(1.0, **kwargs)
+    feedback = ex.grade_batch_coupled([["BatchNorm2d"]])
+    assert not feedback.correct and "flat set" in feedback.message
+    assert _validate.require_momentum(np.float32(0.5)) == 0.5
+    with pytest.raises(ValueError, match="cumulative average"):
+        _validate.require_momentum(None)

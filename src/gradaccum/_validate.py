@@ -24,7 +24,10 @@ def require_k(k: int) -> int:
 
 def require_momentum(m: float) -> float:
     """Validate a BatchNorm momentum m ∈ (0, 1]."""
-    if not isinstance(m, (int, float)) or isinstance(m, bool) or not 0.0 < m <= 1.0 or math.isnan(m):
+    if m is None:
+        raise ValueError("momentum=None is BatchNorm's cumulative average, not a momentum; pass a number in (0, 1] "
+                         "(PyTorch's default is 0.1).")
+    if not isinstance(m, numbers.Real) or isinstance(m, bool) or not 0.0 < float(m) <= 1.0 or math.isnan(m):
         raise ValueError(f"momentum must be a number in (0, 1], got {m!r}; PyTorch's default is 0.1.")
     return float(m)
 

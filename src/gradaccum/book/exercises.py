@@ -241,7 +241,10 @@ def grade_batch_coupled(answer: object) -> Feedback:
         return Feedback(False, NO_ANSWER)
     if isinstance(answer, str) or not isinstance(answer, Iterable):
         return Feedback(False, "give a set of layer names, e.g. {'Linear'}.")
-    chosen = set(answer)
+    try:
+        chosen = set(answer)
+    except TypeError:  # unhashable items, e.g. a nested list
+        return Feedback(False, "give a flat set of layer names, e.g. {'Linear'}, not a nested list.")
     unknown = chosen - LAYER_FACTS.keys()
     if unknown:
         return Feedback(False, f"unknown layer name(s) {sorted(unknown)}; choose from {sorted(LAYER_FACTS)}.")
@@ -670,6 +673,8 @@ def grade_accelerate_token_factor(answer: object,
 
 def grade_negatives_per_sample(answer: object, k: int = 12, b: int = 7) -> Feedback:
     """Exercise: in-batch negatives each sample sees under plain accumulation of ``k`` micro-batches of ``b``."""
+    require_k(k)
+    require_count(b, "b (pairs per micro-batch)", minimum=2)
     return grade_number(
         answer,
         float(b - 1),
@@ -687,6 +692,9 @@ def grade_negatives_per_sample(answer: object, k: int = 12, b: int = 7) -> Feedb
 
 def grade_recompute_momentum(answer: object, m: float = 0.02, k: int = 5) -> Feedback:
     """Exercise: the effective BatchNorm momentum per optimizer step under activation checkpointing."""
+    require_k(k)
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1:
+        raise ValueError(f"momentum must lie in (0, 1], got {m!r}.")
     return grade_number(
         answer,
         1 - (1 - m) ** (2 * k),
@@ -705,6 +713,10 @@ def grade_switch_aux(answer: object, fractions: tuple[float, ...] = (0.75, 0.25)
     """Exercise: the Switch load-balancing loss N Σ f_i P_i for given fractions and mean probabilities."""
     if len(fractions) != len(probs) or not fractions:
         raise ValueError("give one fraction and one mean probability per expert.")
+    for name, values in (("fractions", fractions), ("probs", probs)):
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in values) \
+                or abs(sum(values) - 1) > 1e-9:
+            raise ValueError(f"{name} must be non-negative numbers summing to 1, got {tuple(values)}.")
     n = len(fractions)
     value = n * sum(f * p for f, p in zip(fractions, probs))
     return grade_number(
