@@ -59,3 +59,18 @@ def require_positive(value: float, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
     return float(value)
+
+
+def require_nonnegative(value: float, name: str) -> float:
+    """Validate a finite number >= 0 named ``name`` in the message."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+    return float(value)
+
+
+def require_partial(present: int, k: int) -> int:
+    """Validate the micro-batches of a partial last window: an int in [1, K)."""
+    if isinstance(present, bool) or not isinstance(present, int) or not 1 <= present < k:
+        raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches (an int), got "
+                         f"{present!r}.")
+    return present

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradaccum._validate import require_count, require_k
+from gradaccum._validate import require_count, require_k, require_momentum
 
 __all__ = ["info_nce", "micro_batch_info_nce", "plain_accumulation_backward", "grad_cache_backward",
            "expert_fractions", "switch_aux_loss", "window_fractions", "checkpoint_keeping_bn_stats",
@@ -308,8 +308,7 @@ def recompute_momentum(m: float, k: int, reruns: int = 1) -> float:
     if m is None:
         raise ValueError("momentum=None is BatchNorm's cumulative average: reruns add more batches to the average "
                          "instead of moving it by a momentum, so this formula does not apply.")
-    if isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0 < m <= 1:
-        raise ValueError(f"momentum must lie in (0, 1], got {m!r}.")
+    require_momentum(m)
     require_count(reruns, "reruns", minimum=0)
     return 1 - (1 - m) ** ((1 + reruns) * k)
 

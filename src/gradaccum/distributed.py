@@ -21,7 +21,6 @@ over the gradients besides the all-reduce: copy in (and divide), copy out.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradaccum._validate import require_count, require_k, require_positive
+from gradaccum._validate import require_count, require_k, require_nonnegative, require_positive
 from gradaccum.accumulate import split_batch
 
 
@@ -121,10 +120,7 @@ class Interconnect:
 
     def __post_init__(self) -> None:
         require_positive(self.bandwidth, "an Interconnect's bandwidth (bytes/s)")
-        if isinstance(self.latency, bool) or not isinstance(self.latency, (int, float)) \
-                or not math.isfinite(self.latency) or self.latency < 0:
-            raise ValueError(f"an Interconnect's latency must be a finite number of seconds >= 0, got "
-                             f"{self.latency!r}.")
+        require_nonnegative(self.latency, "an Interconnect's latency (s)")
 
 
 #: Nominal per-direction link rates from the standards and datasheets cited in the chapter; the latencies are
@@ -146,9 +142,7 @@ def ring_allreduce_time(n_bytes: float, p: int, link: Interconnect) -> float:
     """
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
         raise ValueError(f"p is a number of ranks: an int >= 1, got {p!r}; round it to a whole number of ranks.")
-    if isinstance(n_bytes, bool) or not isinstance(n_bytes, (int, float)) or not math.isfinite(n_bytes) \
-            or n_bytes < 0:
-        raise ValueError(f"n_bytes must be a finite number >= 0 (a Python int or float), got {n_bytes!r}.")
+    require_nonnegative(n_bytes, "n_bytes")
     if p == 1:
         return 0.0
     return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * n_bytes / link.bandwidth
@@ -188,9 +182,7 @@ def predict_step(params: int, k: int, p: int, link: Interconnect, micro_compute:
     if buckets > params:
         raise ValueError(f"{buckets} buckets for {params} parameters: a bucket holds at least one parameter; use at "
                          f"most {params} buckets.")
-    if isinstance(micro_compute, bool) or not isinstance(micro_compute, (int, float)) \
-            or not math.isfinite(micro_compute) or micro_compute < 0:
-        raise ValueError(f"micro_compute must be a finite number of seconds >= 0, got {micro_compute!r}.")
+    require_nonnegative(micro_compute, "micro_compute (s)")
     if copy_bandwidth is not None:
         require_positive(copy_bandwidth, "copy_bandwidth (bytes/s)")
     n_bytes = params * bytes_per_param

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import nn
 
-from gradaccum._validate import require_k
+from gradaccum._validate import require_k, require_positive
 from gradaccum.accumulate import LossFn, flat_grad, full_batch_gradient, split_batch
 
 _T = TypeVar("_T")
@@ -280,8 +280,7 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
                                        or not 0 <= overflow_micro < k):
         raise ValueError(f"overflow_micro must be None or the index of a micro-batch, an int in [0, {k}), got "
                          f"{overflow_micro!r}.")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"lr must be a positive finite number (the update is divided by it), got {lr!r}.")
+    require_positive(lr, "lr (the update is divided by it)")
     work = copy.deepcopy(model).train()
     device_type = next(work.parameters()).device.type
     _require_amp(device_type, dtype)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradaccum._validate import require_count, require_k, require_micro_batch, require_positive
+from gradaccum._validate import require_count, require_k, require_micro_batch, require_partial, require_positive
 from gradaccum.accumulate import flat_grad, split_batch
 
 #: Target of padding positions, skipped by ``cross_entropy(ignore_index=IGNORE)``: -100, PyTorch's default
@@ -322,9 +322,7 @@ def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
     defaults) or ``"adam_beta1_0"`` (Adam with :math:`\beta_1 = 0`).
     """
     require_k(k)
-    if isinstance(present, bool) or not isinstance(present, int) or not 1 <= present < k:
-        raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches (an int), got "
-                         f"{present!r}.")
+    require_partial(present, k)
     require_micro_batch(b, batch_norm=False)
     require_positive(lr, "the learning rate lr")
     require_count(warm_windows, "warm_windows", minimum=0)

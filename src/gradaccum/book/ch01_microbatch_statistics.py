@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradaccum._validate import require_k, require_micro_batch
+from gradaccum._validate import require_count, require_k, require_micro_batch
 from gradaccum.accumulate import (
     accumulated_gradient,
     agreement,
@@ -46,8 +46,7 @@ def normalized_feature_sizes(b: int, draws: int = 20000, seed: int = 0) -> tuple
     Returns (RMS of training-mode outputs, RMS of eval-mode outputs, mean |eval| / mean |train|).
     """
     require_micro_batch(b)
-    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
-        raise ValueError(f"draws must be an int >= 1, got {draws!r}.")
+    require_count(draws, "draws")
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(b, draws, generator=gen, dtype=torch.float64)  # column j: micro-batch j of b samples
     with torch.no_grad():  # fresh running statistics are the population's, (0, 1)
@@ -78,8 +77,7 @@ def moment_spread(features: torch.Tensor, b: int, draws: int = 2000, seed: int =
     Channels with zero variance are left out; b must be below N (a micro-batch of all N samples has no spread).
     """
     require_micro_batch(b)
-    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 2:
-        raise ValueError(f"draws must be an int >= 2 (a spread needs at least two micro-batches), got {draws!r}.")
+    require_count(draws, "draws (a spread needs at least two micro-batches)", minimum=2)
     if features.dim() != 2:
         raise ValueError(f"features must have shape (N, C), got {tuple(features.shape)}.")
     n = features.shape[0]

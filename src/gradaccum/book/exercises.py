@@ -15,7 +15,14 @@ from decimal import ROUND_HALF_UP, Decimal
 import torch
 
 from gradaccum import bn_statistics, precision
-from gradaccum._validate import require_count, require_k, require_positive
+from gradaccum._validate import (
+    require_count,
+    require_k,
+    require_momentum,
+    require_nonnegative,
+    require_partial,
+    require_positive,
+)
 
 
 @dataclass(frozen=True)
@@ -531,8 +538,7 @@ def grade_window_token_loss(answer: object, sums: tuple[float, ...] = (30.0, 10.
     for n in tokens:
         require_count(n, "every micro-batch's token count")
     for s_ in sums:
-        if isinstance(s_, bool) or not isinstance(s_, (int, float)) or not math.isfinite(s_) or s_ < 0:
-            raise ValueError(f"a summed token loss is a finite number >= 0, got {s_!r}.")
+        require_nonnegative(s_, "a summed token loss")
     mean_of_means = sum(s / n for s, n in zip(sums, tokens)) / len(sums)
     fewest, most = min(tokens), max(tokens)
     weights = (f"it weighs each of the {fewest} tokens of the shortest micro-batch {most / fewest:.3g} times as "
@@ -570,8 +576,7 @@ def grade_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback
 def grade_partial_scale(answer: object, present: int = 3, k: int = 16) -> Feedback:
     """Exercise: the factor by which a last window of ``present`` micro-batches is too small when divided by K."""
     require_k(k)
-    if isinstance(present, bool) or not isinstance(present, int) or not 1 <= present < k:
-        raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches, got {present!r}.")
+    require_partial(present, k)
     return grade_number(
         answer,
         present / k,
@@ -693,8 +698,7 @@ def grade_negatives_per_sample(answer: object, k: int = 12, b: int = 7) -> Feedb
 def grade_recompute_momentum(answer: object, m: float = 0.02, k: int = 5) -> Feedback:
     """Exercise: the effective BatchNorm momentum per optimizer step under activation checkpointing."""
     require_k(k)
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1:
-        raise ValueError(f"momentum must lie in (0, 1], got {m!r}.")
+    require_momentum(m)
     return grade_number(
         answer,
         1 - (1 - m) ** (2 * k),
