@@ -51,6 +51,17 @@ def test_predicted_mean_variance_errors():
         bn_statistics.predicted_mean_variance(1.0, 0, 10)
     with pytest.raises(ValueError):
         bn_statistics.predicted_mean_variance(1.0, 11, 10)
+    # found by review: a fractional b, a float n or a negative variance gave a number; a tensor with no
+    # channels raised ZeroDivisionError
+    for sigma2, b, n, match in ((1.0, 2.5, 10, "whole numbers"), (1.0, np.array([2, 2.5]), 10, "whole numbers"),
+                                (1.0, 2, 10.0, "int >= 2"), (-1.0, 2, 10, "variance"),
+                                (float("nan"), 2, 10, "variance")):
+        with pytest.raises(ValueError, match=match):
+            bn_statistics.predicted_mean_variance(sigma2, b, n)
+    assert bn_statistics.predicted_mean_variance(1.0, np.array([2, 4]), 10) == pytest.approx([4 / 9, 1 / 6])
+    for x, match in ((torch.ones(2, 0), "C >= 1"), (torch.ones(2, 3, dtype=torch.int64), "floating-point")):
+        with pytest.raises(ValueError, match=match):
+            bn_statistics.batch_moments(x)
 
 
 @pytest.mark.parametrize("m, k", [(0.1, 8), (0.01, 3), (0.5, 1)])

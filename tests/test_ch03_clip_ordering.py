@@ -328,3 +328,29 @@ def test_clipping_tools_refuse_impossible_input_and_the_order_grader_follows_the
     assert exercises.grade_scaler_clip_order(1.0 / 65536).correct
     with pytest.raises(ValueError):
         exercises.grade_scaler_clip_order(1.0, scale=0.0)
+
+
+def test_vector_tools_refuse_mismatched_non_finite_or_directionless_micro_gradients():
+    """Found by review: combine/norm_bounds broadcast micro-gradients of different shapes or summed a stacked
+    tensor's rows, NaN gradients came back as NaN bounds, mean_pairwise_cosine returned NaN for a zero vector,
+    Comparison.ratio divided by a zero correct step and synthetic_micro_gradients took norm=nan."""
+    one, other = torch.ones(3), torch.ones(4)
+    for call in (lambda g: clipping.combine(g, 1.0, "once"), lambda g: clipping.norm_bounds(g, 1.0),
+                 lambda g: clipping.running_buffer_norms(g, 1.0), lambda g: clipping.clip_running_buffer(g, 1.0),
+                 clipping.mean_pairwise_cosine):
+        with pytest.raises(ValueError, match=r"shape \(4,\)"):
+            call([one, other])
+        with pytest.raises(ValueError, match="inf or NaN"):
+            call([one, torch.tensor([1.0, float("nan"), 0.0])])
+        with pytest.raises(ValueError, match="list of K tensors"):
+            call(torch.ones(2, 3))
+        with pytest.raises(ValueError, match="floating-point"):
+            call([torch.ones(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="no direction"):
+        clipping.mean_pairwise_cosine([one, torch.zeros(3)])
+    assert clipping.mean_pairwise_cosine([one, -one]) == pytest.approx(-1.0)
+    cancel = clipping.compare_to_once([torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 0.0])], 1.0, "raw_micro")
+    assert cancel.correct == 0 and math.isnan(cancel.ratio) and math.isnan(cancel.cosine)
+    for kwargs in (dict(norm=float("nan")), dict(norm=0.0), dict(alignment=float("nan")), dict(dim=0)):
+        with pytest.raises(ValueError):
+            ch3.synthetic_micro_gradients(**(dict(k=2, alignment=0.5) | kwargs))

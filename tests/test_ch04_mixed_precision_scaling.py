@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -351,3 +353,28 @@ def test_amp_tools_and_graders_refuse_what_they_cannot_do(digits):
                            (exercises.grade_backoff_steps, dict(k=2.5))):
         with pytest.raises(ValueError):
             grader(1.0, **kwargs)
+
+
+def test_precision_tools_refuse_what_has_no_answer():
+    """Found by review: cast_report counted an inf or NaN as neither lost nor overflowed, largest_fitting_log2
+    raised OverflowError for a subnormal maximum, accumulation_error returned NaN for a zero sum and took an integer
+    accumulator, scale_history(-2) returned [] and mixed_scale_sum broadcast micro-gradients of different shapes."""
+    with pytest.raises(ValueError, match="inf or NaN"):
+        precision.cast_report(torch.tensor([1.0, float("inf")]), torch.float16)
+    with pytest.raises(ValueError, match="inf or NaN"):
+        precision.cast_report(torch.tensor([1.0, float("nan")]), torch.bfloat16)
+    tiny = torch.tensor([1e-320], dtype=torch.float64)  # a float64 subnormal
+    e = precision.largest_fitting_log2(tiny)
+    assert math.ldexp(1e-320, e) < 65520 <= math.ldexp(1e-320, e + 1)
+    assert torch.isfinite(torch.tensor(math.ldexp(1e-320, e)).to(torch.float16))
+    assert torch.isinf(torch.tensor(math.ldexp(1e-320, e + 1)).to(torch.float16))
+    with pytest.raises(ValueError, match="zero"):
+        precision.accumulation_error([torch.ones(3), -torch.ones(3)], torch.float32)
+    with pytest.raises(ValueError, match="floating-point dtype"):
+        precision.accumulation_error([torch.ones(3)] * 2, torch.int32)
+    with pytest.raises(ValueError, match="updates"):
+        precision.scale_history(-2, 3)
+    with pytest.raises(ValueError, match="overflow_at"):
+        precision.scale_history(3, 3, overflow_at=(1.5,))
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        precision.mixed_scale_sum([torch.ones(3), torch.ones(2)], [1.0, 1.0], 1.0)

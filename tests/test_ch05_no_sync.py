@@ -222,6 +222,10 @@ def test_worker_errors_list_ranks_killed_by_a_signal_last(tmp_path):
     lines = ddp_workers._worker_errors(["", str(error_file), str(lost)], [-15, 1, 1])
     assert lines[0].startswith("rank 1: ValueError") and lines[1].startswith("rank 2: RuntimeError: [gloo]")
     assert lines[2].startswith("rank 0: killed by SIGTERM")
+    # every rank killed and none reporting an error: the signal came from outside, not from a failure "above"
+    outside = ddp_workers._worker_errors(["", ""], [-9, -9])
+    assert outside[0].startswith("rank 0: killed by SIGKILL (exit code -9): no rank reported an error")
+    assert not any("consequence" in line for line in outside)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

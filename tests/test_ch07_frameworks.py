@@ -172,3 +172,23 @@ def test_the_trainer_on_transformers_own_causal_lms(corpus):
     ratio = float((labels[:, 1:] != fw.IGNORE).sum() / (labels != fw.IGNORE).sum())
     assert llama.error < ch7.EXACT and llama.weight == pytest.approx(1.0, abs=1e-6)
     assert gpt2.weight == pytest.approx(ratio, abs=1e-6) and ratio < 0.99
+
+
+def test_study_helpers_and_runner_refuse_input_that_would_measure_nothing():
+    """Found by review: step_weights with b = 0, a seed past the data (empty slices: NaN ratios), a misspelt
+    schedule (silently constant), lr = nan, a nanoGPT-style run with fewer micro-batches than K (no step at all)
+    and trainer_on_causal_lm with k = 0 (ZeroDivisionError)."""
+    x, y = torch.randn(64, 64), torch.arange(64) % 10
+    with pytest.raises(ValueError, match="micro-batch size"):
+        ch7.step_weights("timm", x, y, 6, 4, b=0)
+    with pytest.raises(ValueError, match="seed 100"):
+        ch7.bf16_accumulation_ratios(x, y, seeds=(100,))
+    with pytest.raises(ValueError, match="'Cosine'"):
+        ch7.partial_window_curves(x, y, schedules=("Cosine",))
+    ce, micro = nn.CrossEntropyLoss(), fw.split(x[:24], y[:24], 3)
+    with pytest.raises(ValueError, match="lr"):
+        fw.run("timm", ch7.digits_mlp(), ce, micro, 2, lr=float("nan"))
+    with pytest.raises(ValueError, match="nanoGPT"):
+        fw.run("nanogpt", ch7.digits_mlp(), ce, micro, 4)
+    with pytest.raises(ValueError, match="K"):
+        fw.trainer_on_causal_lm(ch7.digits_mlp(), torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, 3), 0)

@@ -447,6 +447,10 @@ def test_batchnorm_statistics_recomputed_in_backward_are_named():
     assert "bn_stats_updated_twice" in C.check(_CheckpointedBN(how="nested"), ce, x, y, 4).codes
     thrice = C._bn_rerun_finding({"block.1": (4, 8)})  # two recomputations per forward (nested, reentrant)
     assert thrice is not None and "(1 - m)^3 " in thrice.evidence and "(1/3)" in thrice.fix
+    # layers recomputed a different number of times (one inside a nested checkpoint): one r per layer
+    mixed = C._bn_rerun_finding({"outer.bn": (4, 4), "inner.bn": (4, 8)})
+    assert mixed is not None and "'outer.bn': r = 2; 'inner.bn': r = 3" in mixed.evidence
+    assert "with its own r" in mixed.fix and "(1/3)" not in mixed.fix
     # frozen statistics in the rerun, a cumulative average (momentum=None), a layer shared by design: no finding
     for model in (_CheckpointedBN(how="kept"), _CheckpointedBN(momentum=None), _CheckpointedBN(how="shared")):
         assert "bn_stats_updated_twice" not in C.check(model, ce, x, y, 4).codes

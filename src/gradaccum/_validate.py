@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
+
+import torch
 
 
 def _numpy_hint(value: object) -> str:
@@ -74,3 +77,24 @@ def require_partial(present: int, k: int) -> int:
         raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches (an int), got "
                          f"{present!r}.")
     return present
+
+
+def require_vectors(vectors: Sequence[torch.Tensor], name: str = "micro_grads") -> list[torch.Tensor]:
+    """K >= 1 finite floating-point tensors of one shape (the micro-gradients, flattened or not), named ``name``
+    in the messages; returned as a list."""
+    if isinstance(vectors, torch.Tensor) or not isinstance(vectors, Sequence):
+        raise ValueError(f"{name} must be a list of K tensors (one per micro-batch), got "
+                         f"{type(vectors).__name__}; for a stacked (K, n) tensor pass list(t).")
+    require_k(len(vectors))
+    first = vectors[0]
+    for i, v in enumerate(vectors):
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+            raise ValueError(f"{name}[{i}] must be a floating-point tensor (as a gradient is), got "
+                             f"{v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}.")
+        if v.shape != first.shape:
+            raise ValueError(f"{name}[{i}] has shape {tuple(v.shape)}, {name}[0] {tuple(first.shape)}: every "
+                             "micro-gradient must cover the same parameters (flatten each with flat_grad).")
+        if not torch.isfinite(v).all():
+            raise ValueError(f"{name}[{i}] contains inf or NaN: no step can be computed from it (chapter 4: a "
+                             "GradScaler skips such a step; find the overflow or the NaN upstream).")
+    return list(vectors)

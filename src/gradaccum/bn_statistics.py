@@ -35,8 +35,11 @@ def batch_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
     ``x`` has shape (N, C) or (N, C, *spatial); statistics are over every dimension except C.
     """
-    if x.dim() < 2:
-        raise ValueError(f"expected a tensor of shape (N, C, ...), got shape {tuple(x.shape)}.")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got "
+                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}.")
+    if x.dim() < 2 or x.shape[1] == 0:
+        raise ValueError(f"expected a tensor of shape (N, C, ...) with C >= 1 channels, got shape {tuple(x.shape)}.")
     dims = [0, *range(2, x.dim())]
     n = x.numel() // x.shape[1]
     if n < 2:
@@ -55,8 +58,15 @@ def predicted_mean_variance(sigma2: Any, b: Any, n: int) -> Any:
     correction, is 1 − O(b/n); it vanishes at b = n, where every "micro-batch" is the whole population.
     """
     sizes = torch.as_tensor(b)
-    if n < 2 or bool((sizes < 1).any()) or bool((sizes > n).any()):
-        raise ValueError(f"need n >= 2 and 1 <= b <= n, got b={b}, n={n}.")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"n (the population size) must be an int >= 2, got {n!r}.")
+    if sizes.dtype == torch.bool or bool((sizes != sizes.round()).any()):
+        raise ValueError(f"b counts samples: whole numbers only, got b={b}.")
+    if bool((sizes < 1).any()) or bool((sizes > n).any()):
+        raise ValueError(f"need 1 <= b <= n, got b={b}, n={n}.")
+    variances = torch.as_tensor(sigma2)
+    if not bool(torch.isfinite(variances).all()) or bool((variances < 0).any()):
+        raise ValueError(f"sigma2 is a variance: finite and >= 0, got {sigma2}.")
     return sigma2 / b * (n - b) / (n - 1)
 
 

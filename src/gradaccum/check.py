@@ -299,14 +299,23 @@ def _bn_rerun_finding(reruns: dict[str, tuple[int, int]]) -> Finding | None:
         return None
     shown = "; ".join(f"{name!r}: {calls} call(s) in forward passes, {again} more during backward"
                       for name, (calls, again) in list(reruns.items())[:3])
-    r = max(((calls + again) / calls for calls, again in reruns.values() if calls), default=2.0)
+    ratios = {name: (calls + again) / calls for name, (calls, again) in reruns.items() if calls}
+    distinct = sorted(set(ratios.values()))
+    if len(distinct) > 1:  # nested checkpoints: a layer recomputed r times has its own r
+        per_layer = "; ".join(f"{name!r}: r = {r:g}" for name, r in list(ratios.items())[:3])
+        effect = f"1 - (1 - m)^r instead of m, with r per layer ({per_layer})"
+        fix = "set each layer's momentum to 1 - (1 - m)^(1/r) with its own r"
+    else:
+        r = distinct[0] if distinct else 2.0
+        effect = f"1 - (1 - m)^{r:g} instead of m"
+        fix = f"set the momentum to 1 - (1 - m)^(1/{r:g})"
     return Finding(
         "bn_stats_updated_twice", "BatchNorm running statistics are updated again when backward recomputes the "
         "forward (activation checkpointing)",
         f"{shown}: every recomputation in training mode moves the running averages once more, so the effective "
-        f"momentum per micro-batch is 1 - (1 - m)^{r:g} instead of m",
+        f"momentum per micro-batch is {effect}",
         "recompute with the statistics frozen (gradaccum.coupled.checkpoint_keeping_bn_stats around every "
-        f"checkpointed call, nested ones included), or set the momentum to 1 - (1 - m)^(1/{r:g}); the gradient "
+        f"checkpointed call, nested ones included), or {fix}; the gradient "
         "itself is unaffected", 8)
 
 

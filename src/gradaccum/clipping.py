@@ -40,7 +40,7 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
-from gradaccum._validate import require_k, require_positive
+from gradaccum._validate import require_k, require_positive, require_vectors
 from gradaccum.accumulate import LossFn, flat_grad, split_batch
 
 Placement = Literal["once", "scaled_micro", "raw_micro", "running"]
@@ -101,8 +101,8 @@ def combine(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement,
     :func:`clipped_accumulation` on plain vectors, used by the widget and the exercises)."""
     _require_threshold(c)
     _require_placement(placement)
+    micro_grads = require_vectors(micro_grads)
     k = len(micro_grads)
-    require_k(k)
     # sum() of K >= 1 tensors is a tensor (typeshed types it ``Tensor | Literal[0]`` for the empty case)
     if placement == "once":
         return clip_vector(cast(torch.Tensor, sum(micro_grads)) / k, c, mode)
@@ -121,7 +121,7 @@ def clip_running_buffer(contributions: Sequence[torch.Tensor], c: float,
     Placement (b) is this with :math:`d_k = g_k/K`; a loop without the :math:`1/K` factor (the Hugging Face
     issue's example) passes the raw :math:`g_k`."""
     _require_threshold(c)
-    require_k(len(contributions))
+    contributions = require_vectors(contributions, "contributions")
     running = torch.zeros_like(contributions[0])
     for d in contributions:
         running = clip_vector(running + d, c, mode)
@@ -143,8 +143,8 @@ def norm_bounds(micro_grads: Sequence[torch.Tensor], c: float) -> dict[str, floa
     Lower bounds do not exist beyond 0: opposing micro-gradients cancel after clipping (the book's ``errata_cases``).
     """
     _require_threshold(c)
+    micro_grads = require_vectors(micro_grads)
     k = len(micro_grads)
-    require_k(k)
     norms = [float(torch.linalg.vector_norm(g)) for g in micro_grads]
     mean = float(torch.linalg.vector_norm(sum(micro_grads) / k))
     return {
@@ -166,8 +166,9 @@ class Comparison:
 
     @property
     def ratio(self) -> float:
-        """Length of the placement's step in units of the correct one."""
-        return self.norm / self.correct
+        """Length of the placement's step in units of the correct one (NaN when the correct step is zero up to
+        ``clip_grad_norm_``'s 1e-6: no unit to measure in)."""
+        return self.norm / self.correct if self.correct >= EPS else math.nan
 
 
 def compare_to_once(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement) -> Comparison:
@@ -255,7 +256,12 @@ def micro_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
 
 
 def mean_pairwise_cosine(vectors: Sequence[torch.Tensor]) -> float:
-    """Average cosine between distinct pairs: 1 for aligned micro-gradients, near 0 or below for disagreeing ones."""
+    """Average cosine between distinct pairs: 1 for aligned micro-gradients, near 0 or below for disagreeing ones
+    (1 for a single vector). A zero vector has no direction and is refused."""
+    vectors = require_vectors(vectors, "vectors")
+    for i, v in enumerate(vectors):
+        if not torch.linalg.vector_norm(v) > 0:
+            raise ValueError(f"vectors[{i}] is zero and has no direction; leave it out of the cosines.")
     if len(vectors) < 2:
         return 1.0
     unit = torch.stack([v / torch.linalg.vector_norm(v) for v in vectors])
@@ -284,8 +290,8 @@ def _running_pass(micro_grads: Sequence[torch.Tensor], c: float) -> list[tuple[f
     """Placement (b) step by step: (norm of the running buffer before the clip, the clip's coefficient) after
     each micro-batch, with ``clip_grad_norm_``'s coefficient min(1, c / (norm + 1e-6))."""
     _require_threshold(c)
+    micro_grads = require_vectors(micro_grads)
     k = len(micro_grads)
-    require_k(k)
     running = torch.zeros_like(micro_grads[0])
     steps = []
     for g in micro_grads:

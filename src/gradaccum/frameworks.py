@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, SequentialSampler, TensorDataset
 
+from gradaccum._validate import require_k, require_nonnegative
 from gradaccum.check_instrument import flat
 from gradaccum.distributed import CommCounter, counting_hook
 from gradaccum.windows import IGNORE
@@ -255,6 +256,10 @@ def run(framework: str, model: nn.Module, loss_fn: LossFn, micro: MicroBatches, 
     if loss_kwargs is not None and (framework != "trainer" or not isinstance(loss_kwargs, bool)):
         raise ValueError(f"loss_kwargs is the Transformers Trainer's model setting (True or False), got "
                          f"{loss_kwargs!r} for {framework!r}: leave it None.")
+    require_nonnegative(lr, "lr (the learning rate; 0 keeps the weights)")
+    if framework == "nanogpt" and epochs * len(micro) < k:
+        raise ValueError(f"the nanoGPT-style loop runs epochs · micro-batches // K iterations: {epochs} · "
+                         f"{len(micro)} // {k} is none; pass at least K micro-batches (or more epochs).")
     options = Options(clip, precision, sum_loss, lr, warmup, cosine, epochs, loss_kwargs)
     runner = _RUNNERS[framework]
     _import(framework)  # before _quiet(): the loggers it silences are created on import
@@ -879,10 +884,11 @@ def trainer_on_causal_lm(model: nn.Module, input_ids: torch.Tensor, labels: torc
     ``num_items_in_batch``), learning rate 0. Returns the run and the full-batch gradient's relative error."""
     import copy
 
-    from transformers import PrinterCallback, TrainingArguments
-
+    require_k(k)
     if len(input_ids) % k:
         raise ValueError(f"k = {k} does not divide the batch of {len(input_ids)}.")
+    from transformers import PrinterCallback, TrainingArguments
+
     _import("trainer")
     with _quiet():
         reference = copy.deepcopy(model).train()

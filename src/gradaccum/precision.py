@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import nn
 
-from gradaccum._validate import require_k, require_positive
+from gradaccum._validate import require_count, require_k, require_positive, require_vectors
 from gradaccum.accumulate import LossFn, flat_grad, full_batch_gradient, split_batch
 
 _T = TypeVar("_T")
@@ -84,6 +84,11 @@ def cast_report(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) ->
     _require_scale(scale)
     if dtype not in LOW_PRECISION:
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"values must be a tensor, got {type(values).__name__}.")
+    if not torch.isfinite(values).all():
+        raise ValueError("values contain inf or NaN: they have overflowed already; report on finite values (the "
+                         "gradients of a step that did not overflow).")
     v = values[values != 0].double() * scale
     if v.numel() == 0:
         raise ValueError("no nonzero values to report on.")
@@ -108,10 +113,11 @@ def largest_fitting_log2(values: torch.Tensor, dtype: torch.dtype = torch.float1
         raise ValueError(f"need finite values with a nonzero entry, got max |v| = {largest}.")
     info = torch.finfo(dtype)
     top = info.max + 2.0 ** (math.floor(math.log2(info.max)) - round(-math.log2(info.eps)) - 1)
-    e = math.floor(math.log2(top / largest))
-    while 2.0 ** (e + 1) * largest < top:  # guard the logarithm's rounding
+    # logarithms of each (top / largest overflows for a subnormal largest); ldexp is exact
+    e = math.floor(math.log2(top) - math.log2(largest))
+    while math.ldexp(largest, e + 1) < top:  # guard the logarithm's rounding
         e += 1
-    while 2.0**e * largest >= top:
+    while math.ldexp(largest, e) >= top:
         e -= 1
     return e
 
@@ -362,7 +368,8 @@ def mixed_scale_sum(micro_grads: Sequence[torch.Tensor], scales: Sequence[float]
     with :math:`g_k` the gradient of micro-batch k's mean loss. With every :math:`S_k = S_{\text{unscale}}` this is
     the accumulated gradient; otherwise micro-batch k is weighted by :math:`S_k/S_{\text{unscale}}`.
     """
-    k = require_k(len(micro_grads))
+    micro_grads = require_vectors(micro_grads)
+    k = len(micro_grads)
     if len(scales) != k:
         raise ValueError(f"need one scale per micro-gradient: {k} micro-gradients, {len(scales)} scales.")
     _require_scale(unscale_by)
@@ -381,10 +388,11 @@ def scale_history(updates: int, growth_interval: int, overflow_at: Sequence[int]
     after ``growth_interval`` consecutive unskipped ones; nothing else changes it.
     """
     _require_scale(init_scale)
+    require_count(updates, "updates")
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
         raise ValueError(
             f"growth_interval must be an int >= 1 (GradScaler's default is 2000), got {growth_interval!r}.")
-    if any(not 0 <= i < updates for i in overflow_at):
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < updates for i in overflow_at):
         raise ValueError(f"overflow_at must list iterations in [0, {updates}), got {list(overflow_at)}.")
     param = nn.Parameter(torch.ones(1, device=device_type))
     opt = torch.optim.SGD([param], lr=0.0)
@@ -464,7 +472,11 @@ def accumulate_in(micro_grads: Sequence[torch.Tensor], accumulator: torch.dtype,
                   produced_in: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Sum K micro-gradients (each divided by K and rounded to ``produced_in``, as a low-precision backward
     pass would hand them over) in an accumulator of type ``accumulator``, one addition at a time."""
-    k = require_k(len(micro_grads))
+    micro_grads = require_vectors(micro_grads)
+    k = len(micro_grads)
+    for name, dtype in (("accumulator", accumulator), ("produced_in", produced_in)):
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point dtype such as torch.float32, got {dtype!r}.")
     acc = torch.zeros_like(micro_grads[0], dtype=accumulator)
     for g in micro_grads:
         acc = acc + (g / k).to(produced_in).to(accumulator)
@@ -475,7 +487,10 @@ def accumulation_error(micro_grads: Sequence[torch.Tensor], accumulator: torch.d
                        produced_in: torch.dtype = torch.bfloat16) -> float:
     """Relative error of :func:`accumulate_in` against the exact (fp64) sum of the same rounded inputs: the
     error added by the accumulator alone."""
-    k = require_k(len(micro_grads))
-    exact = sum((g / k).to(produced_in).double() for g in micro_grads)
     got = accumulate_in(micro_grads, accumulator, produced_in).double()
+    k = len(micro_grads)
+    exact = cast(torch.Tensor, sum((g / k).to(produced_in).double() for g in micro_grads))
+    if not torch.linalg.vector_norm(exact) > 0:
+        raise ValueError(f"the exact sum of the micro-gradients rounded to {produced_in} is zero: a relative "
+                         "error has no scale; pass gradients that do not cancel (or vanish in that format).")
     return float(torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradaccum._validate import require_k
+from gradaccum._validate import require_count, require_k, require_positive
 from gradaccum.accumulate import LossFn, train
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import make_cnn
@@ -75,11 +75,11 @@ def synthetic_micro_gradients(k: int, alignment: float, norm: float = 1.0, dim: 
     direction u with weight a = ``alignment`` (independent random unit vectors n_k); their pairwise cosines are
     about a."""
     require_k(k)
-    if not 0.0 <= alignment <= 1.0:
+    if isinstance(alignment, bool) or not isinstance(alignment, (int, float)) or not 0.0 <= alignment <= 1.0:
         raise ValueError(
             f"alignment must lie in [0, 1] (0: unrelated micro-gradients, 1: identical), got {alignment}.")
-    if norm <= 0:
-        raise ValueError(f"norm must be positive, got {norm}.")
+    require_positive(norm, "norm")
+    require_count(dim, "dim")
     gen = torch.Generator().manual_seed(seed)
     u = torch.randn(dim, generator=gen, dtype=torch.float64)
     u /= torch.linalg.vector_norm(u)

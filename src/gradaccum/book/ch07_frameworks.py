@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from gradaccum import frameworks as fw
+from gradaccum._validate import require_count, require_k
 from gradaccum.book.data import Vocab, encode_batch, spread_lines
 from gradaccum.book.models import TinyLM
 from gradaccum.book.plotting import PALETTE, decorate, figure
@@ -89,11 +90,23 @@ class Single:
     kwargs_mean_factor: float | None = None
 
 
+def _require_slices(x: torch.Tensor, seeds: Sequence[int], n: int) -> None:
+    """Seed s trains on the s-th slice of n samples: every slice must exist and be whole."""
+    for seed in seeds:
+        require_count(seed, "a seed", 0)
+    if seeds and (max(seeds) + 1) * n > len(x):
+        raise ValueError(f"seed {max(seeds)} uses samples {max(seeds) * n} to {(max(seeds) + 1) * n - 1}; only "
+                         f"{len(x)} given: pass fewer or smaller seeds (or smaller batches).")
+
+
 def step_weights(framework: str, x: torch.Tensor, y: torch.Tensor, micro_batches: int, k: int,
                  b: int = 4) -> list[float]:
     """Each optimizer step's gradient as a multiple of the mean gradient of the micro-batches it used, for one
     epoch of ``micro_batches`` micro-batches of ``b`` digits (learning rate 0, so every step sees the same
     weights). A framework that never uses the last micro-batches has fewer entries."""
+    require_count(micro_batches, "micro_batches")
+    require_k(k)
+    require_count(b, "b (the micro-batch size)")
     n = micro_batches * b
     if n > len(x):
         raise ValueError(f"{micro_batches} micro-batches of {b} need {n} samples; only {len(x)} given.")
@@ -250,6 +263,7 @@ def bf16_accumulation_ratios(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[i
     """Plain bf16 autocast, no framework: for each seed (model weights and data slice) and K, the relative error of
     the accumulated gradient (K micro-batches of ``b``, each loss divided by K, summed in the fp32 ``.grad``)
     against the fp32 full-batch gradient, divided by the same error of one bf16 pass over the full batch."""
+    _require_slices(x, seeds, max(require_k(k) for k in ks) * require_count(b, "b (the micro-batch size)"))
     ce = nn.CrossEntropyLoss()
     ratios = {}
     for seed in seeds:
@@ -460,7 +474,13 @@ def partial_window_curves(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[int]
     """Train :func:`digits_mlp` (seed ``s``, on the ``s``-th slice of ``micro_batches · b`` digits) for ``epochs``
     epochs of ``micro_batches`` micro-batches — every epoch ends with a partial window of ``micro_batches mod k`` —
     with each framework, SGD at ``lr``, constant or decayed to 0 by a cosine over the run."""
-    n = micro_batches * b
+    for schedule in schedules:
+        if schedule not in ("constant", "cosine"):
+            raise ValueError(f"schedules are 'constant' or 'cosine', got {schedule!r}.")
+    require_count(epochs, "epochs")
+    require_k(k)
+    n = require_count(micro_batches, "micro_batches") * require_count(b, "b (the micro-batch size)")
+    _require_slices(x, seeds, n)
     steps = epochs * -(-micro_batches // k)
     ce = nn.CrossEntropyLoss()
     losses: dict[tuple[str, int, str], list[float]] = {}

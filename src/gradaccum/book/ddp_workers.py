@@ -172,10 +172,14 @@ def _worker_errors(error_files: list[str], exit_codes: list[int | None] | None =
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            found.append((2, f"rank {rank}: killed by {name} (exit code {code}), a consequence of the failure above"))
+            found.append((2, f"rank {rank}: killed by {name} (exit code {code})"))
         elif code not in (None, 0):
             found.append((0, f"rank {rank}: process exited with exit code {code}"))
-    return [text for _, text in sorted(found, key=lambda item: item[0])]
+    # a signal follows another rank's failure only where one is reported; otherwise it came from outside
+    why = (", a consequence of the failure above" if any(kind < 2 for kind, _ in found) else
+           ": no rank reported an error, so the signal came from outside the job (the out-of-memory killer, a "
+           "time limit, Ctrl-C)")
+    return [text + (why if kind == 2 else "") for kind, text in sorted(found, key=lambda item: item[0])]
 
 
 # DDP checks a hook's annotations as objects; `from __future__ import annotations` made them strings.
