@@ -95,6 +95,16 @@ def test_set_bn_momentum():
     assert bn_statistics.set_bn_momentum(model, 0.05) == 3
     assert all(mod.momentum == 0.05 for mod in model.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm))
     assert bn_statistics.set_bn_momentum(make_cnn("group"), 0.05) == 0
+    # InstanceNorm with running statistics drifts the same way: its momentum is set too; without them it is not
+    inst = nn.Sequential(nn.InstanceNorm1d(3, track_running_stats=True), nn.InstanceNorm1d(3))
+    assert bn_statistics.set_bn_momentum(inst, 0.05) == 1 and inst[0].momentum == 0.05 and inst[1].momentum == 0.1
+    x = torch.randn(8, 3, 5, dtype=torch.float64)
+    full, micro = nn.InstanceNorm1d(3, track_running_stats=True).double(), nn.InstanceNorm1d(
+        3, track_running_stats=True).double()
+    full(x)
+    for xb in x.chunk(4):  # K forward calls: K updates of momentum m, as BatchNorm's
+        micro(xb)
+    assert not torch.allclose(full.running_mean, micro.running_mean)
 
 
 def test_check_micro_batch():

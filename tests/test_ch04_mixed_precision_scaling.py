@@ -191,11 +191,23 @@ def test_unscale_divides_by_the_scale_at_the_boundary(f32, loss_fn, digits):
 
 def test_backoff_exercise_solution(digits, loss_fn):
     """ex-ch4-backoff: K = 8, micro-batch 5 overflows, S = 65536 → no step and S = 32768; per micro-batch: 7 steps."""
+    from gradaccum.book import exercises as ex
+
     model = make_cnn("group", dtype=torch.float32)
     x, y = digits.x_train[:32].float(), digits.y_train[:32]
     right = precision.amp_window(model, loss_fn, x, y, 8, overflow_micro=4)
     assert right.steps == 0 and right.final_scale == 32768
     assert precision.amp_window(model, loss_fn, x, y, 8, "step_per_micro", overflow_micro=4).steps == 7
+    # the grader's mistake: unscale_ + update() per micro-batch backs off K − 5 + 2 = 5 times (8192 → 256)
+    repeated = precision.amp_window(model, loss_fn, x, y, 8, "unscale_update_per_micro", init_scale=8192.0,
+                                    overflow_micro=4)
+    assert repeated.final_scale == 8192 * 0.5**5 == 256
+    wrong = ex.grade_backoff_scale(256.0)
+    assert not wrong.correct and "after every micro-batch" in wrong.message
+    assert ex.grade_backoff_scale(4096.0).correct
+    for kwargs in (dict(k=4, overflowed=5), dict(overflowed=0), dict(k=0)):
+        with pytest.raises(ValueError):
+            ex.grade_backoff_scale(1.0, **kwargs)
 
 
 def test_bf16_accumulator_exercise_solution(digits, loss_fn):

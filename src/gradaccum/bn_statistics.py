@@ -156,8 +156,9 @@ def micro_batch_weights(m: float, k: int) -> list[float]:
 
 
 def set_bn_momentum(model: nn.Module, m: float) -> int:
-    """Set the momentum of every BatchNorm layer of ``model`` that keeps an exponential running average to m;
-    returns how many layers were changed.
+    """Set the momentum of every BatchNorm layer of ``model`` that keeps an exponential running average to m —
+    and of every InstanceNorm layer with ``track_running_stats=True``, whose running averages also move once per
+    forward call — returns how many layers were changed.
 
     Layers without running statistics (``track_running_stats=False``) have no momentum to set and are left alone.
     A layer with ``momentum=None`` keeps a cumulative average (weight 1/t for the t-th update) instead, which K
@@ -166,11 +167,11 @@ def set_bn_momentum(model: nn.Module, m: float) -> int:
     """
     require_momentum(m)
     layers = [mod for mod in model.modules()
-              if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats]
+              if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats]
     cumulative = [name for name, mod in model.named_modules() if any(mod is layer for layer in layers)
                   and mod.momentum is None]
     if cumulative:
-        raise ValueError(f"BatchNorm layer(s) {cumulative} use momentum=None (a cumulative average), which "
+        raise ValueError(f"normalization layer(s) {cumulative} use momentum=None (a cumulative average), which "
                          "accumulation does not speed up; leave them as they are, or set their momentum yourself "
                          "if you mean to switch them to an exponential average.")
     for mod in layers:

@@ -423,17 +423,30 @@ def grade_smallest_positive(answer: object, dtype: str = "float8_e4m3fn") -> Fee
                              "exact power of two).")
 
 
-def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 0.5) -> Feedback:
-    """Exercise: the loss scale after a window in which one micro-batch overflowed (correct recipe)."""
+def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 0.5, k: int = 8,
+                        overflowed: int = 5) -> Feedback:
+    """Exercise: the loss scale after a window of ``k`` micro-batches in which micro-batch ``overflowed``
+    (1-based) overflowed (correct recipe): one backoff, ``scale · backoff``."""
     require_positive(scale, "scale")
     if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or not 0 < backoff < 1:
         raise ValueError(f"backoff must lie in (0, 1), as GradScaler requires, got {backoff!r}.")
+    require_k(k)
+    if isinstance(overflowed, bool) or not isinstance(overflowed, int) or not 1 <= overflowed <= k:
+        raise ValueError(f"overflowed is the overflowing micro-batch's number, an int from 1 to K = {k}, got "
+                         f"{overflowed!r}.")
+    # unscale_ + update() after every micro-batch: the inf stays in .grad, so the overflowing micro-batch's
+    # update and every later one back off, and the window's own update once more (precision.amp_window's
+    # "unscale_update_per_micro"; a test runs it)
+    repeated = k - overflowed + 2
     return grade_number(
         answer,
         scale * backoff,
         mistakes=[
             (scale, "an inf/NaN found at the step makes update() multiply the scale by the backoff factor."),
-            (scale * backoff**8, "the check happens once per window, on the accumulated gradient: one backoff."),
+            (scale * backoff**repeated,
+             f"that is a loop that calls unscale_ and update() after every micro-batch: the inf stays in .grad, so "
+             f"every update from micro-batch {overflowed} on backs off again ({repeated} times). The recipe "
+             "updates once per window: one backoff."),
             (scale * 2, "growth happens after growth_interval steps *without* overflow; here there was one."),
         ],
         digits=6,  # an exact answer: six significant digits
