@@ -146,6 +146,19 @@ def test_bad_impl_is_refused():
         ghostify(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), 4, impl="fast")
 
 
+@pytest.mark.parametrize("impl", ["loop", "fold"])
+def test_mixed_float64_and_float32_is_refused_with_advice(impl):
+    """nn.BatchNorm2d raises a RuntimeError ("mixed dtype (CPU)"); the layer says what to cast instead. bf16 input
+    with float32 statistics (autocast) is not refused."""
+    layer = GhostBatchNorm(3, 4, impl=impl)
+    with pytest.raises(ValueError, match="cast the model"):
+        layer(torch.randn(8, 3, 2, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="cast the model"):
+        GhostBatchNorm(3, 4, impl=impl).double()(torch.randn(8, 3, 2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.randn(8, 3, 2, 2)).shape == (8, 3, 2, 2)
+
+
 def test_ghostify_passes_impl_on():
     ghosted = ghostify(nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)), 4, impl="loop")
     assert ghosted[1].impl == "loop" and "impl='loop'" in repr(ghosted)

@@ -293,6 +293,10 @@ class GhostBatchNorm(_BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
+        stats = self.running_mean.dtype
+        if torch.float64 in (x.dtype, stats) and x.dtype != stats:  # lower precisions mix under autocast
+            raise ValueError(f"the input is {x.dtype} and the layer's statistics {stats}: cast the model (.double() "
+                             "or .float()) or the input to one precision; nn.BatchNorm2d cannot mix them either.")
         n, v = x.shape[0], self.virtual_batch_size
         if not self.training or n == v:
             return super().forward(x)
