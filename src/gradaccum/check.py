@@ -362,6 +362,10 @@ def _references(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.T
             raise ValueError(f"loss_fn(model(x), y).backward() raised: {err}; the checker needs a loss that is "
                              "differentiable with respect to the model's trainable parameters.") from err
         full = flat(params)
+        if not bool(full.ne(0).any()):
+            raise ValueError("the full batch's gradient is exactly zero (are all its targets ignore_index or padding? "
+                             "does the loss depend on the trainable parameters?): there is nothing to compare a "
+                             "window with; pass a batch with counted targets.")
         basis = []
         for j, (xb, yb) in enumerate(split_batch(x, y, k)):
             reset()
@@ -420,6 +424,9 @@ def _validate_arguments(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: 
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise ValueError("x and y must be tensors whose first dimension is the batch; wrap other inputs in a model "
                          "that takes one tensor.")
+    if x.dim() == 0 or y.dim() == 0:
+        raise ValueError(f"x and y need a batch dimension (shapes {tuple(x.shape)} and {tuple(y.shape)}); for one "
+                         "sample use x[None] and y[None].")
     require_k(k)
     split_batch(x, y, k)
     if step is not None and not callable(step):
@@ -432,6 +439,10 @@ def _validate_arguments(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: 
         raise ValueError(f"seed must be a non-negative int, got {seed!r}.")
     if not _trainable(model):
         raise ValueError("the model has no trainable parameters to compare gradients of.")
+    sparse = [name for name, m in model.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        raise ValueError(f"module(s) {sparse[:3]} produce sparse gradients (sparse=True), which the checker cannot "
+                         "compare; check a copy built with sparse=False: the gradient's values are the same.")
 
 
 def _check_outputs(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -480,15 +491,18 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
 
     ``clip``: the threshold your loop clips to (norm); when None and your loop calls ``clip_grad_norm_`` or
     ``clip_grad_value_``, the threshold it used is taken. The full-batch reference is then clipped once.
-    ``tolerance``: relative error that counts as equal (default 1e-9 for float64 parameters, 1e-4 otherwise).
+    ``tolerance``: relative error that counts as equal (default 1e-9 for float64 parameters, 1e-4 for float32,
+    8 epsilons of the format for bf16 or fp16 parameters: 3.1e-2 and 3.9e-3).
     ``seed``: seeds the per-sample randomness. ``partial``: also run ``step`` on a partial window of K − 1
     micro-batches (as the last window of an epoch) and report a gradient that is not that window's mean.
     """
     _validate_arguments(model, loss_fn, x, y, k, step, clip, tolerance, seed)
     params = _trainable(model)
     float64 = params[0].dtype == torch.float64
-    tol = float(tolerance) if tolerance is not None else (1e-9 if float64 else 1e-4)
-    wtol = 1e-9 if float64 else 1e-5
+    # parameters held in bf16 or fp16 round every gradient to their format: 8 of its epsilons count as equal
+    low = 8 * max(torch.finfo(p.dtype).eps for p in params)
+    tol = float(tolerance) if tolerance is not None else (1e-9 if float64 else max(1e-4, low))
+    wtol = 1e-9 if float64 else max(1e-5, low)
     n, b = x.shape[0], x.shape[0] // k
     devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     restore = _Restore(model)

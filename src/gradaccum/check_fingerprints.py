@@ -107,15 +107,23 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def fit_weights(basis: torch.Tensor, g: torch.Tensor) -> tuple[list[float], float, float]:
     r"""Least-squares weights :math:`w = \arg\min\|g - \sum_j w_j h_j\|`, the relative residual, and the
-    condition number of the (normalized) Gram matrix. ``basis`` is (K, P)."""
-    norms = basis.norm(dim=1).clamp_min(1e-300)
-    a = basis / norms[:, None]
+    condition number of the (normalized) Gram matrix. ``basis`` is (K, P).
+
+    A micro-batch whose gradient is exactly zero (every target ignored, all padding) contributes nothing whatever
+    its weight: its weight is undetermined, and it is given the median of the others' (so that it neither hides
+    nor invents a pattern in them); the fit and the condition number use the other micro-batches."""
+    norms = basis.norm(dim=1)
+    live = norms > 0
+    if not bool(live.any()):
+        return [0.0] * basis.shape[0], (1.0 if float(g.norm()) > 0 else 0.0), float("inf")
+    a = basis[live] / norms[live][:, None]
     gram = a @ a.T
     rhs = a @ g
     eig = torch.linalg.eigvalsh(gram)
     cond = float(eig[-1] / eig[0].clamp_min(1e-300)) if eig[0] > 0 else float("inf")
     sol = torch.linalg.lstsq(gram, rhs[:, None]).solution[:, 0]
-    w = sol / norms
+    w = torch.full_like(norms, float((sol / norms[live]).median()))
+    w[live] = sol / norms[live]
     residual = rel(g, w @ basis) if float(g.norm()) > 0 else 0.0
     return [float(v) for v in w], residual, cond
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import math
+import numbers
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -221,6 +223,18 @@ class SampleRNG(TorchDispatchMode):
             return
         values = t.detach().reshape(-1)[:4096].double().cpu().clone()
         self.draws.append((tuple(t.shape), values))
+
+
+def _as_float(value: object) -> float | None:
+    """A clip argument as torch reads it: a Python or NumPy number, a one-element tensor, or the string 'inf'
+    (``norm_type``); None for anything else (an argument not given)."""
+    if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "infinity"):
+        return math.inf
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 class OutsideDraws(TorchDispatchMode):
@@ -508,8 +522,9 @@ class CallRecorder:
                 if outer:
                     detail = {"fn": name, "scaled": self.grads_scaled, "before": flat(self.params)}
                     for key in ("max_norm", "clip_value", "norm_type"):
-                        if key in loc and isinstance(loc[key], (int, float)):
-                            detail[key] = float(loc[key])
+                        value = _as_float(loc.get(key))
+                        if value is not None:
+                            detail[key] = value
                     self._open[id(frame)] = ("clip", self._event("clip", **detail))
             return
         if name in _SEED_NAMES:
