@@ -295,3 +295,41 @@ def test_partial_step_study_in_two_processes_is_the_sequential_one(lm):
     assert one == ch6.partial_step_study(digits.x_train, digits.y_train, lines, vocab, **kwargs, workers=2)
     with pytest.raises(ValueError, match="setup must be one of"):
         ch6.partial_step_run("MLP", "adam", 0, 0, digits.x_train, digits.y_train, vocab)
+
+
+def test_review_window_tools_refuse_flags_targets_and_steps_they_cannot_use():
+    """Second review: truthy strings and None switched flags on or off, a float seed drew seed 0's masks, an int
+    shape or a list of masks raised TypeError/AttributeError, int32 targets or padding written as -1 raised
+    RuntimeError/IndexError, a NaN model gave NaN logs, and a partial window with no counted target raised
+    ZeroDivisionError; OneCycleLR stepped per micro-batch raises after total_steps scheduler steps."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match="step_per_micro"):
+        windows.adam_step_count(5, 4, "no")
+    with pytest.raises(ValueError, match="reset_seed"):
+        windows.dropout_masks(20, 4, (512,), reset_seed="no")
+    with pytest.raises(ValueError, match="optimizer_first"):
+        windows.scheduler_order_warnings(4, 3, optimizer_first=None)
+    for kwargs in (dict(seed=0.5), dict(shape=4), dict(shape=(-1,))):
+        with pytest.raises(ValueError):
+            windows.dropout_masks(**(dict(steps=2, k=2, shape=(4,)) | kwargs))
+    with pytest.raises(ValueError, match="tensor"):
+        windows.mask_agreement([[1, 0], [1, 1]])
+    with pytest.raises(ValueError, match="lr"):
+        windows.lr_trajectory(3, 4, 8, False, lr=float("nan"))
+    with pytest.raises(ValueError, match="int64"):
+        windows.token_loss(torch.randn(2, 5, 7), torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="-100"):
+        windows.token_loss(torch.randn(2, 5, 7), torch.full((2, 5), -1))
+    assert windows.onecycle_steps_before_error(10, 4) == 10 and windows.onecycle_steps_before_error(10, 1) is None
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(32, 6, dtype=torch.float64), torch.randint(0, 3, (32,))
+    ignored = nn.CrossEntropyLoss(ignore_index=0)
+    with pytest.raises(ValueError, match="finite, nonzero step"):
+        windows.partial_step_ratio(model, ignored, x, torch.zeros_like(y), 4, 4, 1, "sgd", 0.1)
+    ratio = windows.partial_step_ratio(model, nn.CrossEntropyLoss(), x, y, 4, 4, np.int64(1).item(), "sgd",
+                                       np.float32(0.1))  # a NumPy learning rate is a number
+    assert ratio == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="NumPy integer"):
+        windows.partial_step_ratio(model, nn.CrossEntropyLoss(), x, y, 4, 4, np.int64(1), "sgd", 0.1)

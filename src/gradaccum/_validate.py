@@ -59,14 +59,14 @@ def require_count(value: int, name: str, minimum: int = 1) -> int:
 
 def require_positive(value: float, name: str) -> float:
     """Validate a positive finite number named ``name`` in the message."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
     return float(value)
 
 
 def require_nonnegative(value: float, name: str) -> float:
     """Validate a finite number >= 0 named ``name`` in the message."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
     return float(value)
 
@@ -75,8 +75,16 @@ def require_partial(present: int, k: int) -> int:
     """Validate the micro-batches of a partial last window: an int in [1, K)."""
     if isinstance(present, bool) or not isinstance(present, int) or not 1 <= present < k:
         raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches (an int), got "
-                         f"{present!r}.")
+                         f"{present!r}{_numpy_hint(present)}.")
     return present
+
+
+def require_flag(value: bool, name: str, meaning: str = "") -> bool:
+    """Validate a Python bool named ``name`` (``meaning`` says what True does); "no", 0 or None are refused, so that
+    a truthy string never switches a behaviour on by accident."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False{f' ({meaning})' if meaning else ''}, got {value!r}.")
+    return value
 
 
 def require_vectors(vectors: Sequence[torch.Tensor], name: str = "micro_grads") -> list[torch.Tensor]:

@@ -458,8 +458,13 @@ def _check_outputs(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torc
     if out.dim() == 0 or out.shape[0] != x.shape[0]:
         raise ValueError(f"model(x) must return one output per sample (first dimension {x.shape[0]}), got shape "
                          f"{tuple(out.shape)}.")
-    with torch.no_grad():
-        loss = loss_fn(out, y)
+    try:
+        with torch.no_grad():
+            loss = loss_fn(out, y)
+    except Exception as err:
+        raise ValueError(f"loss_fn(model(x), y) raised {type(err).__name__}: {str(err).strip().splitlines()[0]}; "
+                         "the checker needs a loss that takes the whole batch's output and targets (class indices "
+                         "as int64, within the number of classes).") from err
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("loss_fn(model(x), y) must return a scalar tensor (a mean or sum over the batch).")
 

@@ -28,6 +28,7 @@ moment's memory (``"adam_beta1_0"``: :math:`\beta_1 = 0`) the step shrinks to ab
 from __future__ import annotations
 
 import copy
+import math
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -37,7 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradaccum._validate import require_count, require_k, require_micro_batch, require_partial, require_positive
+from gradaccum._validate import (
+    require_count,
+    require_flag,
+    require_k,
+    require_micro_batch,
+    require_partial,
+    require_positive,
+)
 from gradaccum.accumulate import flat_grad, split_batch
 
 #: Target of padding positions, skipped by ``cross_entropy(ignore_index=IGNORE)``: -100, PyTorch's default
@@ -47,7 +55,17 @@ IGNORE = -100
 
 
 def token_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over the non-padding tokens (targets other than :data:`IGNORE`), mean or sum."""
+    """Cross-entropy over the non-padding tokens (targets other than :data:`IGNORE`), mean or sum. Targets must be
+    int64 class indices in [0, vocabulary) or :data:`IGNORE` (-100); anything else is refused with a ValueError."""
+    if not isinstance(y, torch.Tensor) or y.dtype != torch.int64:
+        raise ValueError(f"targets must be an int64 tensor of class indices (pass y.long()), got "
+                         f"{y.dtype if isinstance(y, torch.Tensor) else type(y).__name__}.")
+    counted = y[y != IGNORE]
+    vocab = logits.shape[-1]
+    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= vocab):
+        bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
+        raise ValueError(f"target {bad} is outside the vocabulary [0, {vocab}); padding must be written as "
+                         f"{IGNORE} (windows.IGNORE), the index cross_entropy skips.")
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE,
                            reduction=reduction)
 
@@ -104,6 +122,9 @@ def window_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
             loss = token_loss(model(xb), yb) / k
         else:
             loss = token_loss(model(xb), yb, "sum") / total
+        if not bool(torch.isfinite(loss)):
+            raise ValueError(f"a micro-batch's loss is {float(loss)}: the model's output or weights hold inf or NaN "
+                             "(nothing to normalize).")
         loss.backward()
         value += float(loss.detach())
     return value
@@ -157,7 +178,12 @@ def dropout_masks(steps: int, k: int, shape: tuple[int, ...], p: float = 0.5, re
     ``torch.manual_seed(seed + micro_index)`` before each micro-batch, the bug this chapter shows."""
     require_k(k)
     require_count(steps, "steps", minimum=0)
-    if not 0 < p < 1:
+    require_count(seed, "seed", minimum=0)
+    require_flag(reset_seed, "reset_seed", "re-seed before every micro-batch")
+    if not isinstance(shape, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
+                                               for d in shape):
+        raise ValueError(f"shape must be a tuple of positive ints, one mask's shape such as (512,), got {shape!r}.")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
         raise ValueError(f"dropout probability must lie in (0, 1), got {p}.")
     layer = nn.Dropout(p).train()
     masks = torch.empty(steps, k, *shape)
@@ -175,6 +201,9 @@ def mask_agreement(masks: torch.Tensor) -> tuple[float, float]:
     """Share of positions where a micro-batch's mask equals the one of the same micro index one step earlier,
     and the same for two different micro indices in one step (0.5 for independent masks with p = 0.5). ``masks``:
     (steps, K, ...) as :func:`dropout_masks` returns, with at least two steps and two micro-batches."""
+    if not isinstance(masks, torch.Tensor):
+        raise ValueError(f"masks must be a tensor (steps, K, ...) as dropout_masks returns, got "
+                         f"{type(masks).__name__}.")
     if masks.dim() < 2 or masks.shape[0] < 2 or masks.shape[1] < 2:
         raise ValueError(f"masks must be (steps, K, ...) with steps >= 2 and K >= 2 to compare, got shape "
                          f"{tuple(masks.shape)}.")
@@ -208,6 +237,7 @@ def lr_trajectory(optimizer_steps: int, k: int, warmup: int, per_micro: bool,
     if not isinstance(per_micro, bool):
         raise ValueError(f"per_micro must be True (scheduler.step() per micro-batch) or False (per optimizer step), "
                          f"got {per_micro!r}.")
+    require_positive(lr, "lr")
     param = nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / warmup))
@@ -233,6 +263,7 @@ def scheduler_order_warnings(k: int, windows: int, optimizer_first: bool) -> lis
 
     require_k(k)
     require_count(windows, "windows")
+    require_flag(optimizer_first, "optimizer_first", "one optimizer step before the loop")
     param = nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
@@ -247,11 +278,35 @@ def scheduler_order_warnings(k: int, windows: int, optimizer_first: bool) -> lis
     return [str(w.message).split(". ")[0] for w in caught]
 
 
+def onecycle_steps_before_error(total_steps: int, k: int) -> int | None:
+    """Scheduler steps a ``OneCycleLR(total_steps=...)``, sized in optimizer steps, takes in a loop that (wrongly)
+    steps it after every micro-batch before it raises its ``ValueError`` ("Tried to step ... times"): ``total_steps``
+    (the next one raises, after about 1/K of the windows); None if the ``total_steps`` windows finish (K = 1)."""
+    require_count(total_steps, "total_steps")
+    require_k(k)
+    param = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total_steps)
+    taken = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the order warning of the first step: scheduler_order_warnings shows it
+        for _ in range(total_steps):
+            for _ in range(k):
+                try:
+                    sched.step()
+                except ValueError:
+                    return taken
+                taken += 1
+            opt.step()
+    return None
+
+
 def adam_step_count(windows: int, k: int, step_per_micro: bool) -> int:
     """Adam's ``state['step']`` after ``windows`` accumulation windows (it drives the bias correction
     1/(1 − β^t)); stepping per micro-batch advances it K times per window."""
     require_k(k)
     require_count(windows, "windows", minimum=0)
+    require_flag(step_per_micro, "step_per_micro", "optimizer.step() after every micro-batch")
     param = nn.Parameter(torch.zeros(3))
     opt = torch.optim.Adam([param], lr=1e-3)
     for _ in range(windows):
@@ -350,6 +405,9 @@ def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
         trial_opt.step()
         squared = cast(torch.Tensor, sum(((p.detach() - q) ** 2).sum() for p, q in zip(trial.parameters(), before)))
         norms.append(float(torch.sqrt(squared)))
+    if not (math.isfinite(norms[0]) and math.isfinite(norms[1]) and norms[1] > 0):
+        raise ValueError(f"the partial window's step has norm {norms[1]} (divided by k') and {norms[0]} (by K): "
+                         "a ratio needs a finite, nonzero step; are all its targets ignored, or the inputs NaN?")
     return norms[0] / norms[1]
 
 
@@ -374,4 +432,6 @@ def window_log(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int) -> Wi
         means = [float(token_loss(model(xb), yb)) for xb, yb in micro]
         sums = [float(token_loss(model(xb), yb, "sum")) for xb, yb in micro]
         tokens = [count_tokens(yb) for _, yb in micro]
+    if not all(math.isfinite(v) for v in means + sums):
+        raise ValueError("a micro-batch's loss is not finite: the model's output or weights hold inf or NaN.")
     return WindowLog(means[-1] / k, sum(means) / k, sum(sums) / sum(tokens))

@@ -581,7 +581,13 @@ def grade_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback
     if warmup % k:
         mistakes.append((float(warmup // k), f"after {warmup // k} optimizer steps the schedule has counted "
                                              f"{warmup // k * k} < {warmup} steps: round up."))
-    return grade_number(answer, float(-(-warmup // k)), mistakes=mistakes,
+    end = -(-warmup // k)
+    if end + 1 not in (warmup, warmup * k):
+        mistakes.append((float(end + 1), f"{end + 1} can be the first optimizer step that *uses* the full rate "
+                                         "(depending on the schedule's convention and on the order of the window's "
+                                         f"optimizer and scheduler steps); the schedule has *counted* its {warmup} "
+                                         f"steps after {end}."))
+    return grade_number(answer, float(end), mistakes=mistakes,
                         hint="Each optimizer step advances the schedule by K; count whole optimizer steps.",
                         count=True)
 
