@@ -80,6 +80,13 @@ COUNTED = ("backward", "optimizer.step", "scheduler.step", "scaler.step", "scale
 __all__ = ["Finding", "Report", "check", "main", "token_cross_entropy"]
 
 
+#: How much longer than the full batch's gradient the micro-batch gradients may be, on average, before the default
+#: tolerance is widened in proportion (their rounding, not the sum's, sets the error of a cancelling sum).
+CANCELLATION = 10.0
+#: Beyond this, the full batch's gradient is rounding noise of its micro-batches' (1000× shorter): inconclusive.
+CANCELLATION_LIMIT = 1000.0
+
+
 @dataclass
 class Report:
     """The result of :func:`check`: the verdict (``ok``), the measurements, and the findings."""
@@ -514,14 +521,15 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
     try:
         with torch.random.fork_rng(devices=devices):
             _check_outputs(model, loss_fn, x, y)
-            return _check(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b)
+            return _check(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b,
+                          fixed_tol=tolerance is not None)
     finally:
         restore()
 
 
 def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None,
            clip: float | None, tol: float, wtol: float, seed: int, partial: bool, n: int, b: int,
-           switched: bool = False) -> Report:
+           switched: bool = False, fixed_tol: bool = False) -> Report:
     report = Report(k, float("nan"), float("nan"), tol, micro_batch=b, batch=n,
                     counts=dict.fromkeys(COUNTED, 0))
     refs = _references(model, loss_fn, x, y, k, seed)
@@ -553,6 +561,24 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
             "give the recomputation the same ones", "rerun with dropout off (p = 0) or without activation "
             "checkpointing to compare like with like", 6, "inconclusive"))
         return report
+    # rounding grows with the terms summed, not with their sum: where the micro-batch gradients cancel (near an
+    # optimum) the full batch's gradient is far shorter than they are, and the default tolerance is widened by
+    # the excess over CANCELLATION (a typical window's micro-batch gradients are a few times their mean)
+    spread = float(refs.basis.norm(dim=1).mean()) / max(float(refs.full.norm()), 1e-300)
+    if not fixed_tol and not switched and spread > CANCELLATION_LIMIT:
+        report.findings.append(Finding(
+            "gradient_cancels", "the micro-batch gradients cancel: the full batch's gradient is too small to "
+            "compare with", f"the micro-batch gradients are {spread:.3g}× longer on average than the full batch's "
+            f"(as at an optimum): any difference is dominated by their rounding", "check from a state away from the "
+            "optimum (the untrained model, an earlier checkpoint), or pass the tolerance you accept", 1,
+            "inconclusive"))
+        return report
+    if not fixed_tol and not switched and spread > CANCELLATION:
+        tol, wtol = tol * spread / CANCELLATION, wtol * spread / CANCELLATION
+        report.tolerance = tol
+        report.notes.append(f"cancellation: the micro-batch gradients are {spread:.3g}× longer on average than the "
+                            f"full batch's (they cancel, as near an optimum), so rounding is relative to them: the "
+                            f"tolerance is widened to {tol:.2g}")
     run = _run_step(model, loss_fn, x, y, k, step or accumulate_backward, seed, plans=refs.plans)
     given_modes = [m_.training for m_ in model.modules()]
     if run.modes is not None and run.modes != given_modes and not switched:
@@ -562,7 +588,8 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
         moved = copy.deepcopy(model)
         for module, training in zip(moved.modules(), run.modes):
             module.training = training
-        inner = _check(moved, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b, switched=True)
+        inner = _check(moved, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b, switched=True,
+                       fixed_tol=True)
         changed = [(name or "(the model)", now) for (name, _), was, now in
                    zip(model.named_modules(), given_modes, run.modes) if was != now]
         parts = [f"{len(group)} module(s) in {mode} mode (e.g. {', '.join(group[:3])})"

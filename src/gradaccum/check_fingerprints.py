@@ -193,6 +193,7 @@ CODES: dict[str, str] = {
     "weights_differ": "micro-batches weighed differently from the full batch, in no known pattern",
     "randomness_not_replayed": "(inconclusive) random draws the checker could not give each sample in every pass",
     "autocast_precision": "(inconclusive) a small difference from a step run under torch.autocast",
+    "gradient_cancels": "(inconclusive) the micro-batch gradients cancel: the full batch's is too small to compare",
     "unexplained": "a difference none of the fingerprints explains",
 }
 
