@@ -328,3 +328,48 @@ def test_a_changed_dict_entry_or_global_is_never_served_from_a_stale_trace():
         assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
                               _reference(model, x, y), rtol=1e-10, atol=1e-12)
     _SCALE[0] = 1.0
+
+
+def test_review_buffers_changed_in_forward_and_layers_some_micro_batches_skip_are_refused_and_undone():
+    """Review: spectral_norm's power iteration (a buffer the forward changes) saw a different network in every
+    pass, a wrong gradient even at K = 1; a BatchNorm only some micro-batches reach got statistics from those
+    alone (exact=False) or a KeyError (exact=True); a refusal left the first micro-batches' gradients in .grad."""
+    import torch.nn.functional as F
+    from torch.nn.utils import spectral_norm
+
+    from gradaccum.fullbatch_bn import full_batch_stats_backward
+    from gradaccum.ghost_bn import GhostBatchNorm
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    model = nn.Sequential(spectral_norm(nn.Conv2d(3, 4, 3)), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 2))
+    model = model.double()
+    u = model[0].weight_u.clone()
+    for cache in (False, True):
+        with pytest.raises(ValueError, match="weight_u"):
+            full_batch_stats_backward(model, F.mse_loss, x, y, 1, exact=True, cache=cache)
+        assert all(p.grad is None for p in model.parameters()) and torch.equal(model[0].weight_u, u)
+
+    class Branching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.b, self.b2, self.fc = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.b(self.c(x))
+            if x[0, 0, 0, 0] > 0:  # data-dependent: some micro-batches call b2, others do not
+                h = self.b2(h)
+            return self.fc(h.mean((2, 3)))
+
+    for first in (1.0, -1.0):  # micro-batch 0 calls b2 and later ones do not, or the other way round
+        net = Branching().double()
+        before = {n: b.clone() for n, b in net.named_buffers()}
+        xs = x.clone()
+        xs[::2, 0, 0, 0] = torch.tensor([first, -first, first, -first], dtype=torch.float64)
+        for exact in (False, True):
+            with pytest.raises(ValueError, match="different order|not all"):
+                full_batch_stats_backward(net, F.mse_loss, xs, y, 4, exact=exact)
+            assert all(p.grad is None for p in net.parameters())
+            assert all(torch.equal(b, before[n]) for n, b in net.named_buffers())
+    for impl in ("loop", "fold"):  # an empty batch passes through, as through nn.BatchNorm2d
+        assert GhostBatchNorm(3, 2, impl=impl)(torch.randn(0, 3, 4, 4)).shape == (0, 3, 4, 4)

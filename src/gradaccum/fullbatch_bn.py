@@ -59,6 +59,11 @@ class Moments:
         return self.m2 / self.count
 
 
+ORDER_MESSAGE = ("the model calls its BatchNorm layers in a different order for different micro-batches, or not all "
+                 "of them for every micro-batch (data-dependent control flow?); the scheme needs the same BatchNorm "
+                 "calls, in the same order, for every micro-batch.")
+
+
 class _StopForward(Exception):
     """Raised inside a forward pass to end it early, once the layer of interest has seen its input."""
 
@@ -137,8 +142,8 @@ def _twice_message(name: str) -> str:
     return (f"BatchNorm layer {_label(name)} is called more than once per forward pass; the scheme gives each layer "
             "one set of full-batch statistics, so it needs each batch-statistics BatchNorm called once. Give each "
             "call its own BatchNorm module (or freeze this one with .eval()). If the second call is activation "
-            "checkpointing recomputing the layer during backward (torch.utils.checkpoint with "
-            "use_reentrant=False), use cache=True, or reentrant checkpointing.")
+            "checkpointing recomputing the layer during backward, the scheme supports it only with "
+            "torch.utils.checkpoint(..., use_reentrant=False) and cache=True.")
 
 
 def _cuda_devices(model: nn.Module, x: torch.Tensor) -> list[int]:
@@ -394,12 +399,13 @@ def _statistics_pass(model: nn.Module, micro_batches: Sequence[torch.Tensor], na
             except _StopForward:
                 pass
             else:
+                if patch.stop_after_first:  # it should have stopped at the first layer: never reached it
+                    raise ValueError(ORDER_MESSAGE)
                 rng.ended(i)
             if order is None:
                 order = patch.order
             elif patch.order != order[: len(patch.order)] or (not patch.stop_after_first and patch.order != order):
-                raise ValueError("the model calls its BatchNorm layers in a different order for different "
-                                 "micro-batches (data-dependent control flow?); the scheme needs the same order.")
+                raise ValueError(ORDER_MESSAGE)
         patch.discover = False
         assert order is not None
         for layer in order:
@@ -412,6 +418,8 @@ def _statistics_pass(model: nn.Module, micro_batches: Sequence[torch.Tensor], na
                         model(xb)
                     except _StopForward:
                         pass
+                    else:  # this micro-batch's forward never reached the layer
+                        raise ValueError(ORDER_MESSAGE)
             moments = patch.total
             if moments is None:  # pragma: no cover - the layer was reached in sweep 1
                 raise RuntimeError("a BatchNorm layer was not reached")
@@ -481,6 +489,8 @@ def _collect_corrections(model: nn.Module, loss_fn: LossFn, micro: list, k: int,
                 patch.new_forward()
                 loss = loss_fn(model(xb), yb) / k
                 sweep.check_inputs()
+                if layer not in sweep.inputs:
+                    raise ValueError(ORDER_MESSAGE)
                 x = sweep.inputs[layer][0]
                 if not (x.requires_grad and loss.requires_grad):
                     break
@@ -1052,7 +1062,38 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
     layers run in every pass of the uncached scheme (L + 1 or more times per micro-batch), so hooks that record
     activations see each micro-batch several times.
     """
-    return _step(model, loss_fn, x, y, k, exact, cache)
+    return _restoring(model, lambda: _step(model, loss_fn, x, y, k, exact, cache))
+
+
+def _restoring(model: nn.Module, run: Callable[[], float]) -> float:
+    """Run one step; on a refusal put every ``.grad`` and buffer back as they were (no partial window's gradient
+    is left behind), and refuse a model whose forward changes a buffer of its own (a power iteration's vectors, a
+    counter, an InstanceNorm's running statistics): the scheme runs the forward several times per micro-batch, so
+    its later passes would see a different network from its first."""
+    grads = [(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+    buffers = [(name, b, b.clone()) for name, b in model.named_buffers()]
+    own = {id(b) for layer in _batch_stat_layers(model) for b in layer.buffers()}
+
+    def restore() -> None:
+        with torch.no_grad():
+            for p, g in grads:
+                p.grad = g
+            for _, b, saved in buffers:
+                b.copy_(saved)
+
+    try:
+        total = run()
+    except BaseException:
+        restore()
+        raise
+    changed = [name for name, b, saved in buffers if id(b) not in own and not torch.equal(b, saved)]
+    if changed:
+        restore()
+        raise ValueError(f"the forward changes the model's buffer(s) {changed[:3]} (a power iteration such as "
+                         "spectral_norm's, a counter, an InstanceNorm's running statistics): the scheme runs the "
+                         "forward several times per micro-batch, so later passes would see a different network; "
+                         "put those modules in eval mode for this step, or accumulate plainly.")
+    return total
 
 
 def _step(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, exact: bool,
@@ -1081,6 +1122,8 @@ def _step(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k
             rng.at(i)
             patch.new_forward()
             loss = loss_fn(model(xb), yb) / k
+            if patch.called != set(stats):
+                raise ValueError(ORDER_MESSAGE)
             if sweep is not None:
                 sweep.check_inputs()
             if not loss.requires_grad:

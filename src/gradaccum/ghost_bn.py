@@ -298,7 +298,7 @@ class GhostBatchNorm(_BatchNorm):
             raise ValueError(f"the input is {x.dtype} and the layer's statistics {stats}: cast the model (.double() "
                              "or .float()) or the input to one precision; nn.BatchNorm2d cannot mix them either.")
         n, v = x.shape[0], self.virtual_batch_size
-        if not self.training or n == v:
+        if not self.training or n == v or n == 0:  # an empty batch: nn.BatchNorm returns it empty too
             return super().forward(x)
         if n % v:
             raise ValueError(
