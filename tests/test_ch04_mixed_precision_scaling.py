@@ -390,3 +390,62 @@ def test_precision_tools_refuse_what_has_no_answer():
         precision.scale_history(3, 3, overflow_at=(1.5,))
     with pytest.raises(ValueError, match=r"shape \(2,\)"):
         precision.mixed_scale_sum([torch.ones(3), torch.ones(2)], [1.0, 1.0], 1.0)
+
+
+def test_review_layernorm_on_the_cpu_and_parameters_outside_kernels():
+    """Second review: on the CPU, nn.LayerNorm's weight gradient is computed in fp16 from an fp16 input (inf where
+    GroupNorm's stays finite), so kernel_gradients now reads it there; a parameter outside linear, convolution and
+    normalization modules (MultiheadAttention's in_proj_weight) makes kernel_gradients refuse."""
+    ln, gn = nn.LayerNorm([4, 8, 8]), nn.GroupNorm(2, 4)
+    for layer, finite in ((ln, False), (gn, True)):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = layer(torch.randn(2, 4, 8, 8).half())
+        out.backward((60000 * torch.sign(out.detach().float())).half())
+        assert bool(torch.isfinite(layer.weight.grad).all()) == finite
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    with_ln = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+    assert precision.kernel_gradients(with_ln, nn.CrossEntropyLoss(), x, y, 2).numel() == 2 * (35 + 10 + 18)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.out = nn.MultiheadAttention(6, 2, batch_first=True), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.out(self.attn(x[:, None], x[:, None], x[:, None])[0][:, 0])
+
+    with pytest.raises(ValueError, match="in_proj_weight"):
+        precision.kernel_gradients(Attention(), nn.CrossEntropyLoss(), x, y, 2)
+
+
+def test_review_scales_exponents_and_inputs_out_of_range_are_refused(loss_fn):
+    """Second review: scales outside float32's normal range gave NaN/inf updates or a RuntimeError, a model without
+    parameters StopIteration, a float64 input a dtype RuntimeError, hi=2000 an OverflowError, a list
+    AttributeError, overflow_at=1 TypeError; NumPy numbers are numbers."""
+    import numpy as np
+
+    from gradaccum.book import exercises as ex
+
+    model = make_cnn("group", dtype=torch.float32)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    for scale in (2.0**-130, 1e-46, 1e39):
+        with pytest.raises(ValueError, match="normal range"):
+            precision.amp_window(model, loss_fn, x, y, 2, init_scale=scale)
+    with pytest.raises(ValueError, match="normal range"):
+        precision.scale_history(3, 1, init_scale=1e-46)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        precision.amp_window(nn.Sequential(nn.Flatten()), loss_fn, x, y, 2)
+    with pytest.raises(ValueError, match="x.float"):
+        precision.amp_window(model, loss_fn, x.double(), y, 2)
+    with pytest.raises(ValueError, match="exponent"):
+        precision.largest_safe_log2_scale(model, loss_fn, x, y, 2, hi=2000)
+    with pytest.raises(ValueError, match="tensor"):
+        precision.largest_fitting_log2([1.0, 2.0])
+    with pytest.raises(ValueError, match="list of iterations"):
+        precision.scale_history(3, 1, overflow_at=1)
+    assert precision.scale_history(3, 1, overflow_at=(np.int64(1),)) == [2.0**17, 2.0**16, 2.0**17]
+    assert precision.cast_report(torch.tensor([1.0]), torch.float16, np.float32(2.0)).overflow == 0
+    assert ex.grade_effective_scale(2048, scale=np.float32(65536), k=32).correct
+    assert "exponent" in ex.grade_effective_scale(11).message and "upside down" in ex.grade_effective_scale(
+        1 / 2048).message
+    assert "window's own update()" in ex.grade_backoff_scale(512).message

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
@@ -73,9 +74,13 @@ class CastReport:
 
 
 def _require_scale(scale: float) -> float:
-    """A loss scale must be a positive finite number."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"the loss scale must be a positive finite number (e.g. 2**16), got {scale!r}.")
+    """A loss scale must be a positive number within float32's normal range, where GradScaler keeps it (its inverse
+    must be a float32 number too): from 2^-126 to about 3.4e38."""
+    info = torch.finfo(torch.float32)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) \
+            or not info.smallest_normal <= scale <= info.max:
+        raise ValueError(f"the loss scale must be a positive number in float32's normal range [2^-126, 3.4e38] "
+                         f"(GradScaler keeps it in float32; e.g. 2**16), got {scale!r}.")
     return float(scale)
 
 
@@ -108,6 +113,8 @@ def largest_fitting_log2(values: torch.Tensor, dtype: torch.dtype = torch.float1
     """
     if dtype not in LOW_PRECISION:
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"values must be a tensor (torch.tensor(...) of the list), got {type(values).__name__}.")
     largest = float(values.detach().abs().max()) if values.numel() else 0.0
     if not math.isfinite(largest) or largest == 0:
         raise ValueError(f"need finite values with a nonzero entry, got max |v| = {largest}.")
@@ -143,6 +150,8 @@ def activation_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     ``nn.MultiheadAttention`` return tuples): which of its outputs' gradients to report is not defined here.
     """
     require_k(k)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters: its backward pass computes no layer gradients.")
     work = copy.deepcopy(model)
     grads: list[torch.Tensor | None] = []
 
@@ -179,11 +188,24 @@ FP16_KERNELS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, 
 def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
     r"""The gradients an fp16 kernel writes for the parameters, computed in the model's precision on a copy: for
     each of the K micro-batches, the gradient of its mean loss with respect to the weights and biases of the linear
-    and convolution layers (:data:`FP16_KERNELS`), as one flat vector. A normalization layer's own parameters are
-    left out: autocast gives their gradients in fp32, so they cannot overflow fp16."""
+    and convolution layers (:data:`FP16_KERNELS`) — and, when ``x`` is on the CPU, of ``nn.LayerNorm`` layers,
+    whose CPU kernel computes its weight gradients in fp16 under fp16 autocast — as one flat vector. BatchNorm,
+    GroupNorm and InstanceNorm parameters are left out: autocast gives their gradients in fp32, so they cannot
+    overflow fp16. A model with parameters elsewhere (``nn.MultiheadAttention``'s ``in_proj_weight``, a layer of
+    one's own calling ``F.linear``) is refused: whether their gradients pass through fp16 is not known here."""
     require_k(k)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters: no parameter gradient is written in fp16.")
     work = copy.deepcopy(model)
-    params = [p for m in work.modules() if isinstance(m, FP16_KERNELS) for p in m.parameters(recurse=False)]
+    kernels = FP16_KERNELS + ((nn.LayerNorm,) if x.device.type == "cpu" else ())
+    fp32 = (nn.modules.batchnorm._NormBase, nn.GroupNorm) + (() if x.device.type == "cpu" else (nn.LayerNorm,))
+    params = [p for m in work.modules() if isinstance(m, kernels) for p in m.parameters(recurse=False)]
+    other = [f"{name}.{pname}" if name else pname for name, m in work.named_modules()
+             if not isinstance(m, kernels + fp32) for pname, _ in m.named_parameters(recurse=False)]
+    if other:
+        raise ValueError(f"parameter(s) {other[:3]} sit outside linear, convolution and normalization modules: "
+                         "whether an fp16 kernel writes their gradients is not known here, so the prediction "
+                         "would leave them out; measure the edge with amp_window instead.")
     if not params:
         raise ValueError("the model has no linear or convolution layer: no parameter gradient is written in fp16.")
     out = []
@@ -194,14 +216,20 @@ def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     return torch.cat(out)
 
 
-def _require_float32_model(model: nn.Module) -> None:
+def _require_float32_model(model: nn.Module, x: torch.Tensor | None = None) -> None:
     """Autocast (fp16/bf16) casts only float32 tensors: a float64 model would silently run in float64, so a
-    "mixed-precision" experiment on it measures nothing. Refuse any floating-point parameter that is not float32."""
+    "mixed-precision" experiment on it measures nothing. Refuse any floating-point parameter that is not float32,
+    a model without trainable parameters, and a float64 input ``x``."""
+    if not isinstance(model, nn.Module) or not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters: there is no gradient to scale.")
     bad = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
     if bad:
         raise ValueError(f"the model's parameters must be float32 for autocast fp16/bf16 (autocast leaves "
                          f"{', '.join(bad)} alone, so nothing would run in 16 bits); pass model.float() or "
                          "build it with dtype=torch.float32.")
+    if x is not None and x.dtype == torch.float64:
+        raise ValueError("x is float64, which autocast leaves alone (and a float32 model cannot take); pass "
+                         "x.float().")
 
 
 def _require_amp(device_type: str, dtype: torch.dtype) -> None:
@@ -280,7 +308,7 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
                          f"accumulated gradients by K after unscale_), got {divide!r}.")
     if divide == "grads" and pattern not in ("correct", "no_scaler"):
         raise ValueError(f"divide='grads' is defined for the patterns 'correct' and 'no_scaler', not {pattern!r}.")
-    _require_float32_model(model)
+    _require_float32_model(model, x)
     require_k(k)
     if overflow_micro is not None and (isinstance(overflow_micro, bool) or not isinstance(overflow_micro, int)
                                        or not 0 <= overflow_micro < k):
@@ -370,6 +398,8 @@ def mixed_scale_sum(micro_grads: Sequence[torch.Tensor], scales: Sequence[float]
     """
     micro_grads = require_vectors(micro_grads)
     k = len(micro_grads)
+    if not isinstance(scales, (list, tuple)):
+        raise ValueError(f"scales must be a list with one scale per micro-gradient, got {type(scales).__name__}.")
     if len(scales) != k:
         raise ValueError(f"need one scale per micro-gradient: {k} micro-gradients, {len(scales)} scales.")
     _require_scale(unscale_by)
@@ -392,6 +422,9 @@ def scale_history(updates: int, growth_interval: int, overflow_at: Sequence[int]
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
         raise ValueError(
             f"growth_interval must be an int >= 1 (GradScaler's default is 2000), got {growth_interval!r}.")
+    if not isinstance(overflow_at, (list, tuple, range)):
+        raise ValueError(f"overflow_at must be a list of iterations, e.g. (4,), got {overflow_at!r}.")
+    overflow_at = [int(i) if isinstance(i, numbers.Integral) and not isinstance(i, bool) else i for i in overflow_at]
     if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < updates for i in overflow_at):
         raise ValueError(f"overflow_at must list iterations in [0, {updates}), got {list(overflow_at)}.")
     param = nn.Parameter(torch.ones(1, device=device_type))
@@ -420,7 +453,7 @@ def scaled_window_grads(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
     """
     require_k(k)
     _require_scale(scale)
-    _require_float32_model(model)
+    _require_float32_model(model, x)
     work = copy.deepcopy(model).train()
     device_type = next(work.parameters()).device.type
     _require_amp(device_type, dtype)
@@ -453,10 +486,14 @@ def largest_safe_log2_scale(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, 
     require_k(k)
     if divide not in ("loss", "grads"):
         raise ValueError(f"divide must be 'loss' or 'grads', got {divide!r}.")
+    for name, value in (("lo", lo), ("hi", hi)):
+        if isinstance(value, bool) or not isinstance(value, int) or not -126 <= value <= 127:
+            raise ValueError(f"{name} is a power of two's exponent: an int in [-126, 127] (float32's range), got "
+                             f"{value!r}.")
     if not lo < hi:
         raise ValueError(f"need lo < hi, got lo={lo}, hi={hi}.")
+    _require_float32_model(model, x)
     _require_amp(next(model.parameters()).device.type, dtype)
-    _require_float32_model(model)
     finite = lambda s: _window_is_finite(model, loss_fn, x, y, k, 2.0**s, divide, dtype)  # noqa: E731
     if not finite(lo):
         raise ValueError(f"the window already overflows at S = 2^{lo}; lower lo.")

@@ -56,7 +56,7 @@ def _is_rounded(value: float, x: float, digits: int) -> bool:
         return True
     if x == 0 or not math.isfinite(x):
         return False
-    exact = Decimal(repr(x))
+    exact = Decimal(repr(float(x)))  # a NumPy float64 reprs as np.float64(...)
     unit = Decimal(1).scaleb(exact.adjusted() - digits + 1)
     return value == float(exact.quantize(unit, rounding=ROUND_HALF_UP))
 
@@ -383,6 +383,7 @@ def grade_effective_scale(answer: object, scale: float = 65536.0, k: int = 32) -
     """Exercise: the factor every gradient inside micro-batch k's backward pass carries."""
     require_k(k)
     require_positive(scale, "scale")
+    exponent = math.log2(scale / k)
     return grade_number(
         answer,
         scale / k,
@@ -390,6 +391,9 @@ def grade_effective_scale(answer: object, scale: float = 65536.0, k: int = 32) -
             (scale, "S is the scale of the whole window; each micro-batch's loss is also divided by K."),
             (scale * k, "the loss is divided by K, not multiplied."),
             (1 / k, "that forgets the loss scale S."),
+            (k / scale, "upside down: the factor is S/K, not K/S."),
+            *([(exponent, f"that is the factor's exponent: give the factor itself, 2^{exponent:g}.")]
+              if exponent not in (scale, scale * k, 1 / k, k / scale, scale / k) else []),
         ],
         digits=6,  # an exact answer: six significant digits
         hint="The backward pass starts from (S/K)·L(θ; B_k).",
@@ -448,6 +452,10 @@ def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 
              f"every update from micro-batch {overflowed} on backs off again ({repeated} times). The recipe "
              "updates once per window: one backoff."),
             (scale * 2, "growth happens after growth_interval steps *without* overflow; here there was one."),
+            *([(scale * backoff ** (repeated - 1),
+                "that is the per-micro-batch loop (unscale_ + update() after every micro-batch) without the window's "
+                "own update(), which backs off once more; the recipe updates once per window: one backoff.")]
+              if repeated > 2 else []),
         ],
         digits=6,  # an exact answer: six significant digits
         hint="How many times does update() run in one window, and what does it do after an overflow?",
