@@ -449,3 +449,22 @@ def test_review_scales_exponents_and_inputs_out_of_range_are_refused(loss_fn):
     assert "exponent" in ex.grade_effective_scale(11).message and "upside down" in ex.grade_effective_scale(
         1 / 2048).message
     assert "window's own update()" in ex.grade_backoff_scale(512).message
+
+
+def test_review_amp_window_update_is_exact_at_any_learning_rate_and_overflows_are_refused(loss_fn):
+    """Second review: amp_window read the update back from the fp32 weights, so at lr = 1e-9 no weight moved and
+    it reported 0 steps and a zero update; accumulation_error gave NaN when the inputs overflow the format they
+    are produced in, and mixed_scale_sum inf for scales no GradScaler holds together."""
+    model = make_cnn("group", dtype=torch.float32)
+    x, y = torch.rand(32, 1, 8, 8), torch.randint(0, 10, (32,))
+    ref = precision.reference_gradient(model, loss_fn, x, y)
+    errors = []
+    for lr in (0.1, 1e-9):
+        window = precision.amp_window(model, loss_fn, x, y, 2, lr=lr)
+        assert window.steps == 1
+        errors.append(agreement(ref, window.update).rel_error)
+    assert errors[0] == errors[1] < 1e-2
+    with pytest.raises(ValueError, match="overflows torch.float16"):
+        precision.accumulation_error([torch.tensor([2e5, 1.0])] * 2, torch.float32, produced_in=torch.float16)
+    with pytest.raises(ValueError, match="overflows"):
+        precision.mixed_scale_sum([torch.ones(2)], [2.0**38], 2.0**-100)

@@ -259,10 +259,10 @@ PATTERNS: tuple[str, ...] = ("correct", "unscale_per_micro", "unscale_update_per
 class WindowResult:
     """One accumulation window run with an amp pattern.
 
-    ``update``: the total parameter change divided by −lr (plain SGD, so this is the sum of the gradients the
-    optimizer applied); ``steps``: optimizer steps actually taken; ``scales``: the loss scale used for each
-    micro-batch's backward pass; ``final_scale``: after the window; ``error``: the message of an exception the
-    pattern raised, if any.
+    ``update``: the sum of the gradients the optimizer applied, read as it stepped (plain SGD moves the weights by
+    −lr times it; exact at any learning rate); ``steps``: optimizer steps actually taken; ``scales``: the loss
+    scale used for each micro-batch's backward pass; ``final_scale``: after the window; ``error``: the message of
+    an exception the pattern raised, if any.
     """
 
     update: torch.Tensor
@@ -318,11 +318,21 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     work = copy.deepcopy(model).train()
     device_type = next(work.parameters()).device.type
     _require_amp(device_type, dtype)
-    start = [p.detach().clone() for p in work.parameters()]
     opt = torch.optim.SGD(work.parameters(), lr=lr)
     scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=pattern != "no_scaler")
     result = WindowResult(update=torch.empty(0), steps=0)
-    steps_before = 0
+    # what the optimizer applies, read as it steps (GradScaler calls opt.step() only for a step it does not skip):
+    # exact at any learning rate, where a weight difference read back in fp32 loses the small updates
+    applied = [torch.zeros_like(p, dtype=torch.float32) for p in work.parameters()]
+    taken: list[int] = []
+
+    def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        taken.append(1)
+        for total, p in zip(applied, work.parameters()):
+            if p.grad is not None:
+                total.add_(p.grad.detach().float())
+
+    handle = opt.register_step_pre_hook(record)
     opt.zero_grad(set_to_none=True)
     try:
         for i, (xb, yb) in enumerate(split_batch(x, y, k)):
@@ -342,7 +352,7 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
             elif pattern == "scale_changes_in_window":
                 _scaler(scaler.update, new_scale=2.0 * float(scaler.get_scale()))
             elif pattern == "step_per_micro":
-                steps_before = _scaler(_step, scaler, opt, work, start, lr, steps_before)
+                _scaler(_step, scaler, opt)
                 opt.zero_grad(set_to_none=True)
         if pattern != "step_per_micro":
             if divide == "grads":
@@ -350,12 +360,13 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
                 for p in work.parameters():
                     if p.grad is not None:
                         p.grad /= k
-            steps_before = _scaler(_step, scaler, opt, work, start, lr, steps_before)
+            _scaler(_step, scaler, opt)
     except _ScalerRefused as err:  # only the GradScaler's own errors are the pattern's result
         result.error = str(err)
-    result.steps = steps_before
+    handle.remove()
+    result.steps = len(taken)
     result.final_scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
-    result.update = torch.cat([(s - p.detach()).flatten() for s, p in zip(start, work.parameters())]) / lr
+    result.update = torch.cat([t.flatten() for t in applied])
     return result
 
 
@@ -372,14 +383,10 @@ def _scaler(call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         raise _ScalerRefused(f"{type(err).__name__}: {err}") from err
 
 
-def _step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, model: nn.Module, start: list[torch.Tensor],
-          lr: float, steps: int) -> int:
-    """scaler.step + update; returns the number of steps taken so far (a skipped step leaves params alone)."""
-    before = [p.detach().clone() for p in model.parameters()]
+def _step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> None:
+    """scaler.step + update (a skipped step leaves the parameters alone and never calls ``opt.step``)."""
     scaler.step(opt)
     scaler.update()
-    moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
-    return steps + int(moved)
 
 
 def reference_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -405,7 +412,11 @@ def mixed_scale_sum(micro_grads: Sequence[torch.Tensor], scales: Sequence[float]
     _require_scale(unscale_by)
     for s in scales:
         _require_scale(s)
-    return cast(torch.Tensor, sum(s / unscale_by * g / k for s, g in zip(scales, micro_grads)))  # K >= 1 terms
+    total = cast(torch.Tensor, sum(s / unscale_by * g / k for s, g in zip(scales, micro_grads)))  # K >= 1 terms
+    if not bool(torch.isfinite(total).all()):
+        raise ValueError("the weighted sum overflows: scales / unscale_by this far apart are not ones a GradScaler "
+                         "holds in one window (float32's range); check the scales.")
+    return total
 
 
 def scale_history(updates: int, growth_interval: int, overflow_at: Sequence[int] = (),
@@ -514,6 +525,11 @@ def accumulate_in(micro_grads: Sequence[torch.Tensor], accumulator: torch.dtype,
     for name, dtype in (("accumulator", accumulator), ("produced_in", produced_in)):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point dtype such as torch.float32, got {dtype!r}.")
+    for i, g in enumerate(micro_grads):
+        if not bool(torch.isfinite((g / k).to(produced_in)).all()):
+            raise ValueError(f"micro_grads[{i}] / K overflows {produced_in} (largest |value| "
+                             f"{float((g / k).abs().max()):.3g}): a backward pass in that format would hold inf; "
+                             "scale the gradients down first (chapter 4's loss scale, the other way).")
     acc = torch.zeros_like(micro_grads[0], dtype=accumulator)
     for g in micro_grads:
         acc = acc + (g / k).to(produced_in).to(accumulator)
