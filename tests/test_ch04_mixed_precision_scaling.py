@@ -468,3 +468,14 @@ def test_review_amp_window_update_is_exact_at_any_learning_rate_and_overflows_ar
         precision.accumulation_error([torch.tensor([2e5, 1.0])] * 2, torch.float32, produced_in=torch.float16)
     with pytest.raises(ValueError, match="overflows"):
         precision.mixed_scale_sum([torch.ones(2)], [2.0**38], 2.0**-100)
+
+
+def test_review_widget_and_study_helpers_name_the_argument_at_fault(digits, loss_fn):
+    """Second review: plot_cast with shift=200 or nan said the values had "overflowed already", and recipe_errors
+    with a start past the data said "the reference gradient is zero"; each now names its own argument."""
+    acts = torch.randn(100) * 1e-3
+    for shift in (200, float("nan")):
+        with pytest.raises(ValueError, match="shift"):
+            ch4.plot_cast(acts, 0, 1, shift=shift)
+    with pytest.raises(ValueError, match="start 5000"):
+        ch4.recipe_errors(digits, loss_fn, seeds=(0,), starts=(5000,))

@@ -508,3 +508,21 @@ def test_review_a_gradient_that_cancels_is_inconclusive_not_a_bug():
         near = C.check(model, nn.MSELoss(), x, y, 4)
         assert near.ok and any(n.startswith("cancellation:") for n in near.notes), near
         assert not C.check(model, nn.MSELoss(), x, y, 4, step=_plain_step(4.0)).ok  # a missing 1/K still shows
+
+
+def test_review_value_clipping_inside_the_window_is_not_called_a_scaling():
+    """Review: clip_grad_value_ after every micro-batch was described as having "scaled the gradient by" its norm
+    ratios; value clipping changes entries, not the length alone."""
+    model, loss_fn, x, y = make()
+
+    def step(model, loss_fn, x, y, k):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            (loss_fn(model(xb), yb) / k).backward()
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+        opt.step()
+
+    report = C.check(model, loss_fn, x, y, K, step=step)
+    inside = [f for f in report.findings if f.code in ("clip_running_buffer", "clip_per_micro_batch")]
+    assert inside and "clipped entries of the gradient" in inside[0].evidence, report

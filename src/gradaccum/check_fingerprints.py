@@ -465,7 +465,9 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
         per_micro = bool(later) and all(_held_one(m, e) for e in later)
         factors = [e.detail.get("factor", 1.0) for e in inside]
         bites = any(abs(f - 1) > 1e-12 for f in factors)
-        effect = (f"it scaled the gradient by {nums(factors[:6])}" if bites else
+        by_value = all(e.detail.get("fn") == "clip_grad_value_" for e in inside)
+        effect = ((f"it clipped entries of the gradient (its norm changed by {nums(factors[:6])}×)" if by_value else
+                   f"it scaled the gradient by {nums(factors[:6])}") if bites else
                   "it did not change this window's gradient (every norm was below the threshold) but will when "
                   "gradients grow")
         evidence = (f"{len(clips)} clip call(s), {len(inside)} before the last backward "

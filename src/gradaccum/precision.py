@@ -85,7 +85,9 @@ def _require_scale(scale: float) -> float:
 
 
 def cast_report(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> CastReport:
-    """What casting ``values · scale`` (computed in fp32/fp64) to ``dtype`` would do to the nonzero values."""
+    """What casting ``values · scale`` (computed in fp64) to ``dtype`` would do to the nonzero values. Like torch's
+    own cast, the product is rounded to float32 on its way to ``dtype``: a float64 value within about 2^-24 of
+    its own size from a rounding boundary can round twice (65520 − 2^-30 counts as overflow)."""
     _require_scale(scale)
     if dtype not in LOW_PRECISION:
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")

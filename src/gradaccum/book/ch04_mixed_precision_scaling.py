@@ -40,6 +40,9 @@ def recipe_errors(split: DigitsSplit, loss_fn, seeds: Sequence[int], starts: Seq
     for seed in seeds:
         model = make_cnn("group", seed=seed, dtype=torch.float32, device=split.x_train.device)
         for start in starts:
+            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(split.x_train) - batch:
+                raise ValueError(f"start {start!r} leaves no full batch of {batch} among the "
+                                 f"{len(split.x_train)} training images; use 0 to {len(split.x_train) - batch}.")
             x, y = split.x_train[start:start + batch].float(), split.y_train[start:start + batch]
             ref = reference_gradient(model, loss_fn, x, y)
             runs = (amp_window(model, loss_fn, x, y, k=k), amp_window(model, loss_fn, x, y, k=1),
@@ -93,6 +96,8 @@ def plot_cast(values: torch.Tensor, log2_scale: float, k: int, shift: float = 0.
     require_k(k)
     if not -40 <= log2_scale <= 40:
         raise ValueError(f"log2 of the loss scale must lie in [-40, 40], got {log2_scale}.")
+    if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not -40 <= shift <= 40:
+        raise ValueError(f"shift (log2 of the factor on the gradients) must lie in [-40, 40], got {shift!r}.")
     scale = 2.0**log2_scale / k
     shifted = values * 2.0**shift
     report = cast_report(shifted, torch.float16, scale)
