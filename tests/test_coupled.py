@@ -365,3 +365,43 @@ def test_coupled_tools_refuse_what_they_cannot_compute():
             coupled.recompute_momentum(**(dict(m=0.1, k=2) | kwargs))
     with pytest.raises(ValueError, match="nn.Module"):
         coupled.checkpoint_keeping_bn_stats(lambda t: enc(t), x)
+
+
+def test_review_coupled_tools_refuse_nan_and_wrong_types():
+    """Third review of chapter 8: NaN fractions or router scores gave NaN or sent tokens to expert 0, a temperature
+    whose inverse overflows gave NaN, mixed dtypes, lists and empty windows raised RuntimeError/AttributeError,
+    recompute_momentum returned a NumPy float32, and aux_losses weighed unequal micro-batches by 1/K."""
+    import numpy as np
+
+    from gradaccum.book import ch08_beyond_batchnorm as ch8
+    from gradaccum.book import exercises as ex
+    from gradaccum.book.data import load_digits_split
+
+    probs = torch.softmax(torch.randn(12, 4, dtype=torch.float64), 1)
+    a, b = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    calls = [
+        (lambda: coupled.switch_aux_loss(probs, torch.tensor([float("nan"), 1.0, 0.0, 0.0], dtype=torch.float64)),
+         "summing to 1"),
+        (lambda: coupled.window_fractions(lambda x: torch.full((len(x), 4), float("nan")), [torch.randn(5, 6)], 4),
+         "inf or NaN"),
+        (lambda: coupled.window_fractions(lambda x: x, [], 4), "no micro-batches"),
+        (lambda: coupled.info_nce(a, b, 1e-320), "overflows"),
+        (lambda: coupled.info_nce(a, b.float()), "one dtype"),
+        (lambda: coupled.info_nce(torch.randn(8, 0), torch.randn(8, 0)), "d >= 1"),
+        (lambda: coupled.info_nce(a, b * float("nan")), "inf or NaN"),
+        (lambda: coupled.expert_fractions([0, 1], 3), "tensor"),
+        (lambda: ex.grade_switch_aux(1.0, fractions=(float("nan"), 0.5)), "finite"),
+    ]
+    for call, match in calls:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert type(coupled.recompute_momentum(np.float32(0.02), 5)) is float
+    x = load_digits_split().x_train
+    with pytest.raises(ValueError, match="does not divide"):
+        ch8.aux_losses(x, (3,))
+    with pytest.raises(ValueError, match="1600"):
+        ch8.accumulation_error(x, 40, 40)
+    assert "NT-Xent" in ex.grade_negatives_per_sample(12).message
+    assert "NT-Xent" in ex.grade_negatives_per_sample(166).message
+    assert "f_i goes with P_i" in ex.grade_switch_aux(0.9).message
+    assert ex.grade_switch_aux(1.1, fractions=(np.float32(0.75), np.float32(0.25))).correct

@@ -47,8 +47,22 @@ _BN = nn.modules.batchnorm._BatchNorm
 _NORM = nn.modules.batchnorm._NormBase  # BatchNorm and InstanceNorm: both may keep running statistics
 
 
-def _temperature(temperature: float | torch.Tensor) -> float | torch.Tensor:
-    """A positive finite temperature (or a one-element floating tensor, for a learnable one, as a scalar)."""
+def _require_embeddings(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Two (n, d) floating-point embeddings of one shape and dtype, d >= 1, finite."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise ValueError(f"a and b must be torch tensors (n, d), got {type(a).__name__} and {type(b).__name__}.")
+    if a.shape != b.shape or a.dim() != 2 or a.shape[1] == 0:
+        raise ValueError(f"a and b must be (n, d) embeddings of the same shape with d >= 1, got {tuple(a.shape)} "
+                         f"and {tuple(b.shape)}.")
+    if not a.is_floating_point() or a.dtype != b.dtype:
+        raise ValueError(f"a and b must be floating-point embeddings of one dtype, got {a.dtype} and {b.dtype}.")
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        raise ValueError("the embeddings contain inf or NaN: the encoder's output has overflowed or diverged.")
+
+
+def _temperature(temperature: float | torch.Tensor, dtype: torch.dtype | None = None) -> float | torch.Tensor:
+    """A positive finite temperature (or a one-element floating tensor, for a learnable one, as a scalar) whose
+    inverse is finite in ``dtype`` (the similarities it divides: 1/τ must not overflow)."""
     if isinstance(temperature, torch.Tensor):  # a learnable temperature: one positive finite value
         valid = (temperature.numel() == 1 and temperature.is_floating_point()
                  and bool(torch.isfinite(temperature).all()) and bool((temperature > 0).all()))
@@ -58,6 +72,9 @@ def _temperature(temperature: float | torch.Tensor) -> float | torch.Tensor:
     if not valid:
         raise ValueError(f"temperature must be a positive finite number (or a one-element floating tensor, for a "
                          f"learnable temperature), got {temperature!r}.")
+    if dtype is not None and float(temperature) < 1 / torch.finfo(dtype).max:
+        raise ValueError(f"temperature {float(temperature):g} is so small that 1/temperature overflows {dtype}; "
+                         "typical temperatures lie between 0.01 and 1.")
     if isinstance(temperature, torch.Tensor):
         return temperature.reshape(())  # a (1, 1) temperature must not broadcast the logits to 3-D
     return temperature
@@ -67,12 +84,10 @@ def info_nce(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.1) -> torc
     r"""InfoNCE over in-batch negatives: the mean over i of
     :math:`-\log\,\mathrm{softmax}_j(\hat a_i\cdot\hat b_j/\tau)_i` (the positive of ``a[i]`` is ``b[i]``; every
     other ``b[j]`` of the batch is a negative)."""
-    if a.shape != b.shape or a.dim() != 2:
-        raise ValueError(f"a and b must be (n, d) embeddings of the same shape, got {tuple(a.shape)} and "
-                         f"{tuple(b.shape)}.")
+    _require_embeddings(a, b)
     if len(a) == 0:
         raise ValueError("no pairs: InfoNCE over an empty batch is undefined; give at least one pair.")
-    logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / _temperature(temperature)
+    logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / _temperature(temperature, a.dtype)
     return F.cross_entropy(logits, torch.arange(len(a), device=a.device))
 
 
@@ -88,15 +103,13 @@ def micro_batch_info_nce(a: torch.Tensor, b: torch.Tensor, k: int,
     come from encoders that treat each sample on its own and draw no random numbers (no dropout, no BatchNorm
     with batch statistics): those give each micro-batch the embeddings it would get alone. It saves time, not
     memory: the whole batch's graph and an n × n similarity matrix are held, which accumulation avoids."""
-    if a.dim() != 2 or a.shape != b.shape:
-        raise ValueError(f"a and b must be (n, d) embeddings of the same shape, got {tuple(a.shape)} and "
-                         f"{tuple(b.shape)}.")
+    _require_embeddings(a, b)
     n = len(a)
     require_k(k)
     if n == 0 or n % k:
         raise ValueError(f"K = {k} does not divide the batch of {n} into non-empty micro-batches; pick a batch "
                          "that K divides.")
-    temperature = _temperature(temperature)
+    temperature = _temperature(temperature, a.dtype)
     logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / temperature
     block = torch.arange(n, device=a.device) // (n // k)
     logits = logits.masked_fill(block[:, None] != block[None, :], float("-inf"))
@@ -250,6 +263,8 @@ def expert_fractions(expert: torch.Tensor, n_experts: int) -> torch.Tensor:
     top-k routing (``expert`` of shape (T, k)) the fractions sum to 1, divided by T·k as Megatron-LM does;
     Hugging Face's Mixtral loss divides by T, so its fractions sum to k and its loss is k times larger."""
     require_count(n_experts, "n_experts")
+    if not isinstance(expert, torch.Tensor):
+        raise ValueError(f"expert must be a tensor of expert indices (torch.tensor(...)), got {type(expert).__name__}.")
     if expert.numel() == 0:
         raise ValueError("no tokens: the fractions are undefined.")
     if expert.is_floating_point() or expert.is_complex() or expert.dtype == torch.bool \
@@ -266,6 +281,8 @@ def switch_aux_loss(probs: torch.Tensor, fractions: torch.Tensor | None = None) 
     if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.shape[0] == 0:
         raise ValueError(f"probs must be a (tokens, experts) tensor with at least one token, got "
                          f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__}.")
+    if not probs.is_floating_point():
+        raise ValueError(f"probs must be floating-point router probabilities (a softmax), got {probs.dtype}.")
     sums = probs.detach().sum(1)
     if bool((probs.detach() < 0).any()) or not torch.allclose(sums, torch.ones_like(sums), atol=1e-4):
         raise ValueError("each row of probs must be a probability distribution (non-negative, summing to 1): pass "
@@ -276,7 +293,8 @@ def switch_aux_loss(probs: torch.Tensor, fractions: torch.Tensor | None = None) 
         raise ValueError(f"fractions must be a tensor with one entry per expert ({n}), got "
                          f"{tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__}.")
     total = float(f.sum())
-    if not f.is_floating_point() or bool((f < 0).any()) or abs(total - 1) > 1e-6:
+    if not f.is_floating_point() or not bool(torch.isfinite(f).all()) or bool((f < 0).any()) \
+            or not abs(total - 1) <= 1e-6:
         raise ValueError(f"fractions must be non-negative floats summing to 1 (for top-k routing, divide the counts "
                          f"by tokens × k, as expert_fractions does), got a sum of {total:g}.")
     return n * (f.to(probs.dtype) * probs.mean(0)).sum()
@@ -290,8 +308,13 @@ def window_fractions(router: Callable[[torch.Tensor], torch.Tensor], micro_batch
     equal micro-batches), sums to the window's loss exactly. In a deep MoE the routers' inputs come from the
     layers before them: counting the window then costs a forward pass without a graph."""
     require_count(n_experts, "n_experts")
+    if len(micro_batches) == 0:
+        raise ValueError("no micro-batches: pass the window's K micro-batches.")
     with torch.no_grad():
         scores = [router(x) for x in micro_batches]
+    if any(not bool(torch.isfinite(sc).all()) for sc in scores):
+        raise ValueError("the router's scores contain inf or NaN: an argmax over them would send those tokens to "
+                         "expert 0; fix the router first.")
     if any(sc.dim() != 2 or sc.shape[1] != n_experts for sc in scores):
         raise ValueError(f"the router must give (tokens, {n_experts}) scores, one column per expert; got shapes "
                          f"{sorted({tuple(sc.shape) for sc in scores})}.")
@@ -308,7 +331,7 @@ def recompute_momentum(m: float, k: int, reruns: int = 1) -> float:
     if m is None:
         raise ValueError("momentum=None is BatchNorm's cumulative average: reruns add more batches to the average "
                          "instead of moving it by a momentum, so this formula does not apply.")
-    require_momentum(m)
+    m = float(require_momentum(m))
     require_count(reruns, "reruns", minimum=0)
     return 1 - (1 - m) ** ((1 + reruns) * k)
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gradaccum import coupled
-from gradaccum._validate import require_k
+from gradaccum._validate import require_count, require_k
 from gradaccum.accumulate import flat_grad
 from gradaccum.book.models import make_cnn
 from gradaccum.book.parallel import run_jobs
@@ -61,6 +61,9 @@ def accumulation_error(x: torch.Tensor, k: int, b: int, seed: int = 0) -> tuple[
     """Relative error against the full batch of ``k · b`` digits (two views each, a shared encoder) of plain
     accumulation and of GradCache, for one step."""
     require_k(k)
+    require_count(b, "b (pairs per micro-batch)")
+    if k * b > len(x):
+        raise ValueError(f"K · b = {k * b} pairs need {k * b} digits; only {len(x)} given.")
     g = torch.Generator().manual_seed(seed)
     xs = flat_digits(x[: k * b])
     xa, xb = views(xs, g), views(xs, g)
@@ -267,6 +270,9 @@ def aux_losses(x: torch.Tensor, ks: Sequence[int], n: int = 64, seed: int = 0) -
         window = float(coupled.switch_aux_loss(probs(xs)))
         out: dict[str, list[float]] = {"window": [], "per micro-batch": [], "window fractions": []}
         for k in ks:
+            require_k(k)
+            if n % k:  # torch.chunk would cut fewer or unequal micro-batches, which 1/K does not weigh
+                raise ValueError(f"K = {k} does not divide the {n} tokens of the window; pick a K that divides {n}.")
             micro = list(xs.chunk(k))
             f = coupled.window_fractions(probs, micro, r.out_features)
             out["window"].append(window)

@@ -8,6 +8,7 @@ displays as one line starting with ✓ or ✗ and is truthy when the answer is r
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
@@ -716,6 +717,13 @@ def grade_negatives_per_sample(answer: object, k: int = 12, b: int = 7) -> Feedb
             (float(b), "the sample's own partner is its positive, not a negative."),
             (float(k * b), "that counts the whole window, positive included; the loss sees one micro-batch."),
             (float(k - 1), "negatives come from the other samples of the micro-batch, not from other micro-batches."),
+            *([(float(2 * (b - 1)), "that is NT-Xent's count (both views of every other sample); this exercise is "
+                                    "one-directional InfoNCE over query–document pairs: the other documents of "
+                                    "the micro-batch.")] if 2 * (b - 1) not in (b - 1, k * b - 1, b, k * b, k - 1)
+              else []),
+            *([(float(2 * (k * b - 1)), "that is NT-Xent's count over the full batch; this is one-directional "
+                                        "InfoNCE within one micro-batch.")]
+              if 2 * (k * b - 1) not in (b - 1, k * b - 1, b, k * b, k - 1, 2 * (b - 1)) else []),
         ],
         hint="Which samples share a softmax with a given sample under plain accumulation?",
         count=True,
@@ -745,17 +753,21 @@ def grade_switch_aux(answer: object, fractions: tuple[float, ...] = (0.75, 0.25)
     if len(fractions) != len(probs) or not fractions:
         raise ValueError("give one fraction and one mean probability per expert.")
     for name, values in (("fractions", fractions), ("probs", probs)):
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in values) \
-                or abs(sum(values) - 1) > 1e-9:
-            raise ValueError(f"{name} must be non-negative numbers summing to 1, got {tuple(values)}.")
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0
+               for v in values) or not abs(sum(values) - 1) <= 1e-6:
+            raise ValueError(f"{name} must be finite non-negative numbers summing to 1, got {tuple(values)}.")
+    fractions, probs = tuple(float(v) for v in fractions), tuple(float(v) for v in probs)
     n = len(fractions)
     value = n * sum(f * p for f, p in zip(fractions, probs))
+    swapped = n * sum(f * p for f, p in zip(fractions, reversed(probs)))
     return grade_number(
         answer,
         value,
         mistakes=[
             (value / n, "multiply by the number of experts N: a perfectly balanced router then scores 1."),
             (1.0, "1 is the value of a perfectly balanced router; this one is not balanced."),
+            *([(swapped, "that pairs each expert's fraction with another expert's probability: f_i goes with P_i.")]
+              if n == 2 and swapped not in (value, value / n, 1.0) else []),
         ],
         hint="N Σ_i f_i P_i.",
     )
