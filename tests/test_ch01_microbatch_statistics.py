@@ -286,3 +286,33 @@ def test_agreement_is_exact_for_tiny_gradients_and_refuses_what_it_cannot_compar
             agreement(bad, bad)
     with pytest.raises(ValueError, match="zero"):
         agreement(torch.zeros(3), torch.ones(3))
+
+
+def test_review_tools_stay_exact_at_the_extremes_and_refuse_what_has_no_answer():
+    """Third review of chapter 1: agreement's cosine of parallel vectors 1e600 apart came out -1 or 0, the momentum
+    formulas cancelled to 0 for tiny momenta and passed NumPy float32 through, predicted_mean_variance raised
+    TypeError/RuntimeError, batch_moments returned NaN, accuracy divided by zero, an empty batch gave a zero
+    gradient, and grade_batch_coupled crashed on layer classes."""
+    from gradaccum.accumulate import accumulated_gradient, accuracy, agreement
+    from gradaccum.book import exercises as ex
+
+    d = torch.float64
+    assert agreement(torch.tensor([1e300], dtype=d), torch.tensor([1e-300], dtype=d)).cosine == 1.0
+    with pytest.raises(ValueError, match="not comparable"):
+        agreement(torch.tensor([1e-300], dtype=d), torch.tensor([1e300], dtype=d))
+    assert bn_statistics.corrected_momentum(1e-16, 2) == pytest.approx(5e-17, rel=1e-12)
+    assert bn_statistics.effective_momentum(1e-20, 8) == pytest.approx(8e-20, rel=1e-12)
+    assert type(bn_statistics.corrected_momentum(np.float32(0.1), 8)) is float
+    assert bn_statistics.effective_momentum(0.1, 8) == pytest.approx(1 - 0.9**8, rel=1e-14)
+    assert list(bn_statistics.predicted_mean_variance(1.0, [2, 4], 100)) == pytest.approx([49 / 99, 24 / 99])
+    for args in (("1", 2, 100), (torch.ones(3), torch.tensor([2, 4]), 100)):
+        with pytest.raises(ValueError, match="broadcast"):
+            bn_statistics.predicted_mean_variance(*args)
+    with pytest.raises(ValueError, match="inf or NaN"):
+        bn_statistics.batch_moments(torch.tensor([[1.0, float("nan")], [2.0, 3.0]]))
+    with pytest.raises(ValueError, match="exceeds"):
+        accuracy(nn.Linear(3, 2), torch.randn(10, 3), torch.zeros(10, dtype=torch.long), batch_size=1000)
+    with pytest.raises(ValueError, match="empty"):
+        accumulated_gradient(nn.Linear(3, 2).double(), nn.CrossEntropyLoss(), torch.zeros(0, 3, dtype=d),
+                             torch.zeros(0, dtype=torch.long), 2)
+    assert "'BatchNorm2d'" in ex.grade_batch_coupled({nn.BatchNorm2d, nn.Linear}).message

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._validate import require_k
+from ._validate import require_count, require_k
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: Produces one optimizer step's gradient in ``model``'s ``.grad`` from a batch cut into K parts; returns the loss.
@@ -42,6 +42,8 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Te
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"x has {x.shape[0]} samples but y has {y.shape[0]}; pass matching inputs and labels.")
     n = x.shape[0]
+    if n == 0:
+        raise ValueError("the batch is empty: there is nothing to cut into micro-batches.")
     if n % k:
         raise ValueError(
             f"a batch of {n} samples cannot be cut into K = {k} equal micro-batches; "
@@ -122,13 +124,22 @@ def agreement(g_ref: torch.Tensor, g: torch.Tensor) -> Agreement:
     if g_ref.shape != g.shape:
         raise ValueError(f"gradients have different shapes {tuple(g_ref.shape)} and {tuple(g.shape)}.")
     a, b = g_ref.detach().double(), g.detach().double()
+    g_nonzero = bool(b.abs().max() > 0) if b.numel() else False
     scale = float(torch.maximum(a.abs().max(), b.abs().max())) if a.numel() else 0.0
     if a.numel() == 0 or not bool(a.abs().max() > 0):
         raise ValueError("the reference gradient is zero; relative error is undefined.")
     a, b = a / scale, b / scale
-    ref_norm, norm = torch.linalg.vector_norm(a), torch.linalg.vector_norm(b)
+    ref_norm = torch.linalg.vector_norm(a)
+    if not ref_norm > 0:  # g_ref underflowed against g's scale: they differ in size by over float64's range
+        raise ValueError("g is more than about 1e300 times larger than g_ref: a relative error that large is not a "
+                         "float64 number; they are not comparable.")
     rel = float(torch.linalg.vector_norm(b - a) / ref_norm)
-    cos = float((a @ b) / (ref_norm * norm)) if norm > 0 else 0.0
+    if g_nonzero:  # the cosine of each vector scaled by its own largest entry: no underflow of the smaller one
+        a, b = g_ref.detach().double(), g.detach().double()
+        ua, ub = a / a.abs().max(), b / b.abs().max()
+        cos = float((ua @ ub) / (torch.linalg.vector_norm(ua) * torch.linalg.vector_norm(ub)))
+    else:
+        cos = 0.0
     return Agreement(rel, min(1.0, max(-1.0, cos)))
 
 
@@ -164,9 +175,12 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     statistics and updates its running statistics, so pass a copy if those must be kept.
     """
     n = x.shape[0]
-    size = n if batch_size is None else batch_size
-    if size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if n == 0:
+        raise ValueError("no samples to score: x is empty.")
+    size = n if batch_size is None else require_count(batch_size, "batch_size")
+    if size > n:
+        raise ValueError(f"batch_size {size} exceeds the {n} samples: no complete chunk to score; pass at most {n} "
+                         "(or None for all at once).")
     usable = n - n % size  # an incomplete last chunk is left out, as in training
     correct = sum(int((model(x[i : i + size]).argmax(1) == y[i : i + size]).sum()) for i in range(0, usable, size))
     return correct / usable

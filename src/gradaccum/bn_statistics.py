@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -40,6 +41,8 @@ def batch_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
                          f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}.")
     if x.dim() < 2 or x.shape[1] == 0:
         raise ValueError(f"expected a tensor of shape (N, C, ...) with C >= 1 channels, got shape {tuple(x.shape)}.")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains inf or NaN: its moments would be NaN; find where the activations overflowed.")
     dims = [0, *range(2, x.dim())]
     n = x.numel() // x.shape[1]
     if n < 2:
@@ -57,14 +60,22 @@ def predicted_mean_variance(sigma2: Any, b: Any, n: int) -> Any:
     where :math:`\sigma^2` is the population variance (divisor n). The second factor, the finite-population
     correction, is 1 − O(b/n); it vanishes at b = n, where every "micro-batch" is the whole population.
     """
-    sizes = torch.as_tensor(b)
+    if isinstance(b, (list, tuple)):
+        b = np.asarray(b)
+    if isinstance(sigma2, (list, tuple)):
+        sigma2 = np.asarray(sigma2)
+    try:
+        sizes, variances = torch.as_tensor(b), torch.as_tensor(sigma2)
+        torch.broadcast_shapes(sizes.shape, variances.shape)
+    except (TypeError, RuntimeError) as err:
+        raise ValueError(f"sigma2 and b must be numbers or arrays of numbers that broadcast together, got "
+                         f"{sigma2!r} and {b!r} ({err}).") from err
     if isinstance(n, bool) or not isinstance(n, int) or n < 2:
         raise ValueError(f"n (the population size) must be an int >= 2, got {n!r}.")
     if sizes.dtype == torch.bool or bool((sizes != sizes.round()).any()):
         raise ValueError(f"b counts samples: whole numbers only, got b={b}.")
     if bool((sizes < 1).any()) or bool((sizes > n).any()):
         raise ValueError(f"need 1 <= b <= n, got b={b}, n={n}.")
-    variances = torch.as_tensor(sigma2)
     if not bool(torch.isfinite(variances).all()) or bool((variances < 0).any()):
         raise ValueError(f"sigma2 is a variance: finite and >= 0, got {sigma2}.")
     return sigma2 / b * (n - b) / (n - 1)
@@ -131,17 +142,17 @@ def effective_momentum(m: float, k: int) -> float:
     After K updates the old value keeps weight :math:`(1-m)^K`, so per optimizer step the running
     statistics move with momentum :math:`1-(1-m)^K` (0.57 for m = 0.1, K = 8), not m.
     """
-    require_momentum(m)
+    m = require_momentum(m)
     require_k(k)
-    return 1.0 - (1.0 - m) ** k
+    return -math.expm1(k * math.log1p(-m)) if m < 1 else 1.0  # 1 − (1 − m)^K without cancellation
 
 
 def corrected_momentum(m: float, k: int) -> float:
     r"""Per-micro-batch momentum :math:`m' = 1-(1-m)^{1/K}` whose K updates decay the old value as one update
     with momentum m does (about m/K for small m)."""
-    require_momentum(m)
+    m = require_momentum(m)
     require_k(k)
-    return 1.0 - (1.0 - m) ** (1.0 / k)
+    return -math.expm1(math.log1p(-m) / k) if m < 1 else 1.0  # 1 − (1 − m)^(1/K) without cancellation
 
 
 def micro_batch_weights(m: float, k: int) -> list[float]:

@@ -255,7 +255,10 @@ def grade_batch_coupled(answer: object) -> Feedback:
         return Feedback(False, "give a flat set of layer names, e.g. {'Linear'}, not a nested list.")
     unknown = chosen - LAYER_FACTS.keys()
     if unknown:
-        return Feedback(False, f"unknown layer name(s) {sorted(unknown)}; choose from {sorted(LAYER_FACTS)}.")
+        classes = [u.__name__ for u in unknown if isinstance(u, type)]
+        hint = f" (give class names as strings, e.g. {classes[0]!r})" if classes else ""
+        return Feedback(False, f"unknown layer name(s) {sorted(map(repr, unknown))}{hint}; choose from "
+                               f"{sorted(LAYER_FACTS)}.")
     wrong_in = [name for name in sorted(chosen) if not LAYER_FACTS[name][0]]
     missing = [name for name in sorted(LAYER_FACTS) if LAYER_FACTS[name][0] and name not in chosen]
     if not wrong_in and not missing:
