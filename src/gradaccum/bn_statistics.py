@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -60,10 +59,10 @@ def predicted_mean_variance(sigma2: Any, b: Any, n: int) -> Any:
     where :math:`\sigma^2` is the population variance (divisor n). The second factor, the finite-population
     correction, is 1 − O(b/n); it vanishes at b = n, where every "micro-batch" is the whole population.
     """
-    if isinstance(b, (list, tuple)):
-        b = np.asarray(b)
+    if isinstance(b, (list, tuple)):  # torch, not NumPy: the package's core needs only torch
+        b = torch.tensor(b, dtype=torch.float64)
     if isinstance(sigma2, (list, tuple)):
-        sigma2 = np.asarray(sigma2)
+        sigma2 = torch.tensor(sigma2, dtype=torch.float64)
     try:
         sizes, variances = torch.as_tensor(b), torch.as_tensor(sigma2)
         torch.broadcast_shapes(sizes.shape, variances.shape)
