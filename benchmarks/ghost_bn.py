@@ -10,7 +10,8 @@
 
 Usage: python benchmarks/ghost_bn.py [--device cpu|cuda] [--threads N] [--no-compile] [--quick]
 Each table is timed interleaved (every round calls each row once, in turn, so that a machine getting busier or
-quieter affects all rows alike), then the median per row (CUDA timings synchronize). ``--quick`` times two rounds
+quieter affects all rows alike; each round starts one row later, so that every row follows every other equally
+often), 40 rounds, then the median per row (CUDA timings synchronize). ``--quick`` times two rounds
 after one warm-up and skips torch.compile: it checks that the benchmark runs (the tests use it), not how fast
 anything is. ``--json PATH`` writes the tables; chapter 2 reads the run recorded with
 ``--threads 1 --json src/gradaccum/book/ghost_bn_cpu.json`` (the book's 2-core CPU). The step table also counts
@@ -57,7 +58,7 @@ class ManualGhost(nn.Module):
 
 
 def measure(fns: dict[str, Callable[[], object]], device: torch.device, quick: bool) -> dict[str, float]:
-    return interleaved_medians(fns, device, repeat=2 if quick else 15, warmup=1)
+    return interleaved_medians(fns, device, repeat=2 if quick else 40, warmup=1, rotate=True)
 
 
 def layer_table(device: torch.device, compile_: bool, quick: bool, shape: tuple[int, ...], v: int) -> dict:

@@ -257,11 +257,6 @@ def test_effect_grid_and_figures(digits):
     assert tuple(ch2.plot_method_effects(2, 4, 8, digits.x_train, digits.y_train).get_size_inches()) == (9.6, 3.6)
 
 
-def test_layer_timings_are_relative():
-    t = ch2.layer_timings(shape=(16, 4, 4, 4), v=4, repeat=3)
-    assert t["nn.BatchNorm2d (whole batch)"] == 1.0 and all(v > 0 for v in t.values())
-
-
 def test_shadow_momentum_equals_a_separate_momentum_corrected_run(digits):
     """train_methods reads the momentum-corrected run off the plain run: same weights, other running stats."""
     shadow: list = []

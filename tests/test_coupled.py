@@ -405,3 +405,25 @@ def test_review_coupled_tools_refuse_nan_and_wrong_types():
     assert "NT-Xent" in ex.grade_negatives_per_sample(166).message
     assert "f_i goes with P_i" in ex.grade_switch_aux(0.9).message
     assert ex.grade_switch_aux(1.1, fractions=(np.float32(0.75), np.float32(0.25))).correct
+
+
+def test_grad_cache_refuses_functions_arrays_tuples_and_unreduced_losses():
+    """Review: each gave an AttributeError or RuntimeError from deep inside; now a ValueError that says what to do."""
+    import numpy as np
+
+    enc = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="not an nn.Module"):
+        coupled.grad_cache_backward([lambda t: t, enc], [x, x], 2)
+    with pytest.raises(ValueError, match=r"torch.as_tensor"):
+        coupled.grad_cache_backward([enc, enc], [np.ones((4, 3)), x], 2)
+
+    class Pair(nn.Module):
+        def forward(self, t):
+            return t[:, :2], t[:, 1:]
+
+    with pytest.raises(ValueError, match="returned a tuple"):
+        coupled.grad_cache_backward([Pair(), enc], [x, x], 2)
+    with pytest.raises(ValueError, match=r"returned \(4,\), not a scalar"):
+        coupled.grad_cache_backward([enc, enc], [x, x], 2, lambda a, b: (a * b).sum(1))
+    assert enc.weight.grad is None  # refused before any backward pass

@@ -83,7 +83,7 @@ def assert_matches_reference(impl: str, dims: int, g: int, v: int, c: int, hw: t
     assert int(layer.num_batches_tracked) == 2
 
 
-IMPLS = ["loop", "fold"]  # "compile" compiles per shape (seconds each): tested on a few shapes below
+IMPLS = ["group", "loop", "fold"]  # "compile" compiles per shape (seconds each): tested on a few shapes below
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None,
@@ -127,8 +127,9 @@ def test_failed_compile_falls_back_once_with_the_same_results(monkeypatch):
     assert_matches_reference("compile", 2, 3, 4, 3, (2, 2), True, 0.1, torch.float64)  # no second warning
 
 
-@pytest.mark.parametrize("shape, v, expected", [((256, 64, 16, 16), 32, "loop"), ((64, 16, 8, 8), 4, "fold"),
-                                                ((4096, 256), 32, "fold")])
+@pytest.mark.parametrize("shape, v, expected", [((256, 64, 16, 16), 32, "loop"), ((64, 16, 8, 8), 4, "group"),
+                                                ((4096, 256), 32, "fold"), ((128, 64, 16, 16), 2, "group"),
+                                                ((1024, 64, 8, 8), 4, "loop")])
 def test_auto_picks_an_impl_with_the_same_results(shape, v, expected):
     x = torch.randn(shape, dtype=torch.float64)
     assert auto_impl(x, v) == expected
@@ -140,13 +141,13 @@ def test_auto_picks_an_impl_with_the_same_results(shape, v, expected):
 
 
 def test_bad_impl_is_refused():
-    with pytest.raises(ValueError, match="impl must be one of 'auto', 'loop', 'fold', 'compile', got 'cuda'"):
+    with pytest.raises(ValueError, match="impl must be one of 'auto', 'group', 'loop', 'fold', 'compile', got 'cuda'"):
         GhostBatchNorm(3, 4, impl="cuda")
     with pytest.raises(ValueError, match="impl must be one of"):
         ghostify(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), 4, impl="fast")
 
 
-@pytest.mark.parametrize("impl", ["loop", "fold"])
+@pytest.mark.parametrize("impl", ["group", "loop", "fold"])
 def test_mixed_float64_and_float32_is_refused_with_advice(impl):
     """nn.BatchNorm2d raises a RuntimeError ("mixed dtype (CPU)"); the layer says what to cast instead. bf16 input
     with float32 statistics (autocast) is not refused."""
@@ -173,6 +174,57 @@ def test_loop_is_once_differentiable_and_says_what_to_use():
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("dims, shape", [(2, (6, 2, 2, 3)), (1, (6, 3))])
+def test_group_is_differentiable_twice(dims, shape):
+    """GroupNorm's kernel has a double backward in torch: second derivatives of the group match the fold's."""
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    layers = {impl: GhostBatchNorm(shape[1], 3, dims=dims, impl=impl).double() for impl in ("group", "fold")}
+    for layer in layers.values():
+        with torch.no_grad():
+            layer.weight.copy_(torch.linspace(0.5, 2.0, shape[1]))
+    second = {}
+    for impl, layer in layers.items():
+        (grad,) = torch.autograd.grad(layer(x).pow(3).sum(), x, create_graph=True)
+        second[impl] = torch.autograd.grad(grad.square().sum(), (x, layer.weight))
+    for a, b in zip(second["group"], second["fold"]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert torch.autograd.gradgradcheck(lambda t: layers["group"](t), (x,))
+
+
+def test_group_running_variance_from_the_kernels_reciprocal_std():
+    """The group recovers each ghost batch's variance as r**-2 - eps from GroupNorm's reciprocal standard
+    deviation r: as accurate as BatchNorm's (the loop's) far from zero (GroupNorm's kernel alone is not: the
+    values are shifted first) and at a variance far below eps, where the error is a rounding of var + eps."""
+    gen = torch.Generator().manual_seed(2)
+    for scale, offset in ((1.0, 1e3), (1.0, 1e5), (1.0, 20.0), (1e-4, 0.0), (0.0, 5.0)):
+        x = torch.randn(16, 4, 8, 8, generator=gen) * scale + offset  # float32
+        exact = torch.stack([c.double().var(dim=(0, 2, 3)) for c in x.split(8)]).mean(0)
+        layers = {impl: GhostBatchNorm(4, 8, momentum=1.0, impl=impl) for impl in ("group", "loop")}
+        outs = {impl: layer(x) for impl, layer in layers.items()}
+        errors = {impl: float((layer.running_var.double() - exact).abs().max()) for impl, layer in layers.items()}
+        assert errors["group"] <= 1e-6 * (float(exact.max()) + EPS), (scale, offset, errors)
+        assert (layers["group"].running_var >= 0).all()
+        torch.testing.assert_close(layers["group"].running_mean, layers["loop"].running_mean)
+        if scale:
+            torch.testing.assert_close(outs["group"], outs["loop"], rtol=1e-4, atol=1e-4 * offset / 1e3 + 1e-5)
+
+
+def test_group_keeps_half_inputs_in_their_dtype_and_statistics_in_float32():
+    """bf16 input, float32 layer (autocast keeps BatchNorm in float32): as the fold."""
+    x = (torch.randn(16, 4, 4, 4, generator=torch.Generator().manual_seed(0)) + 100).bfloat16()
+    layers = {impl: GhostBatchNorm(4, 4, momentum=1.0, impl=impl) for impl in ("fold", "group")}
+    outs = {impl: layer(x.detach().requires_grad_()) for impl, layer in layers.items()}
+    assert outs["group"].dtype == torch.bfloat16
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(layers["group"], name), getattr(layers["fold"], name), rtol=1e-5,
+                                   atol=1e-5)
+    grad = torch.randn(x.shape).bfloat16()
+    for out in outs.values():
+        out.backward(grad)
+    torch.testing.assert_close(layers["group"].weight.grad, layers["fold"].weight.grad, rtol=1e-2, atol=1e-2)
+
+
 def test_ghostify_keeps_shared_layers_shared_and_frozen_ones_frozen():
     bn = nn.BatchNorm1d(3)
     bn.weight.requires_grad_(False)
@@ -196,7 +248,7 @@ def test_benchmark_quick_writes_json(tmp_path):
     result = json.loads(path.read_text())
     assert {"device", "torch", "threads", "tables"} <= result.keys() and result["threads"] == 1
     *layers, steps = result["tables"]
-    assert [table["auto_impl"] for table in layers] == ["loop", "fold", "fold"]
+    assert [table["auto_impl"] for table in layers] == ["loop", "group", "fold"]
     for table in result["tables"]:
         assert table["rows"][0]["name"] == table["baseline"] and table["rows"][0]["ratio"] == 1.0
         assert all({"name", "seconds", "ratio"} <= row.keys() and row["seconds"] > 0 for row in table["rows"])
@@ -248,3 +300,38 @@ def test_a_wrong_input_is_refused_and_compiling_stays_on(monkeypatch):
     with pytest.raises(RuntimeError, match="the input is wrong"):
         ghost_bn._run_compiled(broken, 1)
     assert not ghost_bn._compile_failed
+
+
+@pytest.mark.parametrize("impl", ["group", "loop", "fold"])
+def test_one_channel_input_is_left_as_it_was(impl):
+    """With one channel the (G, C, v·P) layout is the input's own: the group must copy it all the same."""
+    x = torch.randn(8, 1, 3, 3, requires_grad=True)
+    before = x.detach().clone()
+    GhostBatchNorm(1, 4, impl=impl)(x).sum().backward()
+    assert torch.equal(x.detach(), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_group_without_affine_keeps_half_input_statistics_in_float32(dtype):
+    """Review: without a weight, GroupNorm returned its statistics in the input's dtype (bf16: running mean 5e-3
+    off); the group now gives it float32 parameters, as autocast's float32 layer has."""
+    x = (torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 + 3).to(dtype)
+    layers = {impl: GhostBatchNorm(3, 4, affine=False, momentum=None, impl=impl) for impl in ("group", "loop")}
+    outs = {impl: layer(x) for impl, layer in layers.items()}
+    assert outs["group"].dtype == dtype
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(layers["group"], name), getattr(layers["loop"], name), rtol=1e-5,
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["group", "loop", "fold"])
+def test_zero_eps_is_refused_and_an_empty_map_leaves_the_statistics(impl):
+    """Review: eps=0 gave NaN for a constant channel (F.batch_norm refuses it in training); a (8, 3, 0, 5) input
+    set the running variance to NaN (nn.BatchNorm2d leaves it)."""
+    with pytest.raises(ValueError, match="eps must be positive"):
+        GhostBatchNorm(1, 4, eps=0.0, impl=impl)
+    with pytest.raises(ValueError, match="eps must be positive"):
+        ghostify(nn.Sequential(nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1, eps=float("nan"))), 4, impl=impl)
+    layer = GhostBatchNorm(3, 4, impl=impl)
+    assert layer(torch.randn(8, 3, 0, 5)).shape == (8, 3, 0, 5)
+    assert torch.equal(layer.running_var, torch.ones(3)) and torch.equal(layer.running_mean, torch.zeros(3))

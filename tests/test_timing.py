@@ -25,6 +25,9 @@ def test_interleaved_medians_alternate_and_validate():
     assert calls == ["a", "b"] * 4 and set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     with pytest.raises(ValueError, match="repeat"):
         timing.interleaved_medians({}, repeat=1)
+    calls.clear()
+    timing.interleaved_medians({name: (lambda n=name: calls.append(n)) for name in "abc"}, repeat=3, rotate=True)
+    assert "".join(calls) == "abc" + "bca" + "cab" + "abc"  # every one follows every other equally often
 
 
 def test_interleaved_times_clocks_and_statistics():

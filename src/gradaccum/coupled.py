@@ -131,6 +131,15 @@ def _check_encoders(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor
     if len(encoders) != len(inputs) or not encoders:
         raise ValueError(f"give one encoder per input (the same module twice if they share weights), got "
                          f"{len(encoders)} encoder(s) for {len(inputs)} input(s).")
+    for i, (enc, x) in enumerate(zip(encoders, inputs)):
+        if not isinstance(enc, nn.Module):
+            raise ValueError(f"encoder {i} is a {type(enc).__name__}, not an nn.Module: GradCache reads a module's "
+                             "layers and buffers to refuse what it cannot recompute exactly; wrap the function in an "
+                             "nn.Module (its forward calling it).")
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise ValueError(f"input {i} must be a torch.Tensor with a batch dimension, got "
+                             f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ()'}; "
+                             "convert it with torch.as_tensor(...) and keep the samples along dimension 0.")
     for enc in encoders:
         for name, m in enc.named_modules():
             if isinstance(m, _BN) and (m.training or m.running_mean is None):
@@ -203,6 +212,25 @@ def _rng_state(devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
 
 
+def _embedding(enc: nn.Module, x: torch.Tensor, saved: list[_Buffer]) -> torch.Tensor:
+    """``enc(x)``, refused unless it is one tensor (the buffers put back first)."""
+    z = enc(x)
+    if not isinstance(z, torch.Tensor):
+        _refuse_changed_buffers(saved)
+        raise ValueError(f"{type(enc).__name__} returned a {type(z).__name__}: GradCache caches one tensor of "
+                         "embeddings per encoder and micro-batch; return a single tensor.")
+    return z
+
+
+def _scalar(loss: object) -> torch.Tensor:
+    """The loss, refused unless it is a one-element tensor."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn returned {shape}, not a scalar tensor: GradCache backpropagates one full-batch "
+                         "loss; reduce it (.mean() or .sum(), as the loss you want to train).")
+    return loss
+
+
 def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor], k: int,
                         loss_fn: Callable[..., torch.Tensor] = info_nce) -> float:
     """GradCache: add to ``.grad`` the exact gradient of ``loss_fn(*[enc(x) for enc, x in zip(encoders, inputs)])``
@@ -232,12 +260,12 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
             row_states, row = [], []
             for enc, x in zip(encoders, chunk):
                 row_states.append(_rng_state(devices))  # replayed in step 3: the same dropout masks
-                row.append(enc(x))
+                row.append(_embedding(enc, x, saved))
             states.append(row_states)
             cached.append(row)
         _refuse_changed_buffers(saved)
     reps = [torch.cat([row[i] for row in cached]).requires_grad_() for i in range(len(encoders))]
-    loss = loss_fn(*reps)
+    loss = _scalar(loss_fn(*reps))
     loss.backward()
     grads = [r.grad for r in reps]
     b = len(chunks[0][0])

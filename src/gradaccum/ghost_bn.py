@@ -19,10 +19,15 @@ from torch.autograd.function import FunctionCtx
 from torch.nn.modules.batchnorm import _BatchNorm
 
 #: The implementations ``GhostBatchNorm(impl=...)`` accepts.
-IMPLS = ("auto", "loop", "fold", "compile")
+IMPLS = ("auto", "group", "loop", "fold", "compile")
 
-#: On CPU, "auto" loops over the ghost batches when one holds at least this many values (v · C · H · W), and
-#: folds them otherwise (measured with ``benchmarks/ghost_bn.py``; see :func:`auto_impl`).
+#: On CPU, "auto" runs float32 and float64 feature maps with torch's GroupNorm kernel (``"group"``) when the
+#: whole input holds fewer than this many values, and loops over the ghost batches (``"loop"``) from here on
+#: (measured with ``benchmarks/ghost_bn.py``; see :func:`auto_impl`).
+GROUP_MAX_VALUES = 2**22
+
+#: On CPU, for every other input (features, float16 and bfloat16 maps), "auto" loops over the ghost batches when
+#: one holds at least this many values (v · C · H · W), and folds them otherwise.
 LOOP_MIN_VALUES = 2**16
 
 #: The output, and the mean over ghost batches of their means and of their unbiased variances.
@@ -30,24 +35,34 @@ _Result = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def auto_impl(x: torch.Tensor, virtual_batch_size: int) -> str:
-    """The implementation ``impl="auto"`` runs for input ``x``: on CPU ``"loop"`` when a ghost batch holds at
-    least :data:`LOOP_MIN_VALUES` values, else ``"fold"``; on every other device ``"fold"``.
+    """The implementation ``impl="auto"`` runs for input ``x``. On the CPU: float32 and float64 feature maps
+    (N, C, H, W) get ``"group"`` below :data:`GROUP_MAX_VALUES` values and ``"loop"`` from there on; other inputs
+    ``"loop"`` when a ghost batch holds at least :data:`LOOP_MIN_VALUES` values, else ``"fold"``. On every other
+    device ``"fold"``.
 
-    Measured on the book's 2-core CPU, one thread (``gradaccum/book/ghost_bn_cpu.json``, written by
-    ``benchmarks/ghost_bn.py``; forward + backward relative to one ``nn.BatchNorm`` call on the whole batch):
-    256×64×16×16 with v=32 (524,288 values per ghost batch), loop 0.90×, fold 1.36×; 64×16×8×8 with v=4 (4,096),
-    loop 3.9×, fold 2.1×; 4096×256 with v=32 (8,192), loop 3.1×, fold 2.7×. The loop writes each ghost batch
-    straight into its slice of the output, so for large ghost batches it costs little more than BatchNorm; for
-    small ones its G kernel calls cost more than the fold's copies in and out of the folded layout (the
-    crossover, between 32,768 and 131,072 values, was measured on more shapes while choosing). CUDA was not
-    measured for this edition (an earlier calibration on an H200 put the fold at 1.4×, against 2.7–4.4× for a loop
-    of ``nn.BatchNorm2d``), so every device but the CPU gets the fold. ``"compile"`` (0.61×, 2.0× and 1.7× on the three
-    shapes, timed between the other rows) is never picked: it takes seconds to compile every new input shape (6 to
-    18 s on this CPU with an empty compile cache) and needs a C++ compiler.
+    Why, measured on the book's 2-core CPU (AMD EPYC, 32 MB L3 cache), one thread, forward + backward relative
+    to one ``nn.BatchNorm`` call on the whole batch (the recorded run is ``gradaccum/book/ghost_bn_cpu.json``,
+    written by ``benchmarks/ghost_bn.py``; the crossovers were measured on more shapes while choosing): every
+    eager implementation copies the input into a layout where each ghost batch's channel is one block (the fold,
+    the group), or calls BatchNorm once per ghost batch (the loop). GroupNorm's kernel on the (G, C, v·P) copy
+    ran at 0.83–1.11× BatchNorm on feature maps of 524,288 to 2,097,152 values (e.g. 128×16×16×16 with v=8,
+    0.86×, where the loop took 1.5×), and at 1.4–2.3× on maps of 65,536 values or fewer (64×16×8×8 with v=4:
+    1.5–1.7×, the fold about 2×, the loop 3–4×; the fold was slower than the group on every map measured),
+    where the copies, two each way, cost about as much as GroupNorm's own forward and backward. With 4,194,304
+    values (16 MB in float32) the group's time varied from run to run between 0.8× and 2.4×, the loop's stayed
+    within 0.9–1.3× (even with 256 ghost batches), so from there on "auto" takes the loop. On (N, C) features
+    the group's blocks are only v values long (3.8× on 4096×256 with v=32): the fold takes about 2.4×, the loop
+    about 4×. float16 and bfloat16 maps keep the rule for features (not measured). CUDA was not measured for this
+    edition (an earlier calibration on an H200 put the fold at 1.4×, against 2.7–4.4× for a loop of
+    ``nn.BatchNorm2d``), so every device but the CPU gets the fold. ``"compile"`` is never picked: it takes
+    seconds to compile every new input shape (6 to 18 s on this CPU with an empty compile cache) and needs a C++
+    compiler.
     """
-    if x.device.type == "cpu" and x[:virtual_batch_size].numel() >= LOOP_MIN_VALUES:
-        return "loop"
-    return "fold"
+    if x.device.type != "cpu":
+        return "fold"
+    if x.dim() == 4 and x.dtype in (torch.float32, torch.float64):
+        return "group" if x.numel() < GROUP_MAX_VALUES else "loop"
+    return "loop" if x[:virtual_batch_size].numel() >= LOOP_MIN_VALUES else "fold"
 
 
 def _fold(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor, v: int,
@@ -63,6 +78,43 @@ def _fold(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
                        None if bias is None else bias.repeat(g), True, 1.0, eps)
     out = out.reshape(v, g, c, *rest).transpose(0, 1).reshape(x.shape)
     return out, mean.view(g, c).mean(0), var.view(g, c).mean(0)
+
+
+def _group(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor, v: int,
+           eps: float) -> _Result:
+    r"""Ghost batch :math:`g`'s channel :math:`c` made one group of torch's GroupNorm kernel: the input copied
+    to the (G, C, v·P) layout (P positions per channel), one ``native_group_norm`` call with C groups of one
+    channel each (its per-channel affine is BatchNorm's), the output copied back. The kernel returns each group's
+    mean and :math:`r = 1/\sqrt{\hat\sigma^2+\epsilon}`; the variance is :math:`r^{-2}-\epsilon` (exact to the
+    rounding of :math:`\hat\sigma^2+\epsilon`, what evaluation uses), times m/(m−1), m = v·P. Groups far
+    from zero are shifted first (:data:`_FAR`)."""
+    g, c = x.shape[0] // v, x.shape[1]
+    if weight is None and x.dtype != stats_like.dtype:  # float32 parameters: GroupNorm's statistics in float32
+        weight, bias = stats_like.new_ones(c), stats_like.new_zeros(c)
+    grouped = x.reshape(g, v, c, -1).transpose(1, 2).contiguous()
+    m = grouped.shape[2] * grouped.shape[3]
+    acc = torch.float64 if x.device.type in ("cpu", "cuda") else torch.float32
+    out, mean, rstd = torch.ops.aten.native_group_norm(grouped.view(g, c, m), weight, bias, g, c, m, c, eps)
+    with torch.no_grad():
+        mean_acc, inv = mean.to(acc), rstd.to(acc).pow(-2)  # inv: each group's variance + eps
+        far = bool((mean_acc.square() > _FAR**2 * inv).any())
+    if far:
+        shift = grouped[:, :, :1, :1].detach()
+        out, mean, rstd = torch.ops.aten.native_group_norm((grouped - shift).view(g, c, m), weight, bias, g, c, m, c,
+                                                           eps)
+        with torch.no_grad():
+            mean_acc, inv = mean.to(acc) + shift.view(g, c).to(acc), rstd.to(acc).pow(-2)
+    out = out.view(g, c, v, -1).transpose(1, 2).reshape(x.shape)
+    with torch.no_grad():
+        var = inv.sub_(eps).clamp_(min=0).mean(0).mul_(m / (m - 1))
+        return out, mean_acc.mean(0).to(stats_like.dtype), var.to(stats_like.dtype)
+
+
+#: How many of its standard deviations a group's mean may lie from zero before :func:`_group` runs the kernel
+#: again on the values minus each group's first value (which changes neither output nor gradient): GroupNorm's
+#: CPU kernel loses accuracy far from zero (measured in float32: relative error of the variance 4e-7 at a mean
+#: 100 standard deviations from zero, 1e-5 at 1000; BatchNorm's two passes, 1e-7).
+_FAR = 30.0
 
 
 class _Loop(torch.autograd.Function):
@@ -224,7 +276,7 @@ def _compile(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     return out, mean.to(stats_like.dtype), var.to(stats_like.dtype)
 
 
-_FORWARDS: dict[str, Callable[..., _Result]] = {"loop": _loop, "fold": _fold, "compile": _compile}
+_FORWARDS: dict[str, Callable[..., _Result]] = {"group": _group, "loop": _loop, "fold": _fold, "compile": _compile}
 
 
 class GhostBatchNorm(_BatchNorm):
@@ -242,15 +294,21 @@ class GhostBatchNorm(_BatchNorm):
     ``nn.BatchNorm``, so ``torch.optim.swa_utils.update_bn`` works. When the batch is a single ghost batch the
     layer is exactly ``nn.BatchNorm``. In eval mode it uses the running statistics, as BatchNorm does.
 
-    ``impl`` chooses how, with equal results up to float rounding: ``"loop"``, one BatchNorm call per ghost
-    batch writing into its slice of the output (once differentiable: no double backward); ``"fold"``, the ghost
-    batches folded into the channel dimension — a copy of shape :math:`(v, G\cdot C, \dots)` — so that one
-    ``F.batch_norm`` call normalizes all of them; ``"compile"``, the formulas of ghost BatchNorm and of its
-    gradient written as array math and compiled by ``torch.compile`` (once differentiable; seconds to compile
+    ``impl`` chooses how, with equal results up to float rounding (the group's running variance: up to the rounding
+    of variance + eps, which is what evaluation uses; values far from zero: BatchNorm's own kernel, which the loop
+    and the fold call, loses accuracy in float32 where the group shifts them first): ``"group"``, each ghost batch's
+    channel one group of torch's GroupNorm kernel, on a copy of the input laid out as :math:`(G, C, v\cdot P)` (any
+    number of times differentiable; the running variance is recovered from the kernel's reciprocal standard
+    deviation; each call reads one value back from the device, to check for values far from zero); ``"loop"``, one
+    BatchNorm call per ghost batch writing into its slice of the output (once differentiable: no double backward);
+    ``"fold"``, the ghost batches folded into the channel dimension — a copy of shape :math:`(v, G\cdot C, \dots)` —
+    so that one ``F.batch_norm`` call normalizes all of them; ``"compile"``, the formulas of ghost BatchNorm and of
+    its gradient written as array math and compiled by ``torch.compile`` (once differentiable; seconds to compile
     per input shape; after a failure to compile it warns once and runs the same formulas eagerly; all layers share
     one compiled function, so after eight input shapes ``torch.compile``'s recompile limit runs further shapes
-    eagerly too, without a warning, slower than the fold);
-    ``"auto"`` (default), :func:`auto_impl`: the loop on CPU for large ghost batches, the fold otherwise.
+    eagerly too, without a warning, slower than the fold); ``"auto"`` (default), :func:`auto_impl`: on the CPU the
+    group for feature maps of fewer than 2**22 values and the loop above, for features the fold (the loop for large
+    ghost batches); on other devices the fold.
     """
 
     # Always tracked (``track_running_stats=True`` below), so never None; annotations only, no runtime effect.
@@ -269,6 +327,9 @@ class GhostBatchNorm(_BatchNorm):
                 "positions (instance normalization), not over a batch. Use 2 or more (Hoffer et al. used 128 on "
                 "ImageNet)."
             )
+        if not eps > 0:
+            raise ValueError(f"eps must be positive, got {eps!r} (F.batch_norm refuses it in training too): a ghost "
+                             "batch whose channel is constant would divide zero by zero.")
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}; 'auto' picks the "
                              "fastest measured one for the device and shape.")
@@ -298,7 +359,7 @@ class GhostBatchNorm(_BatchNorm):
             raise ValueError(f"the input is {x.dtype} and the layer's statistics {stats}: cast the model (.double() "
                              "or .float()) or the input to one precision; nn.BatchNorm2d cannot mix them either.")
         n, v = x.shape[0], self.virtual_batch_size
-        if not self.training or n == v or n == 0:  # an empty batch: nn.BatchNorm returns it empty too
+        if not self.training or n == v or x.numel() == 0:  # an empty batch: nn.BatchNorm returns it empty too
             return super().forward(x)
         if n % v:
             raise ValueError(

@@ -56,7 +56,8 @@ def median_time(fn: Callable[[], object], device: torch.device | str = "cpu", re
 
 
 def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", repeat: int = 7,
-                      warmup: int = 1, clock: Clock = "wall", statistic: Statistic = "median") -> dict[str, float]:
+                      warmup: int = 1, clock: Clock = "wall", statistic: Statistic = "median",
+                      rotate: bool = False) -> dict[str, float]:
     """Seconds of each function, measured *interleaved*: every round calls each function once, in turn, so
     that a machine getting busier or quieter during the measurement affects all of them alike (one function
     timed after another would carry that drift into the comparison). Each function's ``repeat`` timed
@@ -82,8 +83,10 @@ def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device
         raise ValueError(f"the process clock counts CPU seconds and misses the work of a {kind!r} device; "
                          "time it with clock='wall'.")
     times: dict[str, list[float]] = {name: [] for name in fns}
+    items = list(fns.items())
     for round_ in range(warmup + repeat):
-        for name, fn in fns.items():
+        start = round_ % len(items) if rotate else 0
+        for name, fn in items[start:] + items[:start]:
             seconds = _timed(fn, cuda, _CLOCKS[clock])
             if round_ >= warmup:
                 times[name].append(seconds)
@@ -91,6 +94,6 @@ def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", repeat: int = 7,
-                        warmup: int = 1) -> dict[str, float]:
+                        warmup: int = 1, rotate: bool = False) -> dict[str, float]:
     """Median wall seconds of each function, measured interleaved (:func:`interleaved_times`)."""
-    return interleaved_times(fns, device, repeat, warmup)
+    return interleaved_times(fns, device, repeat, warmup, rotate=rotate)

@@ -41,33 +41,9 @@ from gradaccum.fullbatch_bn import (
     full_batch_stats_gradient,
     normalized_with,
 )
-from gradaccum.ghost_bn import GhostBatchNorm, LoopGhostBatchNorm, ghostify
+from gradaccum.ghost_bn import ghostify
 from gradaccum.precise_bn import precise_bn
-from gradaccum.timing import interleaved_times, median_time
-
-
-def layer_timings(shape: tuple[int, int, int, int] = (128, 16, 8, 8), v: int = 8, device: torch.device | str = "cpu",
-                  repeat: int = 20) -> dict[str, float]:
-    """Forward + backward time of the Ghost BatchNorm implementations, relative to ``nn.BatchNorm2d`` on the
-    whole batch (float32, random input)."""
-
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(*shape, generator=gen).to(device).requires_grad_()
-    grad = torch.ones_like(x)
-    modules = {"nn.BatchNorm2d (whole batch)": nn.BatchNorm2d(shape[1]),
-               "loop of nn.BatchNorm2d": LoopGhostBatchNorm(shape[1], v),
-               "GhostBatchNorm (fold)": GhostBatchNorm(shape[1], v)}
-    times = {}
-    for name, module in modules.items():
-        module.to(device).train()
-
-        def step(m: nn.Module = module) -> None:
-            x.grad = None
-            m(x).backward(grad)
-
-        times[name] = median_time(step, device, repeat=repeat)
-    base = times["nn.BatchNorm2d (whole batch)"]
-    return {name: t / base for name, t in times.items()}
+from gradaccum.timing import interleaved_times
 
 
 @dataclass(frozen=True)
