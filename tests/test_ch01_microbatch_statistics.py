@@ -317,3 +317,21 @@ def test_review_tools_stay_exact_at_the_extremes_and_refuse_what_has_no_answer()
         accumulated_gradient(nn.Linear(3, 2).double(), nn.CrossEntropyLoss(), torch.zeros(0, 3, dtype=d),
                              torch.zeros(0, dtype=torch.long), 2)
     assert "'BatchNorm2d'" in ex.grade_batch_coupled({nn.BatchNorm2d, nn.Linear}).message
+
+
+def test_review_leftovers_are_refused_with_advice():
+    """A NumPy b, a model that is not a module, fractional epochs and float batch sizes raised TypeError or
+    AttributeError (or were refused without the NumPy hint); now ValueErrors that say what to pass."""
+    from gradaccum.accumulate import train
+    from gradaccum.bn_statistics import biased_variance_factor, set_bn_momentum
+
+    with pytest.raises(ValueError, match=r"NumPy integer: pass int"):
+        biased_variance_factor(np.int64(4))
+    with pytest.raises(ValueError, match="must be an nn.Module"):
+        set_bn_momentum("abc", 0.1)
+    data = (torch.randn(8, 2), torch.zeros(8, dtype=torch.long), torch.randn(4, 2), torch.zeros(4, dtype=torch.long))
+    for kwargs, match in (({"batch_size": 4, "epochs": 1.5}, "epochs"),
+                          ({"batch_size": 4.0, "epochs": 1}, "batch_size"),
+                          ({"batch_size": 4, "epochs": 1, "seed": 0.5}, "seed")):
+        with pytest.raises(ValueError, match=match):
+            train(nn.Linear(2, 2), *data, k=2, **kwargs)

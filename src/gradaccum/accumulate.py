@@ -221,11 +221,12 @@ def train(
     in train mode on micro-batches of size b (what the network computed while it was trained).
     """
     require_k(k)
-    if batch_size < 1 or batch_size % k:
+    require_count(batch_size, "batch_size")
+    require_count(epochs, "epochs (whole passes over the data)")
+    require_count(seed, "seed", 0)
+    if batch_size % k:
         raise ValueError(f"batch_size ({batch_size}) must be a positive multiple of K ({k}).")
     b = batch_size // k
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}.")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}.")
     n = x.shape[0]

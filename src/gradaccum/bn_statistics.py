@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradaccum._validate import require_k, require_micro_batch, require_momentum
+from gradaccum._validate import _numpy_hint, require_k, require_micro_batch, require_momentum
 
 
 def batch_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,7 +88,7 @@ def biased_variance_factor(b: int) -> float:
     """
     if isinstance(b, bool) or not isinstance(b, int) or b < 2:
         raise ValueError(f"b must be an int >= 2 (the biased variance of one sample is 0: the ratio is undefined "
-                         f"for b = 1), got {b!r}.")
+                         f"for b = 1), got {b!r}{_numpy_hint(b)}.")
     return (b - 1) / b
 
 
@@ -176,6 +176,8 @@ def set_bn_momentum(model: nn.Module, m: float) -> int:
     so that a correction meant for an exponential average does not silently turn it into one.
     """
     require_momentum(m)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module (its normalization layers are set), got {type(model).__name__}.")
     layers = [mod for mod in model.modules()
               if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats]
     cumulative = [name for name, mod in model.named_modules() if any(mod is layer for layer in layers)

@@ -234,9 +234,7 @@ def lr_trajectory(optimizer_steps: int, k: int, warmup: int, per_micro: bool,
     require_k(k)
     require_count(optimizer_steps, "optimizer_steps")
     require_count(warmup, "warmup (schedule steps)")
-    if not isinstance(per_micro, bool):
-        raise ValueError(f"per_micro must be True (scheduler.step() per micro-batch) or False (per optimizer step), "
-                         f"got {per_micro!r}.")
+    require_flag(per_micro, "per_micro", "True: scheduler.step() per micro-batch; False: per optimizer step")
     require_positive(lr, "lr")
     param = nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=lr)

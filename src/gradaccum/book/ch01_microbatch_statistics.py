@@ -112,7 +112,8 @@ class MicrobatchEffect:
 
     ``rel_error``/``cosine``: accumulated vs full-batch gradient of the SmallCNN, per normalization;
     ``rel_mean_std``: spread std(μ̂_b)/σ of the micro-batch means that the head's BatchNorm1d computes, over
-    micro-batches of size b drawn from all of x (it depends on b, not on K).
+    micro-batches of size b drawn from all of x (it depends on b, not on K); NaN for b = 1, where there is no
+    BatchNorm network to measure (a micro-batch of one is refused with BatchNorm).
     """
 
     k: int
