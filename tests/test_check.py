@@ -463,3 +463,28 @@ def test_batchnorm_statistics_recomputed_in_backward_are_named():
 
     plain = _CheckpointedBN(how="shared")
     assert "bn_stats_updated_twice" in C.check(plain, ce, x, y, 4, step=checkpoint_whole_model).codes
+
+
+def test_checkpoint_without_preserved_rng_state_is_named():
+    """A step that checkpoints the model with preserve_rng_state=False draws new dropout masks in the recomputation
+    (a wrong gradient the per-sample replay hides): the checker reads the argument and names it; the default
+    (True) and a model without randomness stay OK."""
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed(preserve):
+        def step(model, loss_fn, xs, ys, k):
+            for xb, yb in zip(xs.chunk(k), ys.chunk(k)):
+                out = checkpoint(model, xb, use_reentrant=False, preserve_rng_state=preserve)
+                (loss_fn(out, yb) / k).backward()
+        return step
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 6, dtype=torch.float64), torch.randint(0, 3, (16,))
+    dropout = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 3)).double()
+    plain = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    ce = nn.CrossEntropyLoss()
+    report = C.check(dropout, ce, x, y, 4, step=checkpointed(False))
+    assert report.codes == ["checkpoint_rng_not_preserved"]
+    assert "preserve_rng_state=False" in report.findings[0].evidence
+    assert C.check(dropout, ce, x, y, 4, step=checkpointed(True)).codes == []
+    assert C.check(plain, ce, x, y, 4, step=checkpointed(False)).codes == []

@@ -229,6 +229,7 @@ class _Run:
     bn_reruns: dict[str, tuple[int, int]] = field(default_factory=dict)
     modes: list[bool] | None = None
     unlocated: int = 0
+    backward_draws: int = 0
 
 
 def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step, seed: int,
@@ -268,7 +269,7 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
     return _Run(applied, trace.passes, recorder.events, error, caught, scope.forwards if scope else [],
                 rng.replayed, rng.unreplayed, rng.draws, recorder.errors,
                 outside.draws if isinstance(outside, OutsideDraws) else [], rerun_counts,
-                scope.modes if scope else None, scope.unlocated if scope else 0)
+                scope.modes if scope else None, scope.unlocated if scope else 0, rng.in_backward)
 
 
 class _BatchNormReruns:
@@ -705,6 +706,16 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
     twice = _bn_rerun_finding(run.bn_reruns) if run.error is None else None
     if twice is not None:
         findings.append(twice)
+    unpreserved = sum(e.kind == "checkpoint" for e in run.events)
+    if unpreserved and run.backward_draws and run.error is None:
+        findings.insert(0, Finding(
+            "checkpoint_rng_not_preserved", "activation checkpointing with preserve_rng_state=False around a "
+            "forward that draws random numbers (dropout)", f"{unpreserved} checkpoint call(s) with "
+            f"preserve_rng_state=False; backward recomputed {run.backward_draws} random op call(s): torch does not "
+            "restore the random state for the recomputation, so it draws new masks and the gradient belongs to "
+            "other masks than the forward's (the checker replays masks per sample, so the comparison cannot show "
+            "it)", "drop preserve_rng_state=False (the default saves and restores the random state), or switch "
+            "the randomness off in the checkpointed part", 6))
     report.findings = findings
     report.weights, report.expected_weights = info.get("weights"), info.get("expected_weights")
     if run.error is None:

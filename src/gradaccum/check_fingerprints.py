@@ -178,6 +178,7 @@ CODES: dict[str, str] = {
     "batch_coupled_layer": "a layer (BatchNorm, or any other) makes a sample's output depend on its batch",
     "loss_couples_samples": "the loss is not a sum over micro-batches (in-batch negatives, batch statistics)",
     "bn_stats_updated_twice": "BatchNorm statistics updated again when backward recomputes it (checkpointing)",
+    "checkpoint_rng_not_preserved": "checkpointing with preserve_rng_state=False recomputes dropout with new masks",
     "token_normalization": "micro-batches weighted equally although the full batch weighs them by tokens (or "
                            "by a weighted loss's weights)",
     "rng_reseeded": "random draws do not depend on the state the window starts from: a seed is set inside",

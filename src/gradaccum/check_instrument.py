@@ -87,6 +87,7 @@ class SampleRNG(TorchDispatchMode):
         self.replayed = 0
         self.unreplayed: list[str] = []
         self.draws: list[tuple[tuple[int, ...], torch.Tensor]] = []
+        self.in_backward = 0  # random op calls made while autograd ran a backward pass (a recomputation)
         self.busy = 0
         self._generators: dict[str, torch.Generator] = {}
 
@@ -97,6 +98,8 @@ class SampleRNG(TorchDispatchMode):
         kwargs = kwargs or {}
         if _SEEDED not in func.tags or _draws_nothing(func, args, kwargs):
             return func(*args, **kwargs)
+        if self.replay and torch._C._current_graph_task_id() != -1:
+            self.in_backward += 1
         if func._overloadpacket.__name__ not in REPLAYABLE:  # e.g. a fused attention kernel with dropout
             if self.replay:
                 self.calls += 1
@@ -412,7 +415,9 @@ def _from_the_toolkit(frame: Any) -> bool:
     if filename.startswith(_TORCH):
         return True
     return filename.startswith(_PACKAGE) and os.sep + "book" + os.sep not in filename[len(_PACKAGE) - 1:]
-_NAMES = {"step", "__init__", "zero_grad", "scale", "unscale_", "update", "__enter__"} | _CLIP_NAMES | _SEED_NAMES
+_NAMES = ({"step", "__init__", "zero_grad", "scale", "unscale_", "update", "__enter__", "checkpoint"} | _CLIP_NAMES
+          | _SEED_NAMES)
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
 class CallRecorder:
@@ -526,6 +531,12 @@ class CallRecorder:
                         if value is not None:
                             detail[key] = value
                     self._open[id(frame)] = ("clip", self._event("clip", **detail))
+            return
+        if name == "checkpoint":
+            if filename.endswith(_CHECKPOINT_FILE):
+                kwargs = frame.f_locals.get("kwargs") or {}
+                if not kwargs.get("preserve_rng_state", True):  # torch then recomputes under new random draws
+                    self._event("checkpoint", preserve_rng_state=False)
             return
         if name in _SEED_NAMES:
             obj = self._self(frame)
