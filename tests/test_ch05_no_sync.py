@@ -350,3 +350,36 @@ def test_static_graph_keeps_one_bucket_for_two_synchronized_backward_passes():
     res = ch5.launch("equality", world_size=2, k=1, b=8, steps=4, bucket_cap_mb=0.005)[0]["sync every micro-batch"]
     assert res["calls per step"] == [1, 3, 3, 3]
     assert res["variants"]["static_graph=True"] == [1, 1, 3, 3]
+
+
+def test_review_tools_refuse_what_they_cannot_compute():
+    """Third review: NaN/inf/str inputs gave NumPy errors, TypeErrors or the wrong diagnosis; the formatters
+    printed '1e+03 µs' and '1e+03 B'; a NumPy bandwidth leaked NumPy floats into the predictions."""
+    import math
+
+    import numpy as np
+
+    from gradaccum import distributed
+    from gradaccum.book import ch05_no_sync as ch5
+
+    eth = distributed.PRESETS["Ethernet 10 Gb/s"]
+    bad = [lambda: ch5.plot_prediction(float("nan"), 8, 8, "Ethernet 10 Gb/s", 1.0),
+           lambda: ch5.plot_prediction(math.inf, 8, 8, "Ethernet 10 Gb/s", 1.0),
+           lambda: ch5.plot_prediction(10, 8, 1, "Ethernet 10 Gb/s", 0.0),
+           lambda: ch5.plot_prediction(10, 8, "8", "NVLink 4 (H100)", 1.0),
+           lambda: ch5.plot_prediction(10, 8, 8, ["Ethernet 10 Gb/s"], 1.0),
+           lambda: distributed.ring_allreduce_time(100, 2, None),
+           lambda: distributed.predict_step(10, 2, 1, None, 0.1),
+           lambda: ch5.fit_alpha_beta([1000, 2000], [float("nan"), 1.0], 2),
+           lambda: ch5.fit_alpha_beta(["1000", "2000"], [1.0, 2.0], 2),
+           lambda: ch5.fit_alpha_beta([-1000, 2000], [1.0, 2.0], 2),
+           lambda: ch5.savings_grid(10, [], [2], eth, 0.1),
+           lambda: ch5.format_seconds(float("nan")),
+           lambda: ch5.bytes_human(float("inf"))]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
+    assert ch5.format_seconds(0.0009999) == "1 ms" and ch5.format_seconds(0.000999) == "999 µs"
+    assert ch5.bytes_human(999.6) == "1 KB" and ch5.bytes_human(999.0) == "999 B"
+    link = distributed.Interconnect("x", np.float64(1e9), np.float64(0.0), "s")
+    assert type(link.bandwidth) is float and type(distributed.ring_allreduce_time(1e6, 2, link)) is float

@@ -192,3 +192,19 @@ def test_study_helpers_and_runner_refuse_input_that_would_measure_nothing():
         fw.run("nanogpt", ch7.digits_mlp(), ce, micro, 4)
     with pytest.raises(ValueError, match="K"):
         fw.trainer_on_causal_lm(ch7.digits_mlp(), torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, 3), 0)
+
+
+def test_review_helpers_refuse_empty_and_impossible_arguments():
+    """bf16_full_batch_error(k=1000) used fewer samples than asked, k=0 blamed a zero reference; empty ks, seeds and
+    schedules returned nothing or a NumPy error; K = 1 has no partial window."""
+    from gradaccum.book import data as book_data
+
+    digits = book_data.load_digits_split()
+    x, y = digits.x_train.float(), digits.y_train
+    bad = [lambda: ch7.bf16_full_batch_error(x, y, k=1000), lambda: ch7.bf16_full_batch_error(x, y, k=0),
+           lambda: ch7.bf16_accumulation_ratios(x, y, ks=()), lambda: ch7.bf16_accumulation_ratios(x, y, seeds=()),
+           lambda: ch7.partial_weights(x, y, ks=()), lambda: ch7.partial_weights(x, y, ks=(1,)),
+           lambda: ch7.partial_window_curves(x, y, schedules=())]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()

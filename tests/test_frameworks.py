@@ -457,3 +457,26 @@ def test_framework_tools_and_graders_refuse_impossible_input():
     for tokens in ((), ((),), "ab", ((1.5, 2),), ((True, 2),)):
         with pytest.raises(ValueError):
             exercises.grade_accelerate_token_factor(0.5, rank_tokens=tokens)
+
+
+def test_review_tools_refuse_mismatched_empty_and_late_input():
+    """Chapter 7's review: relative_error broadcast (2, 3) against (3,) to 0.0, NaN passed through or was called a
+    zero reference, empty batches trained, clip=True was a clip of 1.0, and framework options failed only inside
+    check() (blamed on the reader's loop)."""
+    import numpy as np
+
+    bad = [lambda: fw.relative_error(torch.ones(2, 3), torch.ones(3)),
+           lambda: fw.relative_error(torch.ones(5), torch.ones(3)),
+           lambda: fw.relative_error(torch.tensor([1.0, float("nan")]), torch.ones(2)),
+           lambda: fw.step_factor(torch.ones(3), torch.tensor([float("nan"), 1.0, 1.0])),
+           lambda: fw.split(torch.zeros(0, 3), torch.zeros(0), 4),
+           lambda: fw.split(np.ones((4, 3)), np.ones(4), 2),
+           lambda: fw.framework_step("timm", precision="fp8"),
+           lambda: fw.framework_step("accelerate", clip=True),
+           lambda: fw.lightning_module_step(k=4, foo=1),
+           lambda: fw.run("timm", nn.Linear(3, 2), nn.CrossEntropyLoss(),
+                          [(torch.ones(8, 3), torch.zeros(7, dtype=torch.long))] * 4, 4)]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
+    assert fw.relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 0.0

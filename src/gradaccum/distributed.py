@@ -118,9 +118,15 @@ class Interconnect:
     latency: float
     source: str
 
-    def __post_init__(self) -> None:
-        require_positive(self.bandwidth, "an Interconnect's bandwidth (bytes/s)")
-        require_nonnegative(self.latency, "an Interconnect's latency (s)")
+    def __post_init__(self) -> None:  # Python floats, so that no NumPy scalar reaches the predictions
+        object.__setattr__(self, "bandwidth", require_positive(self.bandwidth, "an Interconnect's bandwidth (bytes/s)"))
+        object.__setattr__(self, "latency", require_nonnegative(self.latency, "an Interconnect's latency (s)"))
+
+
+def _require_link(link: object) -> None:
+    if not isinstance(link, Interconnect):
+        raise ValueError(f"link must be an Interconnect (one of distributed.PRESETS, or Interconnect(name, "
+                         f"bandwidth, latency, source)), got {type(link).__name__}.")
 
 
 #: Nominal per-direction link rates from the standards and datasheets cited in the chapter; the latencies are
@@ -143,6 +149,7 @@ def ring_allreduce_time(n_bytes: float, p: int, link: Interconnect) -> float:
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
         raise ValueError(f"p is a number of ranks: an int >= 1, got {p!r}; round it to a whole number of ranks.")
     require_nonnegative(n_bytes, "n_bytes")
+    _require_link(link)
     if p == 1:
         return 0.0
     return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * n_bytes / link.bandwidth
@@ -175,6 +182,7 @@ def predict_step(params: int, k: int, p: int, link: Interconnect, micro_compute:
     does.
     """
     require_k(k)
+    _require_link(link)
     require_count(params, "params (the number of parameters)")
     require_count(buckets, "buckets")
     require_count(bytes_per_param, "bytes_per_param")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import inspect
 import io
 import logging
 import math
@@ -197,11 +198,34 @@ def _validate(model: Any, micro: Any, k: Any, framework: str, precision: str) ->
                for m in micro):
         raise ValueError("micro-batches must be (inputs, targets) pairs of tensors; frameworks.split(x, y, n) makes "
                          "n equal ones.")
+    for i, (mx, my) in enumerate(micro):
+        if mx.dim() == 0 or my.dim() == 0 or len(mx) != len(my) or len(mx) == 0:
+            raise ValueError(f"micro-batch {i} holds {mx.shape} inputs and {my.shape} targets: each needs as many "
+                             "targets as inputs, at least one, along dimension 0.")
     _stack(micro)  # equal sizes (the data loaders need them)
+    _check_precision(framework, precision)
+
+
+def _check_precision(framework: str, precision: Any) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}.")
     if precision == "fp16" and framework in ("nanogpt", "timm"):
         raise ValueError(f"the {framework}-style loop takes fp32 or bf16 here: fp16 needs a GradScaler on a GPU.")
+
+
+def _check_options(framework: str, clip: Any, warmup: Any, cosine: Any, epochs: Any, loss_kwargs: Any,
+                   lr: Any) -> None:
+    """:func:`run`'s options, checked before anything runs."""
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
+                             or not math.isfinite(clip)):
+        raise ValueError(f"clip must be a positive number (a gradient-norm threshold) or None, got {clip!r}.")
+    for name, value in (("warmup", warmup), ("cosine", cosine), ("epochs", epochs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "epochs" else 0):
+            raise ValueError(f"{name} must be an int >= {1 if name == 'epochs' else 0}, got {value!r}.")
+    if loss_kwargs is not None and (framework != "trainer" or not isinstance(loss_kwargs, bool)):
+        raise ValueError(f"loss_kwargs is the Transformers Trainer's model setting (True or False), got "
+                         f"{loss_kwargs!r} for {framework!r}: leave it None.")
+    require_nonnegative(lr, "lr (the learning rate; 0 keeps the weights)")
 
 
 def _import(framework: str) -> None:
@@ -248,15 +272,7 @@ def run(framework: str, model: nn.Module, loss_fn: LossFn, micro: MicroBatches, 
     model that takes the token count and returns its mean loss anyway.
     """
     _validate(model, micro, k, framework, precision)
-    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0 and math.isfinite(clip)):
-        raise ValueError(f"clip must be a positive number (a gradient-norm threshold) or None, got {clip!r}.")
-    for name, value in (("warmup", warmup), ("cosine", cosine), ("epochs", epochs)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "epochs" else 0):
-            raise ValueError(f"{name} must be an int >= {1 if name == 'epochs' else 0}, got {value!r}.")
-    if loss_kwargs is not None and (framework != "trainer" or not isinstance(loss_kwargs, bool)):
-        raise ValueError(f"loss_kwargs is the Transformers Trainer's model setting (True or False), got "
-                         f"{loss_kwargs!r} for {framework!r}: leave it None.")
-    require_nonnegative(lr, "lr (the learning rate; 0 keeps the weights)")
+    _check_options(framework, clip, warmup, cosine, epochs, loss_kwargs, lr)
     if framework == "nanogpt" and epochs * len(micro) < k:
         raise ValueError(f"the nanoGPT-style loop runs epochs · micro-batches // K iterations: {epochs} · "
                          f"{len(micro)} // {k} is none; pass at least K micro-batches (or more epochs).")
@@ -682,8 +698,13 @@ def split(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, 
     """``k`` equal micro-batches of ``(x, y)`` (``ValueError`` if ``k`` does not divide the batch)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}.")
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.dim() == 0 or y.dim() == 0:
+        raise ValueError(f"x and y must be tensors with the samples along dimension 0, got {type(x).__name__} and "
+                         f"{type(y).__name__}; convert arrays with torch.as_tensor(...).")
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} samples but y has {len(y)}; pass matching inputs and targets.")
+    if len(x) == 0:
+        raise ValueError("the batch is empty: there is nothing to split into micro-batches.")
     if len(x) % k:
         raise ValueError(f"k = {k} does not divide the batch of {len(x)}; pick a batch that k divides.")
     return list(zip(x.chunk(k), y.chunk(k)))
@@ -699,8 +720,10 @@ def framework_step(framework: str, k: int | None = None, **options: Any) -> Call
     """A ``step(model, loss_fn, x, y, k)`` for :func:`gradaccum.check.check` that runs one window through
     ``framework`` (:func:`run`'s options: ``clip``, ``precision``, ``sum_loss``).
 
-    ``k``: the accumulation steps the framework is configured with; ``None`` uses the window's K. With a fixed
-    ``k``, the checker's partial window (K − 1 micro-batches) reaches the framework as the end of an epoch."""
+    ``k``: the accumulation steps the framework is configured with. Pass the K you train with: the checker's
+    partial window (K − 1 micro-batches) then reaches the framework as the end of an epoch, and its weighting is
+    tested. ``None`` configures the framework with each window's own size, so the partial window is a complete
+    one to it and ``partial_window`` cannot be found. Options are checked when the step is made."""
     if framework not in FRAMEWORKS:
         raise ValueError(f"unknown framework {framework!r}; choose one of {', '.join(FRAMEWORKS)}.")
     _check_step_k(k)
@@ -708,6 +731,10 @@ def framework_step(framework: str, k: int | None = None, **options: Any) -> Call
     if unknown:
         raise ValueError(f"unknown option(s) {', '.join(unknown)}; run() takes "
                          f"{', '.join(Options.__dataclass_fields__)}.")
+    given = {**vars(Options()), **options}  # checked now: a bad option is not the checked loop's bug
+    _check_precision(framework, given["precision"])
+    _check_options(framework, given["clip"], given["warmup"], given["cosine"], given["epochs"], given["loss_kwargs"],
+                   given["lr"])
 
     def step(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, window: int) -> None:
         run(framework, model, loss_fn, split(x, y, window), k or window, **options)
@@ -717,7 +744,7 @@ def framework_step(framework: str, k: int | None = None, **options: Any) -> Call
 
 
 def accelerate_step(k: int | None = None, **options: Any) -> Callable[..., None]:
-    """Check an Accelerate loop: ``check(model, loss_fn, x, y, K, step=accelerate_step())`` runs Accelerate's
+    """Check an Accelerate loop: ``check(model, loss_fn, x, y, K, step=accelerate_step(k=K))`` runs Accelerate's
     documented accumulation loop (``Accelerator(gradient_accumulation_steps=K)``, ``accumulate()``) on the window."""
     return framework_step("accelerate", k, **options)
 
@@ -729,7 +756,8 @@ def lightning_step(k: int | None = None, **options: Any) -> Callable[..., None]:
 
 
 def lightning_module_step(k: int | None = None, **trainer_options: Any) -> Callable[..., None]:
-    """Check *your* LightningModule: ``check(module, loss_fn, x, y, K, step=lightning_module_step())``.
+    """Check *your* LightningModule: ``check(module, loss_fn, x, y, K, step=lightning_module_step(k=K))`` (``k``:
+    as in :func:`framework_step`).
 
     The step fits (a copy of) ``module`` for one epoch over the window's K micro-batches with
     ``Trainer(accumulate_grad_batches=K, **trainer_options)``; the module's own ``training_step`` and
@@ -739,9 +767,14 @@ def lightning_module_step(k: int | None = None, **trainer_options: Any) -> Calla
     ``precision="bf16-mixed"``, ``gradient_clip_val=1.0``). A module with manual optimization accumulates by
     itself: pass ``accumulate_grad_batches=1``."""
     _check_step_k(k)
+    import pytorch_lightning as pl
+
+    unknown = sorted(set(trainer_options) - set(inspect.signature(pl.Trainer.__init__).parameters))
+    if unknown:
+        raise ValueError(f"pytorch_lightning.Trainer takes no {', '.join(unknown)}: pass Trainer's own keyword "
+                         "arguments (e.g. precision='bf16-mixed', gradient_clip_val=1.0).")
 
     def step(module: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, window: int) -> None:
-        import pytorch_lightning as pl
 
         if not isinstance(module, pl.LightningModule):
             raise ValueError(f"lightning_module_step needs a LightningModule, got {type(module).__name__}; use "
@@ -759,18 +792,31 @@ def lightning_module_step(k: int | None = None, **trainer_options: Any) -> Calla
 # ------------------------------------------------------------------------------------------- measurements
 
 
+def _gradient_pair(a: Any, b: Any, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two finite flat gradients of one length, in float64 (``ValueError`` naming what is wrong)."""
+    for name, t in zip(names, (a, b)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 1:
+            raise ValueError(f"{name} must be a flat floating-point gradient (1-D, e.g. flat_grads(...)), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}.")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains inf or NaN: no error or factor is defined for it.")
+    if a.shape != b.shape:
+        raise ValueError(f"{names[0]} has {a.numel()} entries and {names[1]} {b.numel()}: the two gradients must "
+                         "cover the same parameters.")
+    if not bool(b.abs().max() > 0):
+        raise ValueError(f"the reference gradient {names[1]} is zero: nothing relates a step to it.")
+    return a.double(), b.double()
+
+
 def step_factor(grad: torch.Tensor, reference: torch.Tensor) -> float:
     """The factor ``c`` with ``grad ≈ c · reference`` (least squares): 1 for a correctly weighted step."""
-    if not bool(reference.double().abs().max() > 0):
-        raise ValueError("the reference gradient is zero: no factor relates a step to it.")
-    return float(grad.double() @ reference.double() / (reference.double() @ reference.double()))
+    grad, reference = _gradient_pair(grad, reference, ("grad", "reference"))
+    return float(grad @ reference / (reference @ reference))
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in float64."""
-    a, b = a.double(), b.double()
-    if not bool(b.abs().max() > 0):
-        raise ValueError("the reference gradient b is zero: a relative error to it is undefined.")
+    a, b = _gradient_pair(a, b, ("a", "b"))
     return float((a - b).norm() / b.norm())
 
 

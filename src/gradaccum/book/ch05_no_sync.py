@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from gradaccum._validate import require_count, require_k, require_nonnegative, require_positive
+
 # re-exported: the chapter calls ch5.launch, ch5.train_ddp, ...; the workers import ddp_workers alone
 from gradaccum.book.ddp_workers import DATA_TASKS, DDP_VARIANTS, TASKS, WorkerFailed, free_port, launch, train_ddp  # noqa: F401
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
@@ -32,6 +34,10 @@ def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float], p: int) -> Inte
     fit has a negative latency, the bandwidth is fitted again with latency 0. Refused (``ValueError``) where the
     times do not grow with the message size: no positive bandwidth fits them."""
 
+    for n in sizes_bytes:
+        require_positive(n, "each message size (bytes)")
+    for t in seconds:
+        require_positive(t, "each measured time (seconds)")
     if len(set(sizes_bytes)) < 2 or len(sizes_bytes) != len(seconds) or isinstance(p, bool) or not isinstance(p, int) \
             or p < 2:
         raise ValueError("need one time per message size, at least two different sizes, and an int p >= 2 to fit "
@@ -55,6 +61,8 @@ def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, 
     is 0 at K = 1. Raises ValueError where a step would take no time at all (p = 1 with ``micro_compute`` = 0).
     """
 
+    if not ks or not ps:
+        raise ValueError(f"pass at least one K and one p, got ks={list(ks)!r} and ps={list(ps)!r}.")
     if 1 in ps and micro_compute == 0:
         raise ValueError("with p = 1 and micro_compute = 0 a step takes no time, so the share saved is undefined: "
                          "give micro_compute > 0 (seconds per micro-batch) or use p >= 2.")
@@ -63,13 +71,20 @@ def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, 
 
 
 def format_seconds(s: float) -> str:
-    """Seconds in ms (from 1 ms on, also for negative differences) or µs, three significant digits."""
-    return f"{s * 1e3:.3g} ms" if abs(s) >= 1e-3 else f"{s * 1e6:.3g} µs"
+    """Seconds in ms (from 1 ms on, also for negative differences, and for what rounds to 1 ms) or µs, three
+    significant digits."""
+    if not math.isfinite(s):
+        raise ValueError(f"a time must be finite, got {s!r}.")
+    return f"{s * 1e3:.3g} ms" if abs(float(f"{s * 1e6:.3g}")) >= 1000 else f"{s * 1e6:.3g} µs"
 
 
 def bytes_human(n: float) -> str:
+    """Bytes in B, KB, MB or GB (powers of 1000), three significant digits; a count that rounds to 1000 of a unit
+    is given in the next one."""
+    if not (math.isfinite(n) and n >= 0):
+        raise ValueError(f"a byte count must be finite and >= 0, got {n!r}.")
     for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
+        if float(f"{n:.3g}") < 1000 or unit == "GB":
             return f"{n:.3g} {unit}"
         n /= 1000
     return f"{n:.3g} GB"  # pragma: no cover
@@ -147,10 +162,15 @@ def plot_timing(fit: TimingFit):
 def plot_prediction(params_millions: float, k: int, p: int, preset: str, micro_compute_ms: float):
     """The widget's picture: predicted step time with and without no_sync, split into compute and communication."""
 
-    if preset not in PRESETS:
+    if not isinstance(preset, str) or preset not in PRESETS:
         raise ValueError(f"unknown interconnect {preset!r}; choose one of {list(PRESETS)}.")
-    if params_millions <= 0:
-        raise ValueError("the model needs a positive number of parameters.")
+    require_positive(params_millions, "params_millions (the model's parameters, in millions)")
+    require_k(k)
+    require_count(p, "p (the number of GPUs)")
+    require_nonnegative(micro_compute_ms, "micro_compute_ms")
+    if p == 1 and micro_compute_ms == 0:
+        raise ValueError("with p = 1 and no compute a step takes no time, so the share saved is undefined: give "
+                         "micro_compute_ms > 0 or use p >= 2.")
     if preset.startswith("NVLink") and p > 8:
         raise ValueError(f"NVLink connects the GPUs of one node (up to 8 here); {p} GPUs span several nodes and "
                          "talk over the network: pick p ≤ 8, or InfiniBand or Ethernet.")

@@ -92,9 +92,11 @@ class Single:
 
 def _require_slices(x: torch.Tensor, seeds: Sequence[int], n: int) -> None:
     """Seed s trains on the s-th slice of n samples: every slice must exist and be whole."""
+    if not seeds:
+        raise ValueError("pass at least one seed: there is nothing to measure without one.")
     for seed in seeds:
         require_count(seed, "a seed", 0)
-    if seeds and (max(seeds) + 1) * n > len(x):
+    if (max(seeds) + 1) * n > len(x):
         raise ValueError(f"seed {max(seeds)} uses samples {max(seeds) * n} to {(max(seeds) + 1) * n - 1}; only "
                          f"{len(x)} given: pass fewer or smaller seeds (or smaller batches).")
 
@@ -248,7 +250,9 @@ def accelerate_adjust_scheduler(requested: bool) -> bool:
 
 
 def bf16_full_batch_error(x: torch.Tensor, y: torch.Tensor, k: int = K) -> float:
-    """The bf16 autocast full-batch gradient against the fp32 one: the error bf16 costs without accumulation."""
+    """The bf16 autocast full-batch gradient against the fp32 one: the error bf16 costs without accumulation (on
+    the first K·8 samples)."""
+    _require_slices(x, (0,), require_k(k) * 8)
     ce = nn.CrossEntropyLoss()
     xs, ys = x[:k * 8], y[:k * 8]
     net = digits_mlp()
@@ -263,6 +267,8 @@ def bf16_accumulation_ratios(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[i
     """Plain bf16 autocast, no framework: for each seed (model weights and data slice) and K, the relative error of
     the accumulated gradient (K micro-batches of ``b``, each loss divided by K, summed in the fp32 ``.grad``)
     against the fp32 full-batch gradient, divided by the same error of one bf16 pass over the full batch."""
+    if not ks:
+        raise ValueError("pass at least one K (ks) to measure.")
     _require_slices(x, seeds, max(require_k(k) for k in ks) * require_count(b, "b (the micro-batch size)"))
     ce = nn.CrossEntropyLoss()
     ratios = {}
@@ -421,6 +427,8 @@ def partial_weights(x: torch.Tensor, y: torch.Tensor, ks: Sequence[int],
                     ) -> dict[str, list[tuple[int, int, float]]]:
     """``(K, r, weight)`` of the last step of an epoch of ``K + r`` micro-batches (of 2 digits), for every
     ``r = 1 … K − 1``: the partial window's gradient as a multiple of the mean gradient of its micro-batches."""
+    if not ks or any(require_k(k) < 2 for k in ks):
+        raise ValueError(f"pass Ks of 2 or more (K = 1 has no partial window), got {tuple(ks)!r}.")
     return {name: [(k, r, step_weights(name, x, y, k + r, k, b=2)[-1]) for k in ks for r in range(1, k)]
             for name in frameworks}
 
@@ -474,6 +482,8 @@ def partial_window_curves(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[int]
     """Train :func:`digits_mlp` (seed ``s``, on the ``s``-th slice of ``micro_batches · b`` digits) for ``epochs``
     epochs of ``micro_batches`` micro-batches — every epoch ends with a partial window of ``micro_batches mod k`` —
     with each framework, SGD at ``lr``, constant or decayed to 0 by a cosine over the run."""
+    if not schedules:
+        raise ValueError("pass at least one schedule ('constant', 'cosine').")
     for schedule in schedules:
         if schedule not in ("constant", "cosine"):
             raise ValueError(f"schedules are 'constant' or 'cosine', got {schedule!r}.")

@@ -82,7 +82,11 @@ def launch(task: str, world_size: int = 2, timeout: float = 60.0, **kwargs: Any)
     """Run ``task`` on ``world_size`` local processes and return each rank's result.
 
     Raises :class:`WorkerFailed` (with the worker's error) if a worker raises or dies, or if the processes are
-    not done within ``timeout`` seconds; in every case all workers are stopped before this returns.
+    not done within ``timeout`` seconds; in every case all workers are stopped before this returns. The process
+    group's own timeout is ``pg_timeout`` seconds (30 here; torch's default is 30 minutes). The workers start with
+    ``forkserver`` (or ``spawn``), which imports the caller's main module: called from a script, put the call
+    under ``if __name__ == "__main__":`` — without it every worker fails as it starts, and the report shows only
+    its exit code (Python's explanation goes to the workers' stderr).
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}.")
