@@ -254,6 +254,9 @@ class _Findings:
 
     def __init__(self) -> None:
         self.by_code: dict[str, Finding] = {}
+        # a clip_grad_value_ inside the window that bit: it changes the gradient's direction, so a gradient that is
+        # no combination of the micro-batch gradients is explained by it, not "unexplained"
+        self.value_clip_bit = False
 
     def add(self, code: str, cause: str, evidence: str, fix: str, chapter: int | None, severity: str = "bug") -> None:
         if code in self.by_code:
@@ -400,6 +403,8 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     if error > m.tol and not any(f.severity in ("bug", "inconclusive") for f in out.list()):
         out.add("unexplained", "unexplained difference", f"relative error {num(error)} against the full batch",
                 "look for state that changes between micro-batches, or other layers that couple samples", 6)
+    if out.value_clip_bit:
+        out.remove({"unexplained"})
     return out.list(), info
 
 
@@ -477,6 +482,7 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
             out.add("clip_per_micro_batch", CLIP_PER_MICRO, evidence, CLIP_FIX, 3)
         else:
             out.add("clip_running_buffer", CLIP_RUNNING, evidence, CLIP_FIX, 3)
+        out.value_clip_bit = out.value_clip_bit or (bites and by_value)
     if m.reseeded is not None and m.reseeded[0] > 0:
         same, compared = m.reseeded
         seeds = _counts(events, "seed")
