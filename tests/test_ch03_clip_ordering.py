@@ -354,3 +354,42 @@ def test_vector_tools_refuse_mismatched_non_finite_or_directionless_micro_gradie
     for kwargs in (dict(norm=float("nan")), dict(norm=0.0), dict(alignment=float("nan")), dict(dim=0)):
         with pytest.raises(ValueError):
             ch3.synthetic_micro_gradients(**(dict(k=2, alignment=0.5) | kwargs))
+
+
+def test_review_third_round_clipping_tools():
+    """Third review of chapter 3: cosines of short steps were NaN (an absolute 1e-6 floor) or off (F.cosine_similarity's
+    eps); NaN and overflowing norms passed through clip_vector; strings were truthy flags or TypeErrors; a tiny
+    float32 vector was called zero; the 1-norm bracket said 'a third' where it is nearly twice."""
+    t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    tiny = [t(1e-7, 0.0), t(2e-7, 1e-7)]
+    for placement in clipping.PLACEMENTS:
+        r = clipping.compare_to_once(tiny, 1.0, placement)
+        assert abs(r.cosine - 1) < 1e-12 and abs(r.ratio - 1) < 1e-12
+    same = clipping.compare_to_once([t(3.0, 4.0), t(3.0, 4.0)], 1e-7, "once")
+    assert abs(same.cosine - 1) < 1e-12 and abs(same.ratio - 1) < 1e-12
+    assert math.isnan(clipping.compare_to_once([t(10.0, 0.0), t(-9.0, 0.0)], 1.0, "scaled_micro").cosine)
+    for effect in ch3.placement_effects(4, 1.0, 0.5, norm=1e-9):
+        if effect.placement == "once":
+            assert abs(effect.cosine - 1) < 1e-12
+    for bad in (lambda: clipping.clip_vector(torch.tensor([float("nan"), 1.0]), 1.0),
+                lambda: clipping.clip_vector(torch.tensor([float("inf"), 1.0]), 1.0),
+                lambda: clipping.clip_vector(torch.tensor([60000.0, 60000.0], dtype=torch.float16), 1.0),
+                lambda: clipping.raw_micro_all_clipped("0.3", 2, 2.0),
+                lambda: clipping.scaler_clip_norm(2.0, 1.0, unscale_first="False")):
+        with pytest.raises(ValueError):
+            bad()
+    assert clipping.mean_pairwise_cosine([torch.tensor([1e-25, 0.0]), torch.tensor([2e-25, 0.0])]) == 1.0
+    pair = [(0.0, 2.0), (-0.01, -2.0)]
+    assert ch3.torch_clip_ratio(pair, 1.0, "scaled_micro", norm_type=1) > 1.98
+
+
+def test_review_clip_with_scaler_refuses_what_a_scaler_would_skip():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with pytest.raises(ValueError, match="not finite"):
+        clipping.clip_with_scaler(model, nn.CrossEntropyLoss(), x * float("nan"), y, 2, 0.1)
+    with pytest.raises(ValueError, match="float32"):
+        clipping.clip_with_scaler(model, nn.CrossEntropyLoss(), x, y, 2, 0.1, init_scale=1e300)
+    with pytest.raises(ValueError, match="unscale_first"):
+        clipping.clip_with_scaler(model, nn.CrossEntropyLoss(), x, y, 2, 0.1, unscale_first="False")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -40,7 +41,7 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
-from gradaccum._validate import require_k, require_positive, require_vectors
+from gradaccum._validate import require_flag, require_k, require_positive, require_vectors
 from gradaccum.accumulate import LossFn, flat_grad, split_batch
 
 Placement = Literal["once", "scaled_micro", "raw_micro", "running"]
@@ -87,12 +88,30 @@ def clip_vector(v: torch.Tensor, c: float, mode: Literal["norm", "value"] = "nor
     if not isinstance(v, torch.Tensor) or not v.is_floating_point():
         raise ValueError(f"v must be a floating-point tensor (as a gradient is), got "
                          f"{v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}.")
+    if not bool(torch.isfinite(v).all()):
+        raise ValueError("v contains inf or NaN: clipping cannot make it a gradient (torch's clip_grad_norm_ gives "
+                         "NaN, and a GradScaler skips such a step); find the overflow or the NaN upstream.")
     if mode == "value":
         return v.clamp(-c, c)
     if mode != "norm":
         raise ValueError(f"mode must be 'norm' or 'value', got {mode!r}.")
-    coef = c / (torch.linalg.vector_norm(v) + EPS)
+    norm = torch.linalg.vector_norm(v)
+    if not bool(torch.isfinite(norm)):
+        raise ValueError(f"the norm of v overflows {v.dtype} although its entries are finite: clip_grad_norm_ would "
+                         "scale it by c/inf = 0; clip it in float32 (v.float()).")
+    coef = c / (norm + EPS)
     return v * coef.clamp(max=1.0)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine of two vectors in float64, each scaled by its largest entry first (no underflow for tiny ones, no
+    floor on the norms as ``F.cosine_similarity``'s eps); NaN when either is zero."""
+    a64, b64 = a.detach().double().flatten(), b.detach().double().flatten()
+    sa, sb = float(a64.abs().max()), float(b64.abs().max())
+    if sa == 0 or sb == 0:
+        return math.nan
+    a64, b64 = a64 / sa, b64 / sb
+    return float(a64 @ b64 / (torch.linalg.vector_norm(a64) * torch.linalg.vector_norm(b64)))
 
 
 def combine(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement,
@@ -163,24 +182,29 @@ class Comparison:
     norm: float        # norm of the placement's step
     correct: float     # norm of clip_c(g), the correct step
     cosine: float      # cosine between the two steps (NaN when either is zero up to clip_grad_norm_'s 1e-6)
+    floor: float = EPS  # below this a step is zero up to clip_grad_norm_'s 1e-6 (see compare_to_once)
 
     @property
     def ratio(self) -> float:
         """Length of the placement's step in units of the correct one (NaN when the correct step is zero up to
         ``clip_grad_norm_``'s 1e-6: no unit to measure in)."""
-        return self.norm / self.correct if self.correct >= EPS else math.nan
+        return self.norm / self.correct if self.correct >= self.floor else math.nan
 
 
 def compare_to_once(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement) -> Comparison:
     r"""The step under ``placement`` next to the correct step :math:`\operatorname{clip}_c(g)`.
 
-    A step shorter than ``EPS`` is zero up to ``clip_grad_norm_``'s :math:`10^{-6}` term (an exact projection
-    would give 0); its direction is rounding noise, so its cosine is reported as NaN."""
+    ``clip_grad_norm_``'s :math:`10^{-6}` term leaves a residue of at most about :math:`10^{-6}` times the smaller
+    of c and the micro-gradients' mean norm where an exact projection would give 0 (opposite micro-gradients
+    clipped to c each): a step shorter than that floor is zero up to it, its direction is rounding noise, and its
+    cosine (and a ratio to it) is reported as NaN."""
     step = combine(micro_grads, c, placement)
     correct = combine(micro_grads, c, "once")
+    scale = sum(float(torch.linalg.vector_norm(g.double())) for g in micro_grads) / len(micro_grads)
+    floor = EPS * min(float(c), scale)
     n, m = float(torch.linalg.vector_norm(step)), float(torch.linalg.vector_norm(correct))
-    cos = float(step @ correct) / (n * m) if n >= EPS and m >= EPS else math.nan
-    return Comparison(placement, n, m, cos)
+    cos = cosine(step, correct) if n >= floor and m >= floor else math.nan
+    return Comparison(placement, n, m, cos, floor)
 
 
 def _require_finite_grads(model: nn.Module) -> None:
@@ -260,11 +284,12 @@ def mean_pairwise_cosine(vectors: Sequence[torch.Tensor]) -> float:
     (1 for a single vector). A zero vector has no direction and is refused."""
     vectors = require_vectors(vectors, "vectors")
     for i, v in enumerate(vectors):
-        if not torch.linalg.vector_norm(v) > 0:
+        if not v.abs().max() > 0:
             raise ValueError(f"vectors[{i}] is zero and has no direction; leave it out of the cosines.")
     if len(vectors) < 2:
         return 1.0
-    unit = torch.stack([v / torch.linalg.vector_norm(v) for v in vectors])
+    scaled = [v.double() / v.double().abs().max() for v in vectors]  # no underflow of tiny float32 norms
+    unit = torch.stack([v / torch.linalg.vector_norm(v) for v in scaled])
     gram = unit @ unit.T
     n = len(vectors)
     return float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
@@ -310,7 +335,11 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     ``unscale_`` (wrong; ``scaler.step`` would unscale after the clip). Runs on a copy of ``model``."""
 
     _require_threshold(c)
+    require_flag(unscale_first, "unscale_first", "True: unscale_ then clip, the right order")
     require_positive(init_scale, "init_scale")
+    if init_scale > torch.finfo(torch.float32).max:
+        raise ValueError(f"GradScaler keeps its scale in float32, whose largest value is "
+                         f"{torch.finfo(torch.float32).max:g}; got init_scale {init_scale:g}.")
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     device_type = next(work.parameters()).device.type
@@ -325,7 +354,12 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     else:
         torch.nn.utils.clip_grad_norm_(params, c)
         scaler.unscale_(opt)
-    return flat_grad(work).detach()
+    grad = flat_grad(work).detach()
+    if not bool(torch.isfinite(grad).all()):
+        raise ValueError("the gradient is not finite (inf or NaN, from the data or an overflow at this loss scale): "
+                         "GradScaler.step would skip this step, so no optimizer receives a gradient; check the inputs "
+                         "or use a smaller init_scale.")
+    return grad
 
 
 def raw_micro_all_clipped(agreement: float, k: int, smallest_over_c: float) -> float:
@@ -344,6 +378,9 @@ def raw_micro_all_clipped(agreement: float, k: int, smallest_over_c: float) -> f
     At fixed agreement :math:`\bar a` the step still shrinks as K grows, towards :math:`\sqrt{\bar a}`
     (:math:`1/\sqrt K` for unrelated micro-gradients)."""
     require_k(k)
+    for name, value in (("agreement", agreement), ("smallest_over_c", smallest_over_c)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+            raise ValueError(f"{name} must be a number, got {value!r}.")
     if not -1.0 / (k - 1 if k > 1 else 1) <= agreement <= 1.0:
         raise ValueError(f"agreement is the mean pairwise cosine of K = {k} unit vectors, which lies in "
                          f"[-1/(K-1), 1] = [{-1 / max(k - 1, 1):.3g}, 1], got {agreement}.")
@@ -359,6 +396,7 @@ def scaler_clip_norm(grad_norm: float, c: float, scale: float = 2.0**16, unscale
     ``unscale_`` (wrong: the clip sees the scaled norm S·‖g‖ and brings it to c, unscaling leaves c/S).
     Uses a real scaler on one float64 parameter on the CPU."""
     _require_threshold(c)
+    require_flag(unscale_first, "unscale_first", "True: unscale_ then clip, the right order")
     require_positive(grad_norm, "grad_norm")
     require_positive(scale, "the loss scale")
     if scale > torch.finfo(torch.float32).max:

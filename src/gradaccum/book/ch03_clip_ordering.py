@@ -32,6 +32,7 @@ from gradaccum.clipping import (
     clipped_accumulation,
     combine,
     compare_to_once,
+    cosine,
     mean_pairwise_cosine,
     micro_gradients,
     running_buffer_norms,
@@ -58,6 +59,31 @@ def errata_cases(dtype: torch.dtype = torch.float64) -> dict[str, Comparison]:
         grads = [torch.tensor(v, dtype=dtype) for v in vectors]
         out[name] = compare_to_once(grads, c, placement)
     return out
+
+
+def torch_clip_ratio(vectors: Sequence[Sequence[float]], c: float, placement: Placement, norm_type: float) -> float:
+    """Length of a placement's step over the correct step's, both measured in ``norm_type``, with every clip made by
+    ``torch.nn.utils.clip_grad_norm_(..., norm_type=norm_type)`` on float64 tensors (placements (c), (a1), (a2))."""
+    _require_placement(placement)
+    if placement == "running":
+        raise ValueError("torch_clip_ratio covers (c), (a1) and (a2); (b) is clipping.clip_running_buffer.")
+    grads = [torch.tensor(v, dtype=torch.float64) for v in vectors]
+    k = len(grads)
+
+    def clip(v: torch.Tensor) -> torch.Tensor:
+        p = v.clone().requires_grad_()
+        p.grad = v.clone()
+        torch.nn.utils.clip_grad_norm_([p], c, norm_type=norm_type)
+        return cast(torch.Tensor, p.grad)
+
+    correct = clip(cast(torch.Tensor, sum(grads)) / k)
+    if placement == "once":
+        step = correct
+    elif placement == "scaled_micro":
+        step = cast(torch.Tensor, sum(clip(g / k) for g in grads))
+    else:
+        step = cast(torch.Tensor, sum(clip(g) for g in grads)) / k
+    return float(torch.linalg.vector_norm(step, norm_type) / torch.linalg.vector_norm(correct, norm_type))
 
 
 def format_errata_cases(cases: dict[str, Comparison]) -> Table:
@@ -109,8 +135,7 @@ def placement_effects(k: int, c: float, alignment: float, norm: float = 1.0, see
     rows = []
     for placement in PLACEMENTS:
         result = combine(grads, c, placement)
-        cos = torch.nn.functional.cosine_similarity(result, correct, dim=0)
-        rows.append(PlacementEffect(placement, float(torch.linalg.vector_norm(result)) / c, float(cos)))
+        rows.append(PlacementEffect(placement, float(torch.linalg.vector_norm(result)) / c, cosine(result, correct)))
     return rows
 
 
@@ -137,7 +162,7 @@ def placement_table(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
         for placement in PLACEMENTS:
             g = combine(grads, c, placement, mode)
             size = torch.linalg.vector_norm(g) if mode == "norm" else g.abs().max()
-            row[placement] = (float(size) / c, float(torch.nn.functional.cosine_similarity(g, correct, dim=0)))
+            row[placement] = (float(size) / c, cosine(g, correct))
         table[k] = row
     return table
 
