@@ -333,3 +333,23 @@ def test_review_window_tools_refuse_flags_targets_and_steps_they_cannot_use():
     assert ratio == pytest.approx(0.25)
     with pytest.raises(ValueError, match="NumPy integer"):
         windows.partial_step_ratio(model, nn.CrossEntropyLoss(), x, y, 4, 4, np.int64(1), "sgd", 0.1)
+
+
+def test_review_weighted_token_loss_divides_by_the_summed_target_weights():
+    """Chapter 6's recipe for a weighted CrossEntropyLoss: the window's summed loss over its summed target weights
+    is the full batch's mean (which divides by them); over the token count it is not. Label smoothing keeps it."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5, 7, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 7, (4, 5), generator=gen)
+    targets[0, 3:] = -100
+    targets[2, 1:] = -100
+    weight = torch.rand(7, generator=gen, dtype=torch.float64) + 0.2
+    for smoothing in (0.0, 0.1):
+        mean = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=smoothing)
+        total = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=smoothing, reduction="sum")
+        full = float(mean(logits.reshape(-1, 7), targets.reshape(-1)))
+        window_sum = sum(float(total(lg.reshape(-1, 7), tg.reshape(-1)))
+                         for lg, tg in zip(logits.chunk(2), targets.chunk(2)))
+        counted = targets[targets != -100]
+        assert abs(window_sum / float(weight[counted].sum()) - full) < 1e-12
+        assert abs(window_sum / len(counted) - full) > 1e-3
