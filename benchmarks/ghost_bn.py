@@ -2,7 +2,7 @@
 
 1. Forward + backward of one normalization layer, relative to one ``nn.BatchNorm2d`` (or ``nn.BatchNorm1d``) call
    on the whole batch, for three shapes: :class:`gradaccum.ghost_bn.GhostBatchNorm` as it comes ("auto", with the
-   implementation it resolved to) and with each implementation forced (``impl="loop"``, ``"fold"``,
+   implementation it resolved to) and with each implementation forced (``impl="group"``, ``"loop"``, ``"fold"``,
    ``"compile"``); a Python loop of ``nn.BatchNorm`` over the ghost batches; hand-written mean/var ops.
 2. One optimizer step of SmallCNN on a 64-image batch, relative to plain accumulation: the full batch, Ghost
    BatchNorm via ``ghostify`` (one running-statistics update per step), full-batch statistics (constants), the

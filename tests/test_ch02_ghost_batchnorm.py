@@ -405,3 +405,29 @@ def test_precise_bn_leaves_the_statistics_alone_when_its_pass_fails():
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(m.momentum == 0.1 for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+
+
+def test_review_third_round_tools_refuse_arrays_empty_inputs_and_impossible_grader_settings():
+    """NumPy inputs gave AttributeErrors, an empty x a contradictory message, exact='no' ran the exact scheme, and
+    graders accepted settings the exercise cannot have (v = 1, K = 0, no layers, a NaN delta); a one-element NumPy
+    answer was refused where a one-element tensor was accepted."""
+    import numpy as np
+
+    from gradaccum import fullbatch_bn, precise_bn
+    from gradaccum.book import exercises as ex
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    ce = nn.CrossEntropyLoss()
+    bad = [lambda: fullbatch_bn.full_batch_stats_backward(net, ce, x.numpy(), y, 4, exact=True),
+           lambda: fullbatch_bn.batchnorm_layers(net, x.numpy()),
+           lambda: fullbatch_bn.full_batch_stats_backward(net, ce, x, y, 4, exact="no"),
+           lambda: precise_bn.precise_bn(net, x.numpy(), 4),
+           lambda: ex.grade_ghost_virtual_size(1, k=16, b=1), lambda: ex.grade_ghost_virtual_size(4, k=0, b=4),
+           lambda: ex.grade_exact_sweeps(1, layers=0), lambda: ex.grade_frozen_bias_change(0, delta=float("nan"))]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
+    with pytest.raises(ValueError, match="holds 0 sample"):
+        precise_bn.precise_bn(net, x[:0], 2)
+    assert ex.grade_ghost_virtual_size(np.array([4])) and ex.grade_ghost_virtual_size(torch.tensor([4]))

@@ -106,3 +106,12 @@ def require_vectors(vectors: Sequence[torch.Tensor], name: str = "micro_grads") 
             raise ValueError(f"{name}[{i}] contains inf or NaN: no step can be computed from it (chapter 4: a "
                              "GradScaler skips such a step; find the overflow or the NaN upstream).")
     return list(vectors)
+
+
+def require_tensor(x: object, name: str = "x") -> torch.Tensor:
+    """A torch.Tensor with a batch dimension (a NumPy array is refused with the advice to convert it)."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"{name} must be a torch.Tensor with the samples along dimension 0, got "
+                         f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ()'}; convert "
+                         "it with torch.as_tensor(...).")
+    return x

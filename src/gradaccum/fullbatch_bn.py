@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from gradaccum._validate import require_k
+from gradaccum._validate import require_flag, require_k, require_tensor
 from gradaccum.accumulate import LossFn, flat_grad, split_batch
 
 
@@ -117,6 +117,7 @@ def _batch_stat_layers(model: nn.Module) -> dict[_BatchNorm, str]:
 def batchnorm_layers(model: nn.Module, x: torch.Tensor) -> list[tuple[str, _BatchNorm]]:
     """The model's BatchNorm layers in the order the forward pass calls them (found by running ``x`` in eval
     mode, without gradients; every module's mode and the random-number generators are left as they were)."""
+    require_tensor(x)
     named = {m: n for n, m in model.named_modules() if isinstance(m, _BatchNorm)}
     if not named:
         raise ValueError("the model has no BatchNorm layer: full-batch statistics change nothing. Accumulate as usual.")
@@ -1062,6 +1063,9 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
     layers run in every pass of the uncached scheme (L + 1 or more times per micro-batch), so hooks that record
     activations see each micro-batch several times.
     """
+    require_tensor(x)
+    require_tensor(y, "y")
+    require_flag(exact, "exact", "True: the exact full-batch gradient; False: the statistics as constants")
     return _restoring(model, lambda: _step(model, loss_fn, x, y, k, exact, cache))
 
 

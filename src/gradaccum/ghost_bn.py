@@ -306,9 +306,9 @@ class GhostBatchNorm(_BatchNorm):
     its gradient written as array math and compiled by ``torch.compile`` (once differentiable; seconds to compile
     per input shape; after a failure to compile it warns once and runs the same formulas eagerly; all layers share
     one compiled function, so after eight input shapes ``torch.compile``'s recompile limit runs further shapes
-    eagerly too, without a warning, slower than the fold); ``"auto"`` (default), :func:`auto_impl`: on the CPU the
-    group for feature maps of fewer than 2**22 values and the loop above, for features the fold (the loop for large
-    ghost batches); on other devices the fold.
+    eagerly too, without a warning: not measured here, and the compiled speed is gone); ``"auto"`` (default),
+    :func:`auto_impl`: on the CPU the group for feature maps of fewer than 2**22 values and the loop above, for
+    features the fold (the loop for large ghost batches); on other devices the fold.
     """
 
     # Always tracked (``track_running_stats=True`` below), so never None; annotations only, no runtime effect.

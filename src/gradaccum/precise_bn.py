@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from gradaccum._validate import _numpy_hint
+from gradaccum._validate import _numpy_hint, require_tensor
 
 
 def precise_bn(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
@@ -22,8 +22,12 @@ def precise_bn(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
     statistics: recomputing them would silently undo the freeze) and one without running statistics; a model handed
     over in eval mode as a whole cannot show which layers were frozen, and every layer is recomputed. The last
     ``x.shape[0] mod batch_size`` samples are left out, so that every batch has the size training normalized with.
-    If the pass fails (an input the model refuses), every layer's statistics and momentum are put back as they were.
+    If the pass fails (an input the model refuses), every layer's statistics and momentum are put back as they were;
+    a NaN in ``x`` is not a failure (BatchNorm accepts it) and leaves NaN statistics.
     """
+    require_tensor(x)
+    if x.shape[0] < 2:
+        raise ValueError(f"x holds {x.shape[0]} sample(s): PreciseBN needs at least one batch of 2 or more.")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 2 <= batch_size <= x.shape[0]:
         raise ValueError(f"batch_size must be an int between 2 and {x.shape[0]}, got {batch_size!r}"
                          f"{_numpy_hint(batch_size)}.")

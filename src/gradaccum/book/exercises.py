@@ -19,6 +19,7 @@ from gradaccum import bn_statistics, precision
 from gradaccum._validate import (
     require_count,
     require_k,
+    require_micro_batch,
     require_momentum,
     require_nonnegative,
     require_partial,
@@ -109,9 +110,10 @@ def grade_number(
         return Feedback(False, NO_ANSWER)
     if isinstance(answer, (bool, str)) or not hasattr(answer, "__float__"):
         return Feedback(False, f"expected a number, got {type(answer).__name__} {answer!r}.")
-    try:
-        value = float(answer)  # tensors and arrays of more than one element raise
-    except (TypeError, ValueError):
+    try:  # one-element tensors and arrays alike (float() of a one-element NumPy array is deprecated)
+        item = getattr(answer, "item", None)
+        value = float(item() if callable(item) else answer)  # more than one element raises
+    except (TypeError, ValueError, RuntimeError):
         return Feedback(False, f"expected one number, got {type(answer).__name__} {answer!r}: pass a single value.")
     if not math.isfinite(value):
         return Feedback(False, f"{value} is not a finite number.")
@@ -272,6 +274,8 @@ def grade_batch_coupled(answer: object) -> Feedback:
 
 def grade_ghost_virtual_size(answer: object, k: int = 16, b: int = 4) -> Feedback:
     """Exercise: which Ghost BatchNorm virtual batch size reproduces plain accumulation of K micro-batches of b."""
+    require_k(k)
+    require_micro_batch(b)  # GhostBatchNorm refuses v = 1
     return grade_number(
         answer,
         float(b),
@@ -288,6 +292,7 @@ def grade_ghost_virtual_size(answer: object, k: int = 16, b: int = 4) -> Feedbac
 
 def grade_exact_sweeps(answer: object, layers: int = 3) -> Feedback:
     """Exercise: forward/backward sweeps over the K micro-batches of the exact full-batch-statistics scheme."""
+    require_count(layers, "layers (BatchNorm layers)")
     return grade_number(
         answer,
         float(layers + 1),
@@ -309,6 +314,8 @@ def grade_exact_sweeps(answer: object, layers: int = 3) -> Feedback:
 def grade_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
     """Exercise (Ioffe & Szegedy's example): how much the normalized output moves when a bias b before the
     normalization changes by ``delta`` and the mean is recomputed, x̂ = u + b − E[u + b]."""
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not math.isfinite(delta) or delta == 0:
+        raise ValueError(f"delta (the bias change) must be a finite nonzero number, got {delta!r}.")
     return grade_number(
         answer,
         0.0,
