@@ -488,3 +488,48 @@ def test_checkpoint_without_preserved_rng_state_is_named():
     assert "preserve_rng_state=False" in report.findings[0].evidence
     assert C.check(dropout, ce, x, y, 4, step=checkpointed(True)).codes == []
     assert C.check(plain, ce, x, y, 4, step=checkpointed(False)).codes == []
+
+
+def test_checkpoint_rng_finding_needs_the_draws_inside_the_unpreserved_checkpoint():
+    """Review: a preserve_rng_state=False checkpoint around the (non-random) loss, with the dropout model under a
+    preserving checkpoint, was called broken; checkpoint_sequential and a checkpoint inside the model's forward
+    were never named."""
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 3, (16,))
+    ce = nn.CrossEntropyLoss()
+
+    def mlp(p: float) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(p), nn.Linear(16, 3)).double()
+
+    def loss_unpreserved(model, loss_fn, xs, ys, k):
+        for xb, yb in zip(xs.chunk(k), ys.chunk(k)):
+            out = checkpoint(model, xb, use_reentrant=False)
+            (checkpoint(loss_fn, out, yb, use_reentrant=False, preserve_rng_state=False) / k).backward()
+
+    def sequential_unpreserved(model, loss_fn, xs, ys, k):
+        for xb, yb in zip(xs.chunk(k), ys.chunk(k)):
+            out = checkpoint_sequential(model, 2, xb, use_reentrant=False, preserve_rng_state=False)
+            (loss_fn(out, yb) / k).backward()
+
+    assert C.check(mlp(0.3), ce, x, y, 4, step=loss_unpreserved).codes == []
+    def deep(p: float) -> nn.Sequential:  # checkpoint_sequential leaves its last segment alone: dropout in the first
+        return nn.Sequential(nn.Linear(8, 16), nn.Dropout(p), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
+                             nn.Linear(16, 3)).double()
+
+    assert "checkpoint_rng_not_preserved" in C.check(deep(0.3), ce, x, y, 4, step=sequential_unpreserved).codes
+    assert "checkpoint_rng_not_preserved" not in C.check(mlp(0.3), ce, x, y, 4, step=sequential_unpreserved).codes
+    assert "checkpoint_rng_not_preserved" not in C.check(deep(0.0), ce, x, y, 4, step=sequential_unpreserved).codes
+
+    class Inside(nn.Module):
+        def __init__(self, preserve: bool):
+            super().__init__()
+            self.body, self.preserve = mlp(0.3), preserve
+
+        def forward(self, t):
+            return checkpoint(self.body, t, use_reentrant=False, preserve_rng_state=self.preserve)
+
+    inside = C.check(Inside(False), ce, x, y, 4)
+    assert inside.codes[0] == "checkpoint_rng_not_preserved" and "randomness_not_replayed" in inside.codes
+    assert "checkpoint_rng_not_preserved" not in C.check(Inside(True), ce, x, y, 4).codes

@@ -230,7 +230,7 @@ class _Run:
     bn_reruns: dict[str, tuple[int, int]] = field(default_factory=dict)
     modes: list[bool] | None = None
     unlocated: int = 0
-    backward_draws: int = 0
+    unpreserved_draws: int = 0  # random draws in recomputations of functions checkpointed without their RNG state
 
 
 def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step, seed: int,
@@ -245,6 +245,7 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
     trace.scale_now = recorder.scale_now
     rng = SampleRNG(seed, replay=(mode == "replay"), plans=plans)
     recorder.mute = lambda: rng.busy > 0
+    rng.unpreserved = recorder.recomputing_unpreserved
     scope = _ForwardScope(work, rng, x) if mode == "replay" else None
     reruns = _BatchNormReruns(work)
     torch.manual_seed(seed if start is None else start)
@@ -256,6 +257,8 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
             calls = recorder.active() if mode == "replay" else nullcontext()
             outside = (OutsideDraws(lambda: scope is not None and scope.depth > 0) if mode == "replay" else
                        nullcontext())
+            if isinstance(outside, OutsideDraws):
+                outside.unpreserved = recorder.recomputing_unpreserved
             with calls, (rng if mode == "record" else outside):
                 step(work, loss_fn, x, y, k)
         except Exception as err:  # a finding, never a crash of the checker
@@ -270,7 +273,8 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
     return _Run(applied, trace.passes, recorder.events, error, caught, scope.forwards if scope else [],
                 rng.replayed, rng.unreplayed, rng.draws, recorder.errors,
                 outside.draws if isinstance(outside, OutsideDraws) else [], rerun_counts,
-                scope.modes if scope else None, scope.unlocated if scope else 0, rng.in_backward)
+                scope.modes if scope else None, scope.unlocated if scope else 0,
+                rng.unpreserved_draws + (outside.unpreserved_draws if isinstance(outside, OutsideDraws) else 0))
 
 
 class _BatchNormReruns:
@@ -298,6 +302,22 @@ class _BatchNormReruns:
         for h in self.handles:
             h.remove()
         return {name: (c[0], c[1]) for name, c in self.counts.items() if c[1]}
+
+
+def _unpreserved_finding(run: _Run) -> Finding | None:
+    """``checkpoint_rng_not_preserved`` when backward recomputed random draws inside a function that the step
+    checkpointed with ``preserve_rng_state=False``."""
+    calls = sum(e.kind == "checkpoint" for e in run.events)
+    if not calls or not run.unpreserved_draws or run.error is not None:
+        return None
+    return Finding(
+        "checkpoint_rng_not_preserved", "activation checkpointing with preserve_rng_state=False around a forward "
+        "that draws random numbers (dropout)", f"{calls} checkpoint call(s) with preserve_rng_state=False; backward "
+        f"recomputed {run.unpreserved_draws} random op call(s) inside them: torch does not restore the random state "
+        "for the recomputation, so it draws new masks and the gradient belongs to other masks than the forward's "
+        "(the checker replays masks per sample, so the comparison cannot show it)", "drop "
+        "preserve_rng_state=False (the default saves and restores the random state), or switch the randomness off "
+        "in the checkpointed part", 6)
 
 
 def _bn_rerun_finding(reruns: dict[str, tuple[int, int]]) -> Finding | None:
@@ -562,6 +582,11 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
             f"{refs.recomputed[0]}: the checker gives every sample its own masks in the forward pass, but cannot "
             "give the recomputation the same ones", "rerun with dropout off (p = 0) or without activation "
             "checkpointing to compare like with like", 6, "inconclusive"))
+        # the comparison is out of reach, but a checkpoint that does not restore the random state is still a bug
+        unpreserved = _unpreserved_finding(_run_step(model, loss_fn, x, y, k, step or accumulate_backward, seed,
+                                                     plans=refs.plans))
+        if unpreserved is not None:
+            report.findings.insert(0, unpreserved)
         return report
     # rounding grows with the terms summed, not with their sum: where the micro-batch gradients cancel (near an
     # optimum) the full batch's gradient is far shorter than they are, and the default tolerance is widened by
@@ -707,16 +732,9 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
     twice = _bn_rerun_finding(run.bn_reruns) if run.error is None else None
     if twice is not None:
         findings.append(twice)
-    unpreserved = sum(e.kind == "checkpoint" for e in run.events)
-    if unpreserved and run.backward_draws and run.error is None:
-        findings.insert(0, Finding(
-            "checkpoint_rng_not_preserved", "activation checkpointing with preserve_rng_state=False around a "
-            "forward that draws random numbers (dropout)", f"{unpreserved} checkpoint call(s) with "
-            f"preserve_rng_state=False; backward recomputed {run.backward_draws} random op call(s): torch does not "
-            "restore the random state for the recomputation, so it draws new masks and the gradient belongs to "
-            "other masks than the forward's (the checker replays masks per sample, so the comparison cannot show "
-            "it)", "drop preserve_rng_state=False (the default saves and restores the random state), or switch "
-            "the randomness off in the checkpointed part", 6))
+    unpreserved = _unpreserved_finding(run)
+    if unpreserved is not None:
+        findings.insert(0, unpreserved)
     report.findings = findings
     report.weights, report.expected_weights = info.get("weights"), info.get("expected_weights")
     if run.error is None:

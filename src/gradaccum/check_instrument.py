@@ -87,7 +87,9 @@ class SampleRNG(TorchDispatchMode):
         self.replayed = 0
         self.unreplayed: list[str] = []
         self.draws: list[tuple[tuple[int, ...], torch.Tensor]] = []
-        self.in_backward = 0  # random op calls made while autograd ran a backward pass (a recomputation)
+        # random op calls made while backward recomputed a function checkpointed with preserve_rng_state=False
+        self.unpreserved: Callable[[], bool] = lambda: False
+        self.unpreserved_draws = 0
         self.busy = 0
         self._generators: dict[str, torch.Generator] = {}
 
@@ -98,8 +100,8 @@ class SampleRNG(TorchDispatchMode):
         kwargs = kwargs or {}
         if _SEEDED not in func.tags or _draws_nothing(func, args, kwargs):
             return func(*args, **kwargs)
-        if self.replay and torch._C._current_graph_task_id() != -1:
-            self.in_backward += 1
+        if self.replay and self.unpreserved():
+            self.unpreserved_draws += 1
         if func._overloadpacket.__name__ not in REPLAYABLE:  # e.g. a fused attention kernel with dropout
             if self.replay:
                 self.calls += 1
@@ -248,12 +250,16 @@ class OutsideDraws(TorchDispatchMode):
         super().__init__()
         self.inside = inside
         self.draws: list[str] = []
+        self.unpreserved: Callable[[], bool] = lambda: False  # as in SampleRNG, for the draws outside the forward
+        self.unpreserved_draws = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if _SEEDED in func.tags and not self.inside() and not _draws_nothing(func, args, kwargs):
             shape = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None
             self.draws.append(f"{func} on shape {shape}")
+            if self.unpreserved():
+                self.unpreserved_draws += 1
         return func(*args, **kwargs)
 
 
@@ -444,6 +450,8 @@ class CallRecorder:
         self._closure_code: Any = None  # the code of the closure passed to the optimizer step now running
         self._closure_event: Event | None = None
         self._stepping: Any = None  # the optimizer whose step() is running
+        # functions checkpointed with preserve_rng_state=False: code object → owner (the module) or None
+        self._unpreserved: dict[Any, set[int | None]] = {}
 
     # scale in force (for GradTrace)
     def scale_now(self) -> float | None:
@@ -496,6 +504,9 @@ class CallRecorder:
                 return
             if event == "call":
                 name = frame.f_code.co_name
+                owners = self._unpreserved.get(frame.f_code)
+                if owners is not None and (None in owners or id(self._self(frame)) in owners):
+                    self._push(frame, "unpreserved")
                 if self._closure_code is not None and frame.f_code is self._closure_code:
                     self._push(frame, "closure")
                 elif name in _NAMES:
@@ -537,6 +548,11 @@ class CallRecorder:
                 kwargs = frame.f_locals.get("kwargs") or {}
                 if not kwargs.get("preserve_rng_state", True):  # torch then recomputes under new random draws
                     self._event("checkpoint", preserve_rng_state=False)
+                    fn = frame.f_locals.get("function")
+                    module = isinstance(fn, nn.Module)
+                    code = _code_of(type(fn).forward if module else fn)
+                    if code is not None:
+                        self._unpreserved.setdefault(code, set()).add(id(fn) if module else None)
             return
         if name in _SEED_NAMES:
             obj = self._self(frame)
@@ -600,6 +616,11 @@ class CallRecorder:
         if name == "zero_grad" and isinstance(obj, (torch.optim.Optimizer, nn.Module)):
             if self._push(frame, "zero_grad"):
                 self._event("zero_grad", cls=type(obj).__name__)
+
+    def recomputing_unpreserved(self) -> bool:
+        """Whether autograd is recomputing, in a backward pass, a function checkpointed with
+        ``preserve_rng_state=False`` (its random draws then differ from the forward's)."""
+        return self._depth.get("unpreserved", 0) > 0 and torch._C._current_graph_task_id() != -1
 
     def _return(self, frame: Any) -> None:
         category, data = self._open.pop(id(frame))
