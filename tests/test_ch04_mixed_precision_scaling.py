@@ -479,3 +479,15 @@ def test_review_widget_and_study_helpers_name_the_argument_at_fault(digits, loss
             ch4.plot_cast(acts, 0, 1, shift=shift)
     with pytest.raises(ValueError, match="start 5000"):
         ch4.recipe_errors(digits, loss_fn, seeds=(0,), starts=(5000,))
+
+
+def test_review_third_round_scales_in_float32_and_complex_refused():
+    """amp_window recorded the first micro-batch's scale as the Python float it was given and the others in
+    float32; cast_report dropped a complex tensor's imaginary part with a warning only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    r = precision.amp_window(model, nn.CrossEntropyLoss(), x, y, 4, init_scale=1e-3)
+    assert len(set(r.scales)) == 1 and r.scales[0] == float(torch.tensor(1e-3, dtype=torch.float32))
+    with pytest.raises(ValueError, match="complex"):
+        precision.cast_report(torch.tensor([1 + 2j, 3 + 0j]), torch.float16)

@@ -93,6 +93,9 @@ def cast_report(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) ->
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
     if not isinstance(values, torch.Tensor):
         raise ValueError(f"values must be a tensor, got {type(values).__name__}.")
+    if values.is_complex():
+        raise ValueError("values are complex: fp16 and bf16 hold real numbers; report on the real and imaginary "
+                         "parts separately (values.real, values.imag).")
     if not torch.isfinite(values).all():
         raise ValueError("values contain inf or NaN: they have overflowed already; report on finite values (the "
                          "gradients of a step that did not overflow).")
@@ -111,7 +114,8 @@ def largest_fitting_log2(values: torch.Tensor, dtype: torch.dtype = torch.float1
 
     A value rounds to infinity at or above :math:`\text{max} + \tfrac12 u`, where u is the spacing of the
     format's largest binade (for fp16, :math:`65504 + 16 = 65520`). A backward pass that writes ``values`` times
-    :math:`S/K` in ``dtype`` stays finite for every :math:`S/K \le 2^e`.
+    :math:`S/K` in ``dtype`` stays finite for every :math:`S/K \le 2^e` — provided the loss itself leaves autocast
+    in fp32 (a loss computed in fp16 is :math:`S/K` times the loss before any gradient, and overflows first).
     """
     if dtype not in LOW_PRECISION:
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
@@ -194,7 +198,8 @@ def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     whose CPU kernel computes its weight gradients in fp16 under fp16 autocast — as one flat vector. BatchNorm,
     GroupNorm and InstanceNorm parameters are left out: autocast gives their gradients in fp32, so they cannot
     overflow fp16. A model with parameters elsewhere (``nn.MultiheadAttention``'s ``in_proj_weight``, a layer of
-    one's own calling ``F.linear``) is refused: whether their gradients pass through fp16 is not known here."""
+    one's own calling ``F.linear``) is refused: whether their gradients pass through fp16 is not known here.
+    The edge they predict assumes a loss that leaves autocast in fp32 (chapter 4's conditions)."""
     require_k(k)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters: no parameter gradient is written in fp16.")
@@ -344,7 +349,10 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
                 loss = loss_fn(work(xb), yb)
                 if divide == "loss":
                     loss = loss / k
-            result.scales.append(float(scaler.get_scale()) if scaler.is_enabled() else 1.0)
+            # the scale as the scaler holds it, in float32 (before its first use get_scale() returns the Python
+            # float it was given)
+            result.scales.append(float(torch.tensor(scaler.get_scale(), dtype=torch.float32)) if scaler.is_enabled()
+                                 else 1.0)
             scaler.scale(loss).backward()
             if pattern == "unscale_per_micro":
                 _scaler(scaler.unscale_, opt)
