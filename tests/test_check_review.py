@@ -526,23 +526,9 @@ def test_review_value_clipping_inside_the_window_is_not_called_a_scaling():
     report = C.check(model, loss_fn, x, y, K, step=step)
     inside = [f for f in report.findings if f.code in ("clip_running_buffer", "clip_per_micro_batch")]
     assert inside and "clipped entries of the gradient" in inside[0].evidence, report
-
-
-def test_review_value_clip_inside_the_window_is_the_only_finding():
-    """clip_grad_value_ after every backward changes the gradient's direction: it was named, and an 'unexplained'
-    residual with a misleading question came with it."""
-    from torch.nn.utils import clip_grad_value_
-
-    def clip_value_each_micro_batch(model, loss_fn, xs, ys, k):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        opt.zero_grad()
-        for xb, yb in zip(xs.chunk(k), ys.chunk(k)):
-            (loss_fn(model(xb), yb) / k).backward()
-            clip_grad_value_(model.parameters(), 0.005)
-        opt.step()
-
+    # ... and it is the only finding: the direction it changes is not left over as an 'unexplained' residual
+    # (which came with a misleading question before)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    x, y = torch.randn(16, 6, dtype=torch.float64), torch.randint(0, 3, (16,))
-    report = C.check(model, nn.CrossEntropyLoss(), x, y, 4, step=clip_value_each_micro_batch)
-    assert report.codes == ["clip_running_buffer"], report.codes
+    tanh = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    xs, ys = torch.randn(16, 6, dtype=torch.float64), torch.randint(0, 3, (16,))
+    assert C.check(tanh, nn.CrossEntropyLoss(), xs, ys, 4, step=step).codes == ["clip_running_buffer"]

@@ -504,13 +504,14 @@ class CallRecorder:
                 return
             if event == "call":
                 name = frame.f_code.co_name
-                owners = self._unpreserved.get(frame.f_code)
-                if owners is not None and (None in owners or id(self._self(frame)) in owners):
-                    self._push(frame, "unpreserved")
                 if self._closure_code is not None and frame.f_code is self._closure_code:
                     self._push(frame, "closure")
                 elif name in _NAMES:
                     self._call(frame, name)
+                owners = self._unpreserved.get(frame.f_code)
+                if owners is not None and id(frame) not in self._open and (
+                        None in owners or id(self._self(frame)) in owners):
+                    self._push(frame, "unpreserved")  # one category per frame: its return pops it
             elif event == "return":
                 if self._open and id(frame) in self._open:
                     self._return(frame)
