@@ -65,7 +65,9 @@ def _is_rounded(value: float, x: float, digits: int) -> bool:
 
 def tolerance(target: float, digits: int, atol: float = 1e-12) -> float:
     """How far an answer may lie from ``target`` and still agree to ``digits`` significant digits: half a unit of
-    the last of them (so ``target`` rounded to ``digits`` digits always agrees), at least ``atol``."""
+    the last of them (so ``target`` rounded to ``digits`` digits always agrees), plus a slack of 0.1% of that half
+    unit and two float32 units in the last place of ``target`` (a rounded answer stored as float32 must still
+    agree), at least ``atol``. So an answer up to about 0.1% of a half unit beyond it is accepted too."""
     if target == 0 or not math.isfinite(target):
         return atol
     half_unit = 0.5 * 10.0 ** (math.floor(math.log10(abs(target))) - digits + 1)
