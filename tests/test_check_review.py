@@ -146,8 +146,9 @@ def test_rel_error_not_measured_is_null_in_json():
 
 
 def _sgd_step(clip_params=None, threshold=0.05, seed_each=False, iterate=True, train_mode=False,
-              two_optimizers=False, clip_after_step=False):
-    """One window of a loop with the options a reader's loop may have; correct unless an option makes it wrong."""
+              two_optimizers=False, clip_after_step=False, clip_fn=clip_grad_norm_, clip_each=False):
+    """One window of a loop with the options a reader's loop may have; correct unless an option makes it wrong
+    (``clip_fn``: clip_grad_norm_ or clip_grad_value_; ``clip_each``: clip after every backward instead)."""
     def step(model, loss_fn, x, y, k):
         if train_mode:
             model.train()
@@ -163,14 +164,17 @@ def _sgd_step(clip_params=None, threshold=0.05, seed_each=False, iterate=True, t
             if seed_each:
                 torch.manual_seed(0)
             (loss_fn(model(xb), yb) / k).backward()
-        if clip_params is not None and not clip_after_step:
+            if clip_params is not None and clip_each:
+                for group in clip_params(model):
+                    clip_fn(group, threshold)
+        if clip_params is not None and not clip_after_step and not clip_each:
             for group in clip_params(model):
-                clip_grad_norm_(group, threshold)
+                clip_fn(group, threshold)
         for o in opts:
             o.step()
         if clip_params is not None and clip_after_step:
             for group in clip_params(model):
-                clip_grad_norm_(group, threshold)
+                clip_fn(group, threshold)
     return step
 
 
@@ -339,13 +343,8 @@ def test_clip_value_on_a_generator_subset_and_a_logging_norm_call_are_correct():
     `clip_misplaced`; `clip=` equal to a subset clip's threshold went back to a whole-model clip."""
     model, loss_fn, x, y = make()
 
-    def value_subset(model, loss_fn, x, y, k):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        opt.zero_grad()
-        for xb, yb in zip(x.chunk(k), y.chunk(k)):
-            (loss_fn(model(xb), yb) / k).backward()
-        torch.nn.utils.clip_grad_value_(model[2].parameters(), 0.01)
-        opt.step()
+    value_subset = _sgd_step(clip_params=lambda m: [m[2].parameters()], threshold=0.01,
+                             clip_fn=torch.nn.utils.clip_grad_value_)
 
     def logged(model, loss_fn, x, y, k):
         _sgd_step(clip_params=lambda m: [m.parameters()])(model, loss_fn, x, y, k)
@@ -515,14 +514,8 @@ def test_review_value_clipping_inside_the_window_is_not_called_a_scaling():
     ratios; value clipping changes entries, not the length alone."""
     model, loss_fn, x, y = make()
 
-    def step(model, loss_fn, x, y, k):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        opt.zero_grad()
-        for xb, yb in zip(x.chunk(k), y.chunk(k)):
-            (loss_fn(model(xb), yb) / k).backward()
-            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
-        opt.step()
-
+    step = _sgd_step(clip_params=lambda m: [m.parameters()], threshold=1e-3, clip_fn=torch.nn.utils.clip_grad_value_,
+                     clip_each=True)
     report = C.check(model, loss_fn, x, y, K, step=step)
     inside = [f for f in report.findings if f.code in ("clip_running_buffer", "clip_per_micro_batch")]
     assert inside and "clipped entries of the gradient" in inside[0].evidence, report
