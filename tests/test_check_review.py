@@ -454,6 +454,10 @@ def test_review_a_micro_batch_with_zero_gradient_does_not_spoil_the_fit():
     assert half.codes == ["gradient_scaled"] and half.weights == pytest.approx([0.5] * 4), half
     ok = C.check(model, total, x, y, 4, step=_plain_step(4.0), partial=False)
     assert ok.ok and ok.weights == pytest.approx([1.0] * 4)
+    # A summed loss divided by K once: the finding no longer says "1/K applied twice" only
+    once = C.check(model, total, x, y, 4, step=_plain_step(1.0), partial=False)
+    assert once.codes == ["double_1_over_k"] and "a summed loss divided by K" in once.findings[0].cause, once
+    assert "reduction='sum' needs no 1/K" in once.findings[0].fix
     with pytest.raises(ValueError, match="exactly zero"):
         C.check(model, nn.CrossEntropyLoss(ignore_index=2), x, torch.full_like(y, 2), 4)
 

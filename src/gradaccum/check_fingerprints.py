@@ -159,7 +159,8 @@ CLIP_FIX = "clip once, after the last micro-batch (after scaler.unscale_ with a 
 #: Every finding the checker can report: code → what it means (the book page "Check your own loop" lists them).
 CODES: dict[str, str] = {
     "missing_1_over_k": "the micro-batch losses are not divided by K: the gradient is K times the full batch's",
-    "double_1_over_k": "divided by K twice: the gradient is 1/K of the full batch's",
+    "double_1_over_k": "one 1/K too many (divided by K twice, or a summed loss divided by K): the gradient is 1/K "
+                       "of the full batch's",
     "gradient_scaled": "the gradient is a constant multiple of the full batch's, by another factor",
     "loss_scale_not_removed": "the gradient still carries GradScaler's loss scale",
     "zero_grad_inside_window": "the .grad buffer is emptied between micro-batches: only the last ones count",
@@ -766,9 +767,16 @@ def _backward_weight_findings(m: Measurements, out: _Findings, loop_error: float
                 "divide each micro-batch's loss by K before backward (or the gradients by K once, before the step)",
                 6)
     elif abs(mean - 1 / k) <= m.thr / k:
-        out.add("double_1_over_k", "1/K applied twice: the gradient is K times too small", evidence,
-                "divide by K once: either each micro-batch's loss, or the gradients before the step "
-                "(a loss_fn with reduction='sum' needs no 1/K for micro-batches of equal size)", 6)
+        out.add("double_1_over_k", _DOUBLE_1_OVER_K, evidence, _DOUBLE_1_OVER_K_FIX, 6)
+
+
+#: The ``double_1_over_k`` finding's cause and fix. Two loops give a step 1/K of the full batch's: a mean loss
+#: divided by K twice, and a loss with ``reduction="sum"`` divided by K once (its micro-batch sums already add up to
+#: the full batch's sum).
+_DOUBLE_1_OVER_K = ("one 1/K too many: the gradient is K times too small (1/K applied twice, or a summed loss "
+                    "divided by K)")
+_DOUBLE_1_OVER_K_FIX = ("divide by K once, and only a mean: either each micro-batch's loss, or the gradients before "
+                        "the step; a loss_fn with reduction='sum' needs no 1/K at all for micro-batches of equal size")
 
 
 def _outside_randomness(m: Measurements, out: _Findings) -> None:
@@ -839,9 +847,7 @@ def _scale_findings(m: Measurements, out: _Findings, s: float, loop_error: float
                 head + added, "divide each micro-batch's loss by K before backward (or the gradients by K once, "
                 "before the step)", 6)
     elif k > 1 and close(s, 1 / k):
-        out.add("double_1_over_k", "1/K applied twice: the gradient is K times too small",
-                head + added, "divide by K once: either each micro-batch's loss, or the gradients before the step "
-                "(a loss_fn with reduction='sum' needs no 1/K for micro-batches of equal size)", 6)
+        out.add("double_1_over_k", _DOUBLE_1_OVER_K, head + added, _DOUBLE_1_OVER_K_FIX, 6)
     elif scalers and close(s, scalers[-1]):
         out.add("loss_scale_not_removed", "the gradient still carries the loss scale",
                 head + f"; the loss scale is {num(scalers[-1])}" + added,
