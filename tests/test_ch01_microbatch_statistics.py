@@ -129,6 +129,59 @@ def test_layer_inputs_and_moment_spread(digits):
         ch1.moment_spread(feats[None], 4)
 
 
+def test_moment_spread_standard_errors_cover_the_theory():
+    """Review: chapter 1 checked the measured spreads with a fixed ±0.03, about one Monte Carlo standard error at
+    2,000 draws, so other seeds failed it. The spreads now carry standard errors; on normal features of known
+    spread (skewed ones too), every measurement lies within 4 of them of the exact theory, and the standard error
+    is the right size: the measurements of ten independent seeds scatter about as it says."""
+    gen = torch.Generator().manual_seed(0)
+    normal = torch.randn(500, 6, generator=gen, dtype=torch.float64) * torch.linspace(0.5, 3.0, 6)
+    skewed = torch.distributions.Exponential(1.0).sample((500, 6)).double()
+    for feats in (normal, skewed):
+        for b in (2, 7, 64):
+            spreads = [ch1.moment_spread(feats, b, draws=4000, seed=seed) for seed in range(10)]
+            z = np.array([ch1.spread_deviations(s, 500) for s in spreads])
+            assert np.abs(z).max() < 4.5, (b, z)
+            scatter = np.std([s.rel_mean_std for s in spreads], ddof=1)
+            typical = np.median([s.rel_mean_std_se for s in spreads])
+            assert 0.4 < scatter / typical < 2.5, (b, scatter, typical)
+    few = ch1.moment_spread(normal, 2, draws=30)  # one draw per group: no standard error
+    assert math.isnan(few.mean_var_se) and not math.isnan(few.mean_var_ratio)
+    assert ch1.moment_theory(2, 3) == pytest.approx((0.75, 0.5))
+    with pytest.raises(ValueError, match="n"):
+        ch1.moment_theory(4, 4)
+
+
+def test_gradient_table_on_other_weights_and_batches(digits):
+    """Chapter 1's sentence on the gradient table beyond seed 0 and the first batch: seeds 1-2, batches 64 and
+    640 — the error at b = 32 ranges over 0.18-0.28, at b = 2 over 1.76-2.33, the cosine at b = 2 stays below
+    0.34, and the error grows at every halving of b."""
+    at32, at2, cos2 = [], [], []
+    for seed, start in itertools.product((1, 2), (64, 640)):
+        x, y = digits.x_train[start:start + 64], digits.y_train[start:start + 64]
+        effects = [ch1.microbatch_effect(64 // b, b, x, y, norms=("batch",), seed=seed) for b in (32, 16, 8, 4, 2)]
+        errors = [e.rel_error["batch"] for e in effects]
+        assert all(a < b for a, b in zip(errors, errors[1:])), (seed, start, errors)
+        at32.append(errors[0])
+        at2.append(errors[-1])
+        cos2.append(effects[-1].cosine["batch"])
+    assert round(min(at32), 2) == 0.18 and round(max(at32), 2) == 0.28, at32
+    assert round(min(at2), 2) == 1.76 and round(max(at2), 2) == 2.33, at2
+    assert max(cos2) < 0.34 and min(at2) > 1, cos2
+
+
+def test_error_grid_on_other_initializations(digits):
+    """Chapter 1's grid beyond seed 0: with seeds 1 and 2 the error falls at every step in b in every row with
+    K > 1, at least 10-fold from b = 2 to b = 64, and K moves it by up to 2.2x."""
+    falls, moves = [], []
+    for seed in (1, 2):
+        grid = ch1.bn_error_grid((2, 4, 8, 16), (2, 4, 8, 16, 32, 64), digits.x_train, digits.y_train, seed=seed)
+        assert np.all(np.diff(grid, axis=1) < 0) and np.all(grid > 0.05), (seed, grid)
+        falls.append((grid[:, 0] / grid[:, -1]).min())
+        moves.append((grid.max(axis=0) / grid.min(axis=0)).max())
+    assert 10 < min(falls) < 11 and round(max(moves), 1) == 2.2, (falls, moves)
+
+
 def test_microbatch_effect(digits):
     e = ch1.microbatch_effect(1, 16, digits.x_train, digits.y_train)
     assert all(v == 0.0 for v in e.rel_error.values())
@@ -235,7 +288,7 @@ def test_review_momentum_none_is_a_cumulative_average_that_accumulation_does_not
 def test_the_b2_collapse_is_the_heads_batchnorm1d_and_b16_ties_b64_on_other_seeds(digits):
     """Chapter 1's fingerprint claims beyond its seeds: without the head's BatchNorm1d (the layer that normalizes
     two values per channel at b = 2) the network trains at b = 2 (above 90%, against below 70% with it); and
-    b = 16 is at least as good as b = 64 on average on seeds 3-5 too, by 0.3 points."""
+    on seeds 3-5 b = 16 and b = 64 are within a point on average (b = 16 ahead by 0.3 points)."""
     from torch import nn
 
     from gradaccum.accumulate import train
@@ -248,7 +301,7 @@ def test_the_b2_collapse_is_the_heads_batchnorm1d_and_b16_ties_b64_on_other_seed
         assert r.val_acc > 0.9, (seed, r.val_acc)
     runs = ch1.run_fingerprint(digits, {"batch": (64, 16)}, seeds=(3, 4, 5))
     mean = {b: sum(r.val_acc for r in runs if r.b == b) / 3 for b in (64, 16)}
-    assert 0 <= mean[16] - mean[64] < 0.01 and mean[64] > 0.97, mean
+    assert 0.0025 <= mean[16] - mean[64] < 0.0035 and mean[64] > 0.97, mean  # "within a point", "by 0.3"
 
 
 def test_statistics_tools_refuse_what_they_cannot_measure():
@@ -335,3 +388,43 @@ def test_review_leftovers_are_refused_with_advice():
                           ({"batch_size": 4, "epochs": 1, "seed": 0.5}, "seed")):
         with pytest.raises(ValueError, match=match):
             train(nn.Linear(2, 2), *data, k=2, **kwargs)
+
+
+def test_review_tools_take_keyword_inputs_numpy_scalars_and_refuse_complex():
+    """Review: layer_inputs raised IndexError for a layer called with a keyword input; agreement took complex
+    tensors (dropping the imaginary part: relative error 0 for [1+1j, 2] against [1-1j, 2]) and bool ones;
+    NumPy momenta leaked into results and layers; predicted_mean_variance refused n=np.int64."""
+    from gradaccum.accumulate import agreement
+
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.layer(input=x)
+
+    x = torch.randn(2, 3)
+    assert torch.equal(bn_statistics.layer_inputs(Keyword(), x, "layer"), x)
+    for g_ref, g in ((torch.tensor([1 + 1j, 2]), torch.tensor([1 - 1j, 2])),
+                     (torch.tensor([True, False]), torch.tensor([True, True]))):
+        with pytest.raises(ValueError, match="real"):
+            agreement(g_ref, g)
+    weights = bn_statistics.micro_batch_weights(np.float32(0.1), 2)
+    assert all(type(w) is float for w in weights)
+    model = nn.Sequential(nn.BatchNorm1d(2))
+    bn_statistics.set_bn_momentum(model, np.float32(0.05))
+    assert type(model[0].momentum) is float
+    assert bn_statistics.predicted_mean_variance(1.0, 2, np.int64(10)) == pytest.approx(4 / 9)
+
+
+def test_review_graders_name_percentages_and_cut_off_digits():
+    """Review: a percentage (26.5) and an answer cut off instead of rounded (0.264) got only the generic hint."""
+    from gradaccum.book import exercises
+
+    percent = exercises.grade_effective_momentum(26.5)
+    assert not percent.correct and "percentage" in percent.message and "0.265" in percent.message
+    cut = exercises.grade_effective_momentum(0.264)
+    assert not cut.correct and "round it to the nearest" in cut.message
+    assert exercises.grade_effective_momentum(0.265).correct
+    assert "not right" in exercises.grade_effective_momentum(0.5).message

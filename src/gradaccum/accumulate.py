@@ -118,6 +118,9 @@ def agreement(g_ref: torch.Tensor, g: torch.Tensor) -> Agreement:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a flat (1-D) tensor, got {shape}; flatten it first (flat_grad(model) "
                              "for a model's gradient, or t.flatten()).")
+        if t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{name} is a {t.dtype} tensor: a gradient of real parameters is real; compare "
+                             "float tensors (for complex parameters, torch.view_as_real(g).flatten()).")
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} holds NaN or inf entries: a relative error or cosine of it means nothing; "
                              "find where the gradient overflowed first.")

@@ -22,6 +22,7 @@ and the running statistics are updated :math:`K` times per optimizer step.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -69,8 +70,9 @@ def predicted_mean_variance(sigma2: Any, b: Any, n: int) -> Any:
     except (TypeError, RuntimeError) as err:
         raise ValueError(f"sigma2 and b must be numbers or arrays of numbers that broadcast together, got "
                          f"{sigma2!r} and {b!r} ({err}).") from err
-    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 2:
         raise ValueError(f"n (the population size) must be an int >= 2, got {n!r}.")
+    n = int(n)
     if sizes.dtype == torch.bool or bool((sizes != sizes.round()).any()):
         raise ValueError(f"b counts samples: whole numbers only, got b={b}.")
     if bool((sizes < 1).any()) or bool((sizes > n).any()):
@@ -119,7 +121,15 @@ def layer_inputs(model: nn.Module, x: torch.Tensor, layer: str) -> torch.Tensor:
     if layer not in modules:
         raise ValueError(f"model has no submodule {layer!r}; it has {[n for n in modules if n]}.")
     captured: list[torch.Tensor] = []
-    handle = modules[layer].register_forward_hook(lambda mod, inp, out: captured.append(inp[0].detach()))
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]  # also a keyword input
+        if not tensors:
+            raise ValueError(f"submodule {layer!r} was called without a tensor argument; layer_inputs returns the "
+                             "tensor a layer receives.")
+        captured.append(tensors[0].detach())
+
+    handle = modules[layer].register_forward_hook(hook, with_kwargs=True)
     modes = [(m, m.training) for m in model.modules()]
     try:
         model.eval()
@@ -160,7 +170,7 @@ def micro_batch_weights(m: float, k: int) -> list[float]:
     Starting from :math:`\bar\mu_0`, K updates with momentum m give
     :math:`\bar\mu_K = (1-m)^K\bar\mu_0 + \sum_j m(1-m)^{K-1-j}\hat\mu_j`: later micro-batches weigh more.
     """
-    require_momentum(m)
+    m = require_momentum(m)  # a Python float, also for NumPy scalars
     require_k(k)
     return [m * (1.0 - m) ** (k - 1 - j) for j in range(k)]
 
@@ -172,10 +182,11 @@ def set_bn_momentum(model: nn.Module, m: float) -> int:
 
     Layers without running statistics (``track_running_stats=False``) have no momentum to set and are left alone.
     A layer with ``momentum=None`` keeps a cumulative average (weight 1/t for the t-th update) instead, which K
-    equal micro-batches do not speed up: its running mean after accumulation is the full batch's. It is refused,
+    equal micro-batches do not speed up: its running mean after accumulation is the full batch's (its running
+    variance is not: the full batch's variance also counts how far the micro-batch means lie apart). It is refused,
     so that a correction meant for an exponential average does not silently turn it into one.
     """
-    require_momentum(m)
+    m = require_momentum(m)  # stored as a Python float, also for NumPy scalars
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module (its normalization layers are set), got {type(model).__name__}.")
     layers = [mod for mod in model.modules()

@@ -140,6 +140,11 @@ def _check_encoders(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor
             raise ValueError(f"input {i} must be a torch.Tensor with a batch dimension, got "
                              f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ()'}; "
                              "convert it with torch.as_tensor(...) and keep the samples along dimension 0.")
+        if x.grad_fn is not None:
+            raise ValueError(f"input {i} is the output of layers that require grad (its grad_fn is "
+                             f"{type(x.grad_fn).__name__}): the micro-batches' backward passes would each run "
+                             "through that graph, and only the first can. Move those layers into the encoder (one "
+                             "module for the shared trunk and the tower), or pass x.detach() if they are frozen.")
     for enc in encoders:
         for name, m in enc.named_modules():
             if isinstance(m, _BN) and (m.training or m.running_mean is None):
@@ -338,8 +343,13 @@ def window_fractions(router: Callable[[torch.Tensor], torch.Tensor], micro_batch
     require_count(n_experts, "n_experts")
     if len(micro_batches) == 0:
         raise ValueError("no micro-batches: pass the window's K micro-batches.")
+    if not all(isinstance(x, torch.Tensor) for x in micro_batches):
+        raise ValueError(f"the micro-batches must be tensors, got {sorted({type(x).__name__ for x in micro_batches})}; "
+                         "convert them with torch.as_tensor(...).")
     with torch.no_grad():
         scores = [router(x) for x in micro_batches]
+    if not all(isinstance(sc, torch.Tensor) for sc in scores):
+        raise ValueError("the router must return a tensor of scores, (tokens, n_experts).")
     if any(not bool(torch.isfinite(sc).all()) for sc in scores):
         raise ValueError("the router's scores contain inf or NaN: an argmax over them would send those tokens to "
                          "expert 0; fix the router first.")

@@ -63,18 +63,30 @@ class MomentSpread:
     ``mean_var_ratio`` = measured Var(μ̂_b) / predicted Var(μ̂_b) (1 when the theory holds);
     ``biased_var_ratio`` = measured E[σ̂²_b] / σ² (theory: (b − 1)/b);
     ``rel_mean_std`` = std(μ̂_b)/σ, the spread of the batch mean in units of the channel's own spread.
+    The ``*_se`` fields are their Monte Carlo standard errors: the draws are cut into :data:`REPLICATES` equal
+    groups, each measured alone, and the standard error is the groups' standard deviation over
+    √:data:`REPLICATES` (NaN with fewer than two draws per group).
     """
 
     b: int
     mean_var_ratio: float
     biased_var_ratio: float
     rel_mean_std: float
+    mean_var_se: float
+    biased_var_se: float
+    rel_mean_std_se: float
+
+
+#: How many groups :func:`moment_spread` cuts its draws into to estimate its standard errors.
+REPLICATES = 20
 
 
 def moment_spread(features: torch.Tensor, b: int, draws: int = 2000, seed: int = 0) -> MomentSpread:
     """Draw ``draws`` micro-batches of size b (without replacement) from ``features`` (N, C) and measure.
 
-    Channels with zero variance are left out; b must be below N (a micro-batch of all N samples has no spread).
+    Channels whose variance is below 1e-12 of the largest channel's (constant up to rounding) are left out; b must
+    be below N (a micro-batch of all N samples has no spread). Memory stays bounded for any number of draws (the
+    micro-batches are gathered 1,000 at a time).
     """
     require_micro_batch(b)
     require_count(draws, "draws (a spread needs at least two micro-batches)", minimum=2)
@@ -92,18 +104,61 @@ def moment_spread(features: torch.Tensor, b: int, draws: int = 2000, seed: int =
     if not bool(keep.any()):
         raise ValueError("every channel of features is constant: there is no spread to measure.")
     feats, sigma2 = feats[:, keep], sigma2[keep]
+    feats = feats - feats.mean(0)  # centred: the sums of squares below lose nothing to a large common mean
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.stack([torch.randperm(n, generator=gen)[:b] for _ in range(draws)])  # (draws, b)
-    batches = feats[idx]  # (draws, b, C)
-    means = batches.mean(1)
-    biased = batches.var(1, correction=0)
+    mean_parts, biased_parts = [], []
+    for start in range(0, draws, 1000):  # the b largest of n uniform keys: a uniform b-subset of the n samples
+        rows = min(1000, draws - start)
+        picked = torch.rand(rows, n, generator=gen).topk(b).indices
+        batch = feats.index_select(0, picked.flatten()).view(rows, b, -1)
+        mean = batch.sum(1) / b
+        mean_parts.append(mean)
+        biased_parts.append((batch * batch).sum(1) / b - mean * mean)
+    means, biased = torch.cat(mean_parts), torch.cat(biased_parts)  # (draws, C)
     predicted = predicted_mean_variance(sigma2, b, n)
-    return MomentSpread(
-        b=b,
-        mean_var_ratio=float((means.var(0) / predicted).mean()),
-        biased_var_ratio=float((biased.mean(0) / sigma2).mean()),
-        rel_mean_std=float((means.std(0) / sigma2.sqrt()).mean()),
-    )
+
+    def ratios(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        return torch.stack([(mu.var(0) / predicted).mean(), (var.mean(0) / sigma2).mean(),
+                            (mu.std(0) / sigma2.sqrt()).mean()])
+
+    whole = ratios(means, biased)
+    per = draws // REPLICATES
+    if per >= 2:
+        groups = torch.stack([ratios(means[i * per:(i + 1) * per], biased[i * per:(i + 1) * per])
+                              for i in range(REPLICATES)])
+        se = groups.std(0) / REPLICATES**0.5
+    else:
+        se = torch.full((3,), float("nan"), dtype=torch.float64)
+    return MomentSpread(b, *(float(v) for v in whole), *(float(v) for v in se))
+
+
+def moment_theory(b: int, n: int) -> tuple[float, float]:
+    r"""The exact expectations :func:`moment_spread` measures, for micro-batches of b drawn without replacement
+    from n samples: :math:`\E[\hat\sigma^2_b]/\sigma^2 = \frac{b-1}{b}\cdot\frac{n}{n-1}` and
+    :math:`\operatorname{std}(\hat\mu_b)/\sigma = \sqrt{(n-b)/(b\,(n-1))}` (σ² with divisor n)."""
+    require_micro_batch(b)
+    require_count(n, "n (the number of samples)", minimum=b + 1)
+    return (b - 1) / b * n / (n - 1), float(predicted_mean_variance(1.0, b, n)) ** 0.5
+
+
+def spread_deviations(s: MomentSpread, n: int) -> tuple[float, float, float]:
+    """How many of its Monte Carlo standard errors each measurement of ``s`` lies from :func:`moment_theory`
+    (the variance ratio from 1): (variance of the mean, biased variance, spread of the mean). NaN where the
+    standard error is (fewer than two draws per group)."""
+    biased, spread = moment_theory(s.b, n)
+    return ((s.mean_var_ratio - 1) / s.mean_var_se, (s.biased_var_ratio - biased) / s.biased_var_se,
+            (s.rel_mean_std - spread) / s.rel_mean_std_se)
+
+
+def moment_spread_table(spreads: list[MomentSpread], n: int) -> Table:
+    """Each measurement of :func:`moment_spread` ± its standard error, next to :func:`moment_theory`."""
+    rows = []
+    for s in spreads:
+        biased, spread = moment_theory(s.b, n)
+        rows.append([s.b, f"{s.mean_var_ratio:.3f} ± {s.mean_var_se:.3f}",
+                     f"{s.biased_var_ratio:.4f} ± {s.biased_var_se:.4f}", f"{biased:.4f}",
+                     f"{s.rel_mean_std:.4f} ± {s.rel_mean_std_se:.4f}", f"{spread:.4f}"])
+    return Table(["b", "Var(mean): measured/theory", "E[biased var]/σ²", "theory", "std(mean)/σ", "theory"], rows)
 
 
 @dataclass(frozen=True)
@@ -317,9 +372,12 @@ def plot_microbatch_effect(k: int, b: int, x: torch.Tensor, y: torch.Tensor):
     return fig
 
 
-def bn_error_grid(ks: tuple[int, ...], bs: tuple[int, ...], x: torch.Tensor, y: torch.Tensor) -> np.ndarray:
-    """BatchNorm's relative gradient error for every (K, b) in the grid; rows are K, columns b."""
-    return np.array([[microbatch_effect(k, b, x, y, norms=("batch",)).rel_error["batch"] for b in bs] for k in ks])
+def bn_error_grid(ks: tuple[int, ...], bs: tuple[int, ...], x: torch.Tensor, y: torch.Tensor,
+                  seed: int = 0) -> np.ndarray:
+    """BatchNorm's relative gradient error for every (K, b) in the grid, on the SmallCNN initialized with
+    ``seed``; rows are K, columns b."""
+    return np.array([[microbatch_effect(k, b, x, y, norms=("batch",), seed=seed).rel_error["batch"] for b in bs]
+                     for k in ks])
 
 
 def plot_bn_error_grid(grid: np.ndarray, ks: tuple[int, ...], bs: tuple[int, ...]):

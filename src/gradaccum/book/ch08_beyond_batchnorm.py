@@ -7,7 +7,7 @@ The book layer over :mod:`gradaccum.coupled` (the torch-only tools the chapter d
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
@@ -46,10 +46,12 @@ def views(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 def encoder(seed: int = 0, hidden: int = 64) -> nn.Sequential:
-    """Linear(64, hidden) → ReLU → Linear(hidden, 16), float64; the weights depend only on ``seed``."""
+    """Linear(64, hidden) → ReLU → Linear(hidden, 16), float64; the weights depend only on ``seed`` (drawn in
+    float32 and then cast, whatever torch's default dtype)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 16)).double()
+        f32 = torch.float32
+        return nn.Sequential(nn.Linear(64, hidden, dtype=f32), nn.ReLU(), nn.Linear(hidden, 16, dtype=f32)).double()
 
 
 def loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -84,33 +86,60 @@ class Costs:
 
 
 class _Held:
-    """A tensor saved for backward, counted while the graph holds it."""
+    """A tensor saved for backward; its storage is counted once, while any graph holds a tensor on it."""
 
-    __slots__ = ("t", "n", "live")
+    __slots__ = ("t", "key", "meter")
 
-    def __init__(self, t: torch.Tensor, live: list[int]):
-        self.t, self.n, self.live = t, t.numel() * t.element_size(), live
-        live[0] += self.n
-        live[1] = max(live[1], live[0])
+    def __init__(self, t: torch.Tensor, meter: _Meter):
+        self.t, self.key, self.meter = t, t.untyped_storage().data_ptr(), meter
+        meter.hold(self.key, t.untyped_storage().nbytes())
 
     def __del__(self) -> None:
-        self.live[0] -= self.n
+        self.meter.release(self.key)
 
 
-def peak_saved_bytes(fn) -> int:  # noqa: ANN001
+class _Meter:
+    """Bytes of the distinct storages that saved tensors occupy, now and at the peak; storages in ``skip`` (the
+    parameters' and the inputs', held whatever the method) are not counted."""
+
+    def __init__(self, skip: set[int]):
+        self.skip, self.now, self.peak = skip, 0, 0
+        self.refs: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+
+    def hold(self, key: int, nbytes: int) -> None:
+        if key in self.skip:
+            return
+        if self.refs.get(key, 0) == 0:
+            self.size[key] = nbytes
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
+        self.refs[key] = self.refs.get(key, 0) + 1
+
+    def release(self, key: int) -> None:
+        if key in self.skip:
+            return
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.now -= self.size.pop(key)
+
+
+def peak_saved_bytes(fn, skip: Iterable[torch.Tensor] = ()) -> int:  # noqa: ANN001
     """The largest number of bytes that tensors saved for backward occupy at once while ``fn`` runs (a graph's
-    saved tensors are released when its backward is done)."""
-    live = [0, 0]
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: _Held(t, live), lambda h: h.t):
+    saved tensors are released when its backward is done): each storage counted once, however many operations
+    save it or views of it, and the storages of the tensors in ``skip`` (the model's parameters and the inputs,
+    which every method holds) not at all."""
+    meter = _Meter({t.untyped_storage().data_ptr() for t in skip})
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: _Held(t, meter), lambda h: h.t):
         fn()
-    return live[1]
+    return meter.peak
 
 
 def step_costs(x: torch.Tensor, k: int, b: int, hidden: int = 2048, repeat: int = 5) -> Costs:
     """Time and graph memory of one step of the full batch, plain accumulation and GradCache (``k`` micro-batches
-    of ``b`` digits, two views) with an encoder of ``hidden`` units. Graph memory: :func:`peak_saved_bytes`
-    (GradCache also keeps the window's embeddings and their gradient, 2 · k · b · 16 numbers each, outside any
-    graph)."""
+    of ``b`` digits, two views) with an encoder of ``hidden`` units. Graph memory: :func:`peak_saved_bytes`, without
+    the parameters and the two views (GradCache also keeps the window's embeddings and their gradient,
+    2 · k · b · 16 numbers each, outside any graph)."""
     g = torch.Generator().manual_seed(0)
     xs = flat_digits(x[: k * b])
     xa, xb = views(xs, g), views(xs, g)
@@ -130,7 +159,8 @@ def step_costs(x: torch.Tensor, k: int, b: int, hidden: int = 2048, repeat: int 
 
     fns: dict[str, Callable[[], object]] = {"full batch": full, "plain accumulation": plain, "GradCache": cache}
     seconds = interleaved_medians(fns, repeat=repeat)
-    return Costs(seconds, {name: peak_saved_bytes(fn) for name, fn in fns.items()})
+    held = [*enc.parameters(), xa, xb]
+    return Costs(seconds, {name: peak_saved_bytes(fn, held) for name, fn in fns.items()})
 
 
 def few_label_accuracy(enc: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
@@ -254,10 +284,11 @@ def plot_error_widget(x: torch.Tensor, k: int, b: int):
 
 
 def router(seed: int = 0, experts: int = 4) -> nn.Linear:
-    """A linear router from the 64 pixels to ``experts`` experts (float64)."""
+    """A linear router from the 64 pixels to ``experts`` experts (float64); the weights depend only on ``seed``
+    (drawn in float32 and then cast, whatever torch's default dtype)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Linear(64, experts).double()
+        return nn.Linear(64, experts, dtype=torch.float32).double()
 
 
 def aux_losses(x: torch.Tensor, ks: Sequence[int], n: int = 64, seed: int = 0) -> dict[str, list[float]]:

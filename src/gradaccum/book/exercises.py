@@ -147,7 +147,18 @@ def grade_number(
         return Feedback(False, f"{value!r} is not a whole number: the answer counts something; give the count.")
     if fewer is not None:
         return Feedback(False, too_few)
+    if not count and 0 < abs(expected) < 1 and agrees(value / 100, expected, digits, atol):
+        return Feedback(False, f"{value:g} looks like a percentage: give the answer as a fraction, {value / 100:g}.")
+    if not count and expected != 0 and math.isclose(value, _truncated(expected, digits), rel_tol=1e-9):
+        return Feedback(False, f"{value:g} cuts the answer off after {digits} significant digits; round it to the "
+                               "nearest instead.")
     return Feedback(False, f"{value:.12g} is not right. {hint}".rstrip())  # the answer as given, not rounded
+
+
+def _truncated(x: float, digits: int) -> float:
+    """``x`` cut off (towards zero) after ``digits`` significant digits."""
+    scale = 10.0 ** (digits - 1 - math.floor(math.log10(abs(x))))
+    return math.trunc(x * scale) / scale
 
 
 def grading_plan(grader: Callable[..., Feedback], **kwargs: object) -> tuple[float, int, list[tuple[float, str]]]:
@@ -729,13 +740,18 @@ def grade_negatives_per_sample(answer: object, k: int = 12, b: int = 7) -> Feedb
             (float(b), "the sample's own partner is its positive, not a negative."),
             (float(k * b), "that counts the whole window, positive included; the loss sees one micro-batch."),
             (float(k - 1), "negatives come from the other samples of the micro-batch, not from other micro-batches."),
+            *([(float(k), "that is K, the number of micro-batches"
+                          + (" (and, here, also NT-Xent's count 2(b − 1), both views of every other sample)"
+                             if k == 2 * (b - 1) else "")
+                          + "; the negatives are the other documents of one micro-batch.")]
+              if k not in (b - 1, k * b - 1, b, k * b, k - 1) else []),
             *([(float(2 * (b - 1)), "that is NT-Xent's count (both views of every other sample); this exercise is "
                                     "one-directional InfoNCE over query–document pairs: the other documents of "
-                                    "the micro-batch.")] if 2 * (b - 1) not in (b - 1, k * b - 1, b, k * b, k - 1)
+                                    "the micro-batch.")] if 2 * (b - 1) not in (b - 1, k * b - 1, b, k * b, k - 1, k)
               else []),
             *([(float(2 * (k * b - 1)), "that is NT-Xent's count over the full batch; this is one-directional "
                                         "InfoNCE within one micro-batch.")]
-              if 2 * (k * b - 1) not in (b - 1, k * b - 1, b, k * b, k - 1, 2 * (b - 1)) else []),
+              if 2 * (k * b - 1) not in (b - 1, k * b - 1, b, k * b, k - 1, k, 2 * (b - 1)) else []),
         ],
         hint="Which samples share a softmax with a given sample under plain accumulation?",
         count=True,
@@ -759,9 +775,21 @@ def grade_recompute_momentum(answer: object, m: float = 0.02, k: int = 5) -> Fee
     )
 
 
+def _numbers(values: object, name: str) -> tuple[object, ...]:
+    """``values`` (a list, tuple, NumPy array or tensor) as a tuple of its entries; anything else is refused."""
+    tolist = getattr(values, "tolist", None)
+    if callable(tolist) and not isinstance(values, (list, tuple)):
+        values = tolist()
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name} must be a sequence of numbers, one per expert, got {type(values).__name__} "
+                         f"{values!r}.")
+    return tuple(values)
+
+
 def grade_switch_aux(answer: object, fractions: tuple[float, ...] = (0.75, 0.25),
                      probs: tuple[float, ...] = (0.6, 0.4)) -> Feedback:
     """Exercise: the Switch load-balancing loss N Σ f_i P_i for given fractions and mean probabilities."""
+    fractions, probs = _numbers(fractions, "fractions"), _numbers(probs, "probs")  # type: ignore[assignment]
     if len(fractions) != len(probs) or not fractions:
         raise ValueError("give one fraction and one mean probability per expert.")
     for name, values in (("fractions", fractions), ("probs", probs)):
