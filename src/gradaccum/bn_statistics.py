@@ -21,6 +21,7 @@ and the running statistics are updated :math:`K` times per optimizer step.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any
@@ -67,6 +68,8 @@ def predicted_mean_variance(sigma2: Any, b: Any, n: int) -> Any:
     try:
         sizes, variances = torch.as_tensor(b), torch.as_tensor(sigma2)
         torch.broadcast_shapes(sizes.shape, variances.shape)
+        if variances.dtype == torch.bool or variances.is_complex() or sizes.is_complex():
+            raise TypeError("booleans and complex numbers are not sizes or variances")
     except (TypeError, RuntimeError) as err:
         raise ValueError(f"sigma2 and b must be numbers or arrays of numbers that broadcast together, got "
                          f"{sigma2!r} and {b!r} ({err}).") from err
@@ -75,6 +78,9 @@ def predicted_mean_variance(sigma2: Any, b: Any, n: int) -> Any:
     n = int(n)
     if sizes.dtype == torch.bool or bool((sizes != sizes.round()).any()):
         raise ValueError(f"b counts samples: whole numbers only, got b={b}.")
+    sizes = sizes.to(torch.float64)  # small integer types (NumPy int8, uint8) would wrap in the comparisons
+    if isinstance(b, numbers.Integral):
+        b = int(b)  # and in the formula below
     if bool((sizes < 1).any()) or bool((sizes > n).any()):
         raise ValueError(f"need 1 <= b <= n, got b={b}, n={n}.")
     if not bool(torch.isfinite(variances).all()) or bool((variances < 0).any()):
@@ -123,7 +129,9 @@ def layer_inputs(model: nn.Module, x: torch.Tensor, layer: str) -> torch.Tensor:
     captured: list[torch.Tensor] = []
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]  # also a keyword input
+        first = next(iter(inspect.signature(mod.forward).parameters), None)  # its first input, also as a keyword
+        named = [kwargs[first]] if first in kwargs and not args else []
+        tensors = [t for t in (*args, *named, *kwargs.values()) if isinstance(t, torch.Tensor)]
         if not tensors:
             raise ValueError(f"submodule {layer!r} was called without a tensor argument; layer_inputs returns the "
                              "tensor a layer receives.")

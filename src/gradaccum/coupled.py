@@ -140,11 +140,9 @@ def _check_encoders(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor
             raise ValueError(f"input {i} must be a torch.Tensor with a batch dimension, got "
                              f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ()'}; "
                              "convert it with torch.as_tensor(...) and keep the samples along dimension 0.")
-        if x.grad_fn is not None:
-            raise ValueError(f"input {i} is the output of layers that require grad (its grad_fn is "
-                             f"{type(x.grad_fn).__name__}): the micro-batches' backward passes would each run "
-                             "through that graph, and only the first can. Move those layers into the encoder (one "
-                             "module for the shared trunk and the tower), or pass x.detach() if they are frozen.")
+        if x.is_inference():
+            raise ValueError(f"input {i} was made under torch.inference_mode(), and autograd cannot save inference "
+                             "tensors for backward; make it outside inference mode (or pass x.clone() made there).")
     for enc in encoders:
         for name, m in enc.named_modules():
             if isinstance(m, _BN) and (m.training or m.running_mean is None):
@@ -201,12 +199,29 @@ def plain_accumulation_backward(encoders: Sequence[nn.Module], inputs: Sequence[
     """Plain accumulation of a batch-coupled loss: ``loss_fn`` on each micro-batch's embeddings, divided by K,
     backpropagated micro-batch by micro-batch (negatives only from the same micro-batch). Returns the summed loss."""
     _check_encoders(encoders, inputs)
+    cut = _cut(inputs)
     total = 0.0
-    for chunk in _split(inputs, k):
+    for chunk in _split(cut, k):
         loss = loss_fn(*[enc(x) for enc, x in zip(encoders, chunk)]) / k
         loss.backward()
         total += float(loss.detach())
+    _join(inputs, cut)
     return total
+
+
+def _cut(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The inputs, each computed by layers that need grad (a shared trunk, a view or a cast of a leaf) replaced
+    by a detached leaf that requires grad: the micro-batches' backward passes stop there, and :func:`_join` sends
+    their summed gradient through the input's own graph once (which each micro-batch's pass could not: the
+    first frees it)."""
+    return [x.detach().requires_grad_() if x.grad_fn is not None else x for x in inputs]
+
+
+def _join(inputs: Sequence[torch.Tensor], cut: Sequence[torch.Tensor]) -> None:
+    """One backward pass through the inputs' graphs with the gradients :func:`_cut`'s leaves collected."""
+    pairs = [(x, c.grad) for x, c in zip(inputs, cut) if c is not x and c.grad is not None]
+    if pairs:
+        torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
 
 
 def _rng_devices() -> list[int]:
@@ -252,10 +267,13 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
     iteration): step 3 would run another network than step 1 (the buffers are put back). Not seen, and as wrong:
     state changed elsewhere (a parameter, a plain attribute, a change made only in step 3) and any coupling of the
     samples inside an encoder; GradCache is exact for couplings that sit in ``loss_fn``. Under DDP, each
-    re-embedding backward pass all-reduces unless all but the last run in ``no_sync()``.
+    re-embedding backward pass all-reduces unless all but the last run in ``no_sync()``. Inputs computed by layers
+    that need grad (a shared trunk before the encoders) get their gradient too: the micro-batches stop at the
+    input, and one backward pass at the end runs through the trunk's graph (which the caller built, whole).
     """
     _check_encoders(encoders, inputs)
-    chunks = _split(inputs, k)
+    cut = _cut(inputs)
+    chunks = _split(cut, k)
     devices = _rng_devices()
     saved = _buffers(encoders)
     states: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = []
@@ -285,6 +303,7 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
             gz = grads[i]
             if z.requires_grad and gz is not None:  # a frozen encoder has nothing to update
                 z.backward(gz[j * b:(j + 1) * b])
+    _join(inputs, cut)
     return float(loss.detach())
 
 
@@ -343,13 +362,12 @@ def window_fractions(router: Callable[[torch.Tensor], torch.Tensor], micro_batch
     require_count(n_experts, "n_experts")
     if len(micro_batches) == 0:
         raise ValueError("no micro-batches: pass the window's K micro-batches.")
-    if not all(isinstance(x, torch.Tensor) for x in micro_batches):
-        raise ValueError(f"the micro-batches must be tensors, got {sorted({type(x).__name__ for x in micro_batches})}; "
-                         "convert them with torch.as_tensor(...).")
     with torch.no_grad():
         scores = [router(x) for x in micro_batches]
     if not all(isinstance(sc, torch.Tensor) for sc in scores):
-        raise ValueError("the router must return a tensor of scores, (tokens, n_experts).")
+        raise ValueError("the router must return a tensor of scores, (tokens, n_experts); got "
+                         f"{sorted({type(sc).__name__ for sc in scores})} (NumPy micro-batches: convert them with "
+                         "torch.as_tensor(...)).")
     if any(not bool(torch.isfinite(sc).all()) for sc in scores):
         raise ValueError("the router's scores contain inf or NaN: an argmax over them would send those tokens to "
                          "expert 0; fix the router first.")

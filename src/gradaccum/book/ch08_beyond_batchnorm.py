@@ -367,11 +367,13 @@ def plot_aux_window(x: torch.Tensor, k: int, n: int = 64, seed: int = 0):
 
 
 def bn_block(seed: int = 0, momentum: float = 0.1) -> nn.Sequential:
-    """Linear(64, 16) → BatchNorm1d(16) → ReLU → Linear(16, 10), float64."""
+    """Linear(64, 16) → BatchNorm1d(16) → ReLU → Linear(16, 10), float64; the weights depend only on ``seed``
+    (drawn in float32 and then cast, whatever torch's default dtype)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16, momentum=momentum), nn.ReLU(),
-                             nn.Linear(16, 10)).double()
+        f32 = torch.float32
+        return nn.Sequential(nn.Linear(64, 16, dtype=f32), nn.BatchNorm1d(16, momentum=momentum, dtype=f32),
+                             nn.ReLU(), nn.Linear(16, 10, dtype=f32)).double()
 
 
 class Checkpointed(nn.Module):

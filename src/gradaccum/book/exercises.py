@@ -11,7 +11,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
 import torch
 
@@ -156,9 +156,9 @@ def grade_number(
 
 
 def _truncated(x: float, digits: int) -> float:
-    """``x`` cut off (towards zero) after ``digits`` significant digits."""
-    scale = 10.0 ** (digits - 1 - math.floor(math.log10(abs(x))))
-    return math.trunc(x * scale) / scale
+    """``x`` cut off (towards zero) after ``digits`` significant digits, in decimal (0.29 stays 0.29)."""
+    exact = Decimal(repr(float(x)))
+    return float(exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1), rounding=ROUND_DOWN))
 
 
 def grading_plan(grader: Callable[..., Feedback], **kwargs: object) -> tuple[float, int, list[tuple[float, str]]]:
@@ -783,7 +783,7 @@ def _numbers(values: object, name: str) -> tuple[object, ...]:
     if not isinstance(values, (list, tuple)):
         raise ValueError(f"{name} must be a sequence of numbers, one per expert, got {type(values).__name__} "
                          f"{values!r}.")
-    return tuple(values)
+    return tuple(v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in values)
 
 
 def grade_switch_aux(answer: object, fractions: tuple[float, ...] = (0.75, 0.25),
