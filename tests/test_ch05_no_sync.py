@@ -343,6 +343,17 @@ def test_cost_model_graders_and_launcher_refuse_impossible_input():
             ch5.launch("equality", world_size=2, **kwargs)
 
 
+def test_find_unused_parameters_adds_one_all_reduce_per_synchronized_backward():
+    """Exercise ex-ch5-calls' solution, measured at the process group (the profiler counts every all-reduce; the
+    comm hook only the gradient buckets): the default makes 22, 24, 24 without no_sync and 1, 3, 3 with it, as
+    the hook counts; with find_unused_parameters=True each synchronized backward also all-reduces the map of used
+    parameters: 24 + 8 = 32 and 3 + 1 = 4 per step, from the first step on."""
+    for res in ch5.launch("collectives", world_size=2, k=8, b=2, steps=3):
+        assert res["sync every micro-batch"] == [22, 24, 24] and res["no_sync"] == [1, 3, 3], res
+        assert res["sync every micro-batch, find_unused_parameters=True"] == [32, 32, 32], res
+        assert res["no_sync, find_unused_parameters=True"] == [4, 4, 4], res
+
+
 def test_static_graph_keeps_one_bucket_for_two_synchronized_backward_passes():
     """Chapter 5's rule for static_graph=True: the first two synchronized backward passes use the single bucket,
     the buckets are rebuilt before the third. At K = 1 the count equals the buckets only from step 3 (the

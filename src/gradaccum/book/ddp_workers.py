@@ -267,6 +267,29 @@ def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None,
     return out
 
 
+def _task_collectives(rank: int, world_size: int, k: int, b: int, steps: int, data: Any = None,
+                      bucket_cap_mb: float = 0.005) -> dict[str, list[int]]:
+    """All-reduces the process group runs in each of ``steps`` accumulated steps, counted by the profiler (every
+    ``c10d::allreduce_``, whatever the backend; the comm hook of :func:`_calls_per_step` sees gradient buckets
+    only), with and without ``no_sync()`` and with the default or ``find_unused_parameters=True``, whose reducer
+    also all-reduces the map of used parameters in every synchronized backward pass."""
+    from torch.profiler import ProfilerActivity, profile  # here: only this task needs the profiler
+
+    x, y = _shard(rank, world_size, k * b, torch.float64, data)
+    out = {}
+    for unused in (False, True):
+        for mode in ("sync every micro-batch", "no_sync"):
+            model = DDP(make_cnn("group", seed=0), find_unused_parameters=unused, bucket_cap_mb=bucket_cap_mb)
+            counts = []
+            for _ in range(steps):
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    model.zero_grad(set_to_none=True)
+                    ddp_accumulate(model, nn.CrossEntropyLoss(), x, y, k, no_sync=mode == "no_sync")
+                counts.append(sum(e.name == "c10d::allreduce_" for e in prof.events()))
+            out[f"{mode}{', find_unused_parameters=True' if unused else ''}"] = counts
+    return out
+
+
 def _task_placement(rank: int, world_size: int, k: int, b: int, data: Any = None) -> dict[str, Any]:
     """For every entry of :data:`PLACEMENTS`: the all-reduce calls of one accumulated step and the gradient this
     rank holds after it; plus ``"local"``, the gradient of this rank's own shard alone (no averaging)."""
@@ -404,9 +427,10 @@ def _task_frameworks(rank: int, world_size: int, **kwargs: Any) -> Any:
 
 
 #: Tasks that train on the digits: launch() hands them the training images.
-DATA_TASKS = ("equality", "timing", "train", "placement", "buffers")
+DATA_TASKS = ("equality", "timing", "train", "placement", "buffers", "collectives")
 
 
 TASKS: dict[str, Callable[..., Any]] = {"equality": _task_equality, "timing": _task_timing, "crash": _task_crash,
                                         "train": _task_train, "placement": _task_placement,
-                                        "frameworks": _task_frameworks, "buffers": _task_buffers}
+                                        "frameworks": _task_frameworks, "buffers": _task_buffers,
+                                        "collectives": _task_collectives}
