@@ -267,13 +267,11 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
     iteration): step 3 would run another network than step 1 (the buffers are put back). Not seen, and as wrong:
     state changed elsewhere (a parameter, a plain attribute, a change made only in step 3) and any coupling of the
     samples inside an encoder; GradCache is exact for couplings that sit in ``loss_fn``. Under DDP, each
-    re-embedding backward pass all-reduces unless all but the last run in ``no_sync()``. Inputs computed by layers
-    that need grad (a shared trunk before the encoders) get their gradient too: the micro-batches stop at the
-    input, and one backward pass at the end runs through the trunk's graph (which the caller built, whole).
+    re-embedding backward pass all-reduces unless all but the last run in ``no_sync()``. A shared trunk before the
+    encoders gets its gradient in one backward pass at the end (:func:`_cut`, :func:`_join`).
     """
     _check_encoders(encoders, inputs)
-    cut = _cut(inputs)
-    chunks = _split(cut, k)
+    chunks = _split(cut := _cut(inputs), k)
     devices = _rng_devices()
     saved = _buffers(encoders)
     states: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = []
