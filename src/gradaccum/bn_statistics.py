@@ -129,9 +129,11 @@ def layer_inputs(model: nn.Module, x: torch.Tensor, layer: str) -> torch.Tensor:
     captured: list[torch.Tensor] = []
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
-        first = next(iter(inspect.signature(mod.forward).parameters), None)  # its first input, also as a keyword
-        named = [kwargs[first]] if first in kwargs and not args else []
-        tensors = [t for t in (*args, *named, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        try:  # the arguments in the order of forward's parameters, however they were passed
+            values = list(inspect.signature(mod.forward).bind(*args, **kwargs).arguments.values())
+        except TypeError:
+            values = [*args, *kwargs.values()]
+        tensors = [t for t in values if isinstance(t, torch.Tensor)]
         if not tensors:
             raise ValueError(f"submodule {layer!r} was called without a tensor argument; layer_inputs returns the "
                              "tensor a layer receives.")
