@@ -50,8 +50,8 @@ def auto_impl(x: torch.Tensor, virtual_batch_size: int) -> str:
     1.5–1.7×, the fold about 2×, the loop 3–4×; the fold was slower than the group on every map measured),
     where the copies, two each way, cost about as much as GroupNorm's own forward and backward (timed inside a
     training loop on 64×16×8×8, the four copies and GroupNorm's two kernels alone took 0.85–0.98× BatchNorm's
-    whole forward and backward, and one custom autograd function around them 1.4× before any statistics, 1.7× with
-    them, in three rounds: these eager kernels do not reach 1.2× there). With 4,194,304
+    whole forward and backward in three rounds, and one custom autograd function around them 1.3–1.4× before any
+    statistics, 1.6–1.7× with them, in two: these eager kernels do not reach 1.2× there). With 4,194,304
     values (16 MB in float32) the group's time varied from run to run between 0.8× and 2.4×, the loop's stayed
     within 0.9–1.3× (even with 256 ghost batches), so from there on "auto" takes the loop. On (N, C) features
     the group's blocks are only v values long (3.8× on 4096×256 with v=32): the fold takes about 2.4×, the loop
