@@ -139,7 +139,7 @@ def step_costs(x: torch.Tensor, k: int, b: int, hidden: int = 2048, repeat: int 
     """Time and graph memory of one step of the full batch, plain accumulation and GradCache (``k`` micro-batches
     of ``b`` digits, two views) with an encoder of ``hidden`` units. Graph memory: :func:`peak_saved_bytes`, without
     the parameters and the two views (GradCache also keeps the window's embeddings and their gradient,
-    2 · k · b · 16 numbers each, outside any graph)."""
+    2 · k · b · 16 numbers each, outside the encoders' graphs; its loss graph saves the embeddings, so they count)."""
     g = torch.Generator().manual_seed(0)
     xs = flat_digits(x[: k * b])
     xa, xb = views(xs, g), views(xs, g)
