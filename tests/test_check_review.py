@@ -529,3 +529,53 @@ def test_review_value_clipping_inside_the_window_is_not_called_a_scaling():
     tanh = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     xs, ys = torch.randn(16, 6, dtype=torch.float64), torch.randint(0, 3, (16,))
     assert C.check(tanh, nn.CrossEntropyLoss(), xs, ys, 4, step=step).codes == ["clip_running_buffer"]
+
+
+# ------------------------------------------------------------------ fifth review: a clip over another bug
+
+
+def _token_mean_step(clip: float, divide_by_k: bool = True):
+    """A mean of per-micro-batch token means (ignore_index=-100), clip_grad_norm_ after every backward."""
+    def step(model, loss_fn, x, y, k):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            loss = F.cross_entropy(model(xb), yb, ignore_index=-100)
+            (loss / k if divide_by_k else loss).backward()
+            clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return step
+
+
+@pytest.mark.parametrize("clip", [0.05, 1e3])
+def test_a_running_clip_does_not_hide_a_mean_of_token_means(clip):
+    """Review (left alone in earlier notes): with a clip that bites on the running buffer, a mean of token means
+    was not named, only the clip. The weights each backward adds, read before the clip, name it too; without the
+    1/K as well, all three."""
+    model, _, x, y = make()
+    y = y.clone()
+    y[:5] = -100  # micro-batches of 3, 8, 8, 8 targets
+    loss_fn = lambda o, t: F.cross_entropy(o, t, ignore_index=-100)  # noqa: E731
+    report = C.check(model, loss_fn, x, y, K, step=_token_mean_step(clip))
+    assert set(report.codes) == {"clip_running_buffer", "token_normalization"}, report
+    token = next(f for f in report.findings if f.code == "token_normalization")
+    assert "tokens per micro-batch [3, 8, 8, 8]" in token.evidence and "[0.25, 0.25, 0.25, 0.25]" in token.evidence
+    both = C.check(model, loss_fn, x, y, K, step=_token_mean_step(0.05, divide_by_k=False))
+    assert set(both.codes) == {"clip_running_buffer", "token_normalization", "missing_1_over_k"}, both
+
+    def token_sum(model, loss_fn, x, y, k):  # the window's tokens divide every micro-batch's sum: the clip only
+        n = int((y != -100).sum())
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            (F.cross_entropy(model(xb), yb, ignore_index=-100, reduction="sum") / n).backward()
+            clip_grad_norm_(model.parameters(), 0.05)
+
+    assert C.check(model, loss_fn, x, y, K, step=token_sum).codes == ["clip_running_buffer"]
+
+
+def test_a_clip_that_bit_is_not_called_a_scaling_by_its_epsilon():
+    """Review: duplicate micro-batches (a rank-deficient basis) with a running clip in float64 added "the gradient
+    is scaled by a constant factor ... 1× the full batch's": the step differed by clip_grad_norm_'s 1e-6."""
+    model, loss_fn, x, y = make()
+    x, y = torch.cat([x[:8], x[:8]]), torch.cat([y[:8], y[:8]])
+    step = _sgd_step(clip_params=lambda m: [m.parameters()], threshold=0.05, clip_each=True)
+    assert C.check(model, loss_fn, x, y, 2, step=step).codes == ["clip_running_buffer"]

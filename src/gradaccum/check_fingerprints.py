@@ -505,6 +505,52 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
                 "or leave them out of step", None, "note")
 
 
+def _token_finding(m: Measurements, out: _Findings, e: list[float], w: list[float], how: str = "") -> None:
+    """A loop that weighs micro-batches equally (``w``) where the full batch weighs them unequally (``e``): by
+    their token counts (a mean of per-micro-batch token means), or by some other total the loss divides by (a
+    class-weighted mean). ``how`` says where ``w`` was read."""
+    total_e, total_t = sum(e), sum(m.tokens)
+    by_tokens = bool(total_e and total_t) and all(
+        abs(ej / total_e - tj / total_t) <= 1e-6 for ej, tj in zip(e, m.tokens))
+    if len(set(m.tokens)) > 1 and by_tokens:
+        out.add("token_normalization", "mean of per-micro-batch token means: micro-batches weighted equally, "
+                "not by their token counts", f"tokens per micro-batch {m.tokens}: the full batch weighs "
+                f"micro-batch gradients by their tokens, {nums(e)}; your loop weighs them equally, {nums(w)}{how}",
+                "reduction='sum' and divide by the tokens of the whole window (num_items_in_batch), all-reduced "
+                "across ranks", 6)
+    else:
+        # the same number of targets everywhere, yet the loss weighs micro-batches unequally: a weighted loss
+        counted = (f"each micro-batch has {m.tokens[0]} target(s)" if len(set(m.tokens)) == 1 else
+                   f"micro-batches have {m.tokens} target(s), not in proportion to these weights")
+        out.add("token_normalization", "a mean of per-micro-batch weighted means: micro-batches weighted "
+                "equally, not by their total weight", f"{counted}, yet the full batch weighs micro-batch "
+                f"gradients {nums(e)}: the loss divides by a total that differs between micro-batches (e.g. "
+                f"CrossEntropyLoss(weight=...) divides by the summed class weights of the targets); your loop "
+                f"weighs them equally, {nums(w)}{how}", "sum each micro-batch's weighted loss (reduction='sum') and "
+                "divide by the total weight of the whole window's targets", 6)
+
+
+def _token_from_backwards(m: Measurements, out: _Findings, loop_error: float, cos: float,
+                          clips: list[Event]) -> None:
+    r"""A clip inside the window rescales the buffer, so the step's fitted weights mix the clip with the loss's
+    weighting. What each backward pass added, :math:`\alpha_j` (read before any clip), is the loss's alone: equal
+    :math:`\alpha_j` where the full batch's :math:`f_j` differ is a per-micro-batch mean, named alongside the clip
+    (and a mean :math:`\alpha` K or 1/K times the mean :math:`f` a missing or doubled 1/K)."""
+    alphas = _per_backward(m)
+    present = [j for j in range(m.k) if m.f[j] != 0]
+    if alphas is None or len(present) < 2 or "token_normalization" in out:
+        return
+    f, a = [m.f[j] for j in present], [alphas[j] for j in present]
+    a_mean = sum(a) / len(a)
+    if max(f) - min(f) <= m.thr * max(abs(v) for v in f) or a_mean == 0:
+        return  # the full batch weighs them equally: nothing to read here
+    if max(abs(v / a_mean - 1) for v in a) > m.thr:
+        return
+    _token_finding(m, out, list(m.f), alphas, " (what each backward added, read before your clip)")
+    _scale_findings(m, out, a_mean / (sum(m.f) / m.k), loop_error, cos, clips, token=True,
+                    what="on average, the backward passes' weights are")
+
+
 def _held_one(m: Measurements, e: Event) -> bool:
     """Whether, at clip event e, the buffer held only the latest micro-batch (it was emptied before it)."""
     j = e.after  # clip came after backward j (1-based)
@@ -663,25 +709,7 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     w_uniform = max(abs(v / w_mean - 1) for v in w_present) <= m.thr if w_mean else False
     clips = _counts(events, "clip")
     if not uniform and not f_uniform and w_uniform:
-        total_e, total_t = sum(e), sum(m.tokens)
-        by_tokens = bool(total_e and total_t) and all(
-            abs(ej / total_e - tj / total_t) <= 1e-6 for ej, tj in zip(e, m.tokens))
-        if len(set(m.tokens)) > 1 and by_tokens:
-            out.add("token_normalization", "mean of per-micro-batch token means: micro-batches weighted equally, "
-                    "not by their token counts", f"tokens per micro-batch {m.tokens}: the full batch weighs "
-                    f"micro-batch gradients by their tokens, {nums(e)}; your loop weighs them equally, {nums(w)}",
-                    "reduction='sum' and divide by the tokens of the whole window (num_items_in_batch), all-reduced "
-                    "across ranks", 6)
-        else:
-            # the same number of targets everywhere, yet the loss weighs micro-batches unequally: a weighted loss
-            counted = (f"each micro-batch has {m.tokens[0]} target(s)" if len(set(m.tokens)) == 1 else
-                       f"micro-batches have {m.tokens} target(s), not in proportion to these weights")
-            out.add("token_normalization", "a mean of per-micro-batch weighted means: micro-batches weighted "
-                    "equally, not by their total weight", f"{counted}, yet the full batch weighs micro-batch "
-                    f"gradients {nums(e)}: the loss divides by a total that differs between micro-batches (e.g. "
-                    f"CrossEntropyLoss(weight=...) divides by the summed class weights of the targets); your loop "
-                    f"weighs them equally, {nums(w)}", "sum each micro-batch's weighted loss (reduction='sum') and "
-                    "divide by the total weight of the whole window's targets", 6)
+        _token_finding(m, out, e, w)
         plain = sum(e) / k  # equal weights that add up to the full batch's total
         _scale_findings(m, out, w_mean / plain, loop_error, cosine(clipped, m.applied), clips, token=True)
         return
@@ -708,6 +736,7 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         else:
             out.remove({"clip_running_buffer"})
             out.add("clip_per_micro_batch", CLIP_PER_MICRO, evidence, CLIP_FIX, 3)
+        _token_from_backwards(m, out, loop_error, cosine(clipped, m.applied), clips)
         return
     scales = [p.scale for p in m.passes if p.scale is not None]
     if len(scales) == k and len(set(scales)) > 1:
@@ -718,6 +747,7 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
                 "one loss scale per window: call scaler.update() once, after scaler.step()", 4)
         return
     if any(code in out for code in ("clip_running_buffer", "clip_per_micro_batch", "clip_before_unscale")):
+        _token_from_backwards(m, out, loop_error, cosine(clipped, m.applied), clips)
         return
     out.add("weights_differ", "your loop weighs micro-batches differently from the full batch", weights,
             CORRECT_LOOP, 6)
@@ -828,7 +858,9 @@ def _scale_findings(m: Measurements, out: _Findings, s: float, loop_error: float
     measured quantity ``s`` is read from (the fitted micro-batch weights, or the whole gradient)."""
     k = m.k
     close = lambda a, b: abs(a - b) <= m.thr * abs(b)  # noqa: E731
-    if close(s, 1.0):
+    # clip_grad_norm_ divides by the norm + 1e-6: a clip that bit moves the step by up to 1e-6 / norm of itself
+    slack = sum(1e-6 / n for n in (e.detail.get("norm_before", math.nan) for e in clips) if n > 0)
+    if close(s, 1.0) or abs(s - 1) <= 2 * slack:
         return
     named = [c for c in ("missing_1_over_k", "double_1_over_k") if c in out]
     if named:  # already named from the per-backward weights (a clip may have rescaled the step): add the fit
