@@ -393,3 +393,71 @@ def test_review_clip_with_scaler_refuses_what_a_scaler_would_skip():
         clipping.clip_with_scaler(model, nn.CrossEntropyLoss(), x, y, 2, 0.1, init_scale=1e300)
     with pytest.raises(ValueError, match="unscale_first"):
         clipping.clip_with_scaler(model, nn.CrossEntropyLoss(), x, y, 2, 0.1, unscale_first="False")
+
+
+# ------------------------------------------------------------------ fourth review
+
+
+def test_adamw_reverses_the_order_of_a2(digits):
+    """The page: with AdamW (torch's defaults) at learning rates 1e-3 and 1e-2, K = 8, c = 0.3, (a1) and (a2)
+    both end below clipping once in all six runs, and (b) above it: SGD's order of (a2) reverses."""
+    for lr in (1e-3, 1e-2):
+        sweep = ch3.train_sweep(digits, k=8, epochs=2, setups=(("group", 0.3),), lr=lr, optimizer="AdamW",
+                                workers=2)
+        assert len(sweep) == 3
+        for key, loss in sweep.items():
+            assert max(loss["scaled_micro"], loss["raw_micro"]) < loss["once"] < loss["running"], (lr, key, loss)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        ch3.train_sweep(digits, epochs=1, optimizer="Adam", placements=("once",), seeds=(0,))
+
+
+def test_the_agreement_of_aligned_gradients_is_accepted():
+    """Review: mean_pairwise_cosine of identical vectors came out 1 + 2e-16 in a third of the seeds, which
+    raw_micro_all_clipped refused as outside [-1/(K-1), 1]."""
+    for s in range(50):
+        v = torch.randn(777, generator=torch.Generator().manual_seed(s), dtype=torch.float64) * 5
+        a = clipping.mean_pairwise_cosine([v] * 8)
+        assert 1 - 1e-14 < a <= 1.0 and clipping.raw_micro_all_clipped(a, 8, 2.0) == pytest.approx(1.0, abs=1e-14)
+    assert clipping.mean_pairwise_cosine([torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 0.0])]) == -1.0
+    assert clipping.raw_micro_all_clipped(-1.0 - 1e-15, 2, 2.0) == 0.0
+    with pytest.raises(ValueError, match="lies in"):
+        clipping.raw_micro_all_clipped(1.001, 8, 2.0)
+
+
+def test_a_small_step_that_no_clip_touched_keeps_its_direction():
+    """Review: nothing clipped (c = 10, norms <= 1), the step 7.5e-7 is exact, yet the floor for clipping residue
+    made its cosine and ratio NaN. The floor now applies only where a clip acted."""
+    t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    r = clipping.compare_to_once([t(1.0, 0.0), t(-0.9999985, 0.0)], 10.0, "raw_micro")
+    assert r.floor == 0.0 and r.cosine == pytest.approx(1.0) and r.ratio == pytest.approx(1.0)
+    cancelled = clipping.compare_to_once([t(10.0, 0.0), t(-9.0, 0.0)], 1.0, "scaled_micro")  # a clip residue
+    assert cancelled.floor > 0 and math.isnan(cancelled.cosine)
+    exact_zero = clipping.compare_to_once([t(1.0, 0.0), t(-1.0, 0.0)], 10.0, "raw_micro")
+    assert math.isnan(exact_zero.cosine) and math.isnan(exact_zero.ratio)
+
+
+def test_messages_and_defaults_from_the_review():
+    with pytest.raises(ValueError, match=r"float64 \(v.double\(\)\)"):
+        clipping.clip_vector(torch.tensor([3e38, 3e38]), 1.0)
+    with pytest.raises(ValueError, match=r"float64 \(v.double\(\)\)"):
+        clipping.clip_vector(torch.tensor([3e38, 3e38], dtype=torch.bfloat16), 1.0)
+    with pytest.raises(ValueError, match=r"float32 \(v.float\(\)\)"):
+        clipping.clip_vector(torch.tensor([60000.0, 60000.0], dtype=torch.float16), 1.0)
+    # "once" divides each micro-gradient by K before adding, as a loop does: no float16 overflow of the sum
+    half = [torch.tensor([40000.0, 0.0], dtype=torch.float16)] * 2
+    assert float(clipping.combine(half, 1.0, "once").norm()) == pytest.approx(1.0, abs=1e-3)
+    # the default is the right order, as in clip_with_scaler
+    assert clipping.scaler_clip_norm(4.0, 1.0) == pytest.approx(1.0, abs=1e-6)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).half()
+    with pytest.raises(ValueError, match="autocast"):
+        clipping.clip_with_scaler(model, nn.CrossEntropyLoss(), torch.randn(4, 4).half(), torch.tensor([0, 1, 0, 1]),
+                                  2, 1.0)
+
+
+def test_exercise_shrink_numbers():
+    """ex-ch3-shrink's solution: the (a2) step is 0 up to about 3e-7, clipping once leaves (1, 0) up to 1/(1+1e-6)."""
+    g = [torch.tensor([3.0, 0.0], dtype=torch.float64), torch.tensor([-1.0, 0.0], dtype=torch.float64)]
+    a2 = float(clipping.combine(g, 1.0, "raw_micro").norm())
+    assert 2.5e-7 < a2 < 3.5e-7
+    assert float(clipping.combine(g, 1.0, "once").norm()) == pytest.approx(1 / (1 + 1e-6), rel=1e-12)

@@ -151,6 +151,8 @@ def agreement(g_ref: torch.Tensor, g: torch.Tensor) -> Agreement:
 
 #: Learning-rate schedules :func:`train` offers.
 SCHEDULES: tuple[str, ...] = ("constant", "cosine")
+#: The optimizers :func:`train` can take.
+OPTIMIZERS: tuple[str, ...] = ("SGD", "AdamW")
 
 
 @dataclass
@@ -204,8 +206,11 @@ def train(
     seed: int = 0,
     backward_fn: BackwardFn | None = None,
     schedule: str = "constant",
+    optimizer: str = "SGD",
 ) -> TrainResult:
-    r"""Train ``model`` in place with SGD, one optimizer step per batch of ``batch_size`` samples.
+    r"""Train ``model`` in place with SGD (with ``momentum``), one optimizer step per batch of ``batch_size``
+    samples; ``optimizer="AdamW"`` takes ``torch.optim.AdamW`` at ``lr`` with torch's defaults instead (β = (0.9,
+    0.999), weight decay 0.01; ``momentum`` is then unused).
 
     Each batch is cut into K micro-batches of :math:`b = \text{batch\_size}/K`; every micro-batch loss
     (cross-entropy, mean over its samples) is divided by K before ``backward``, and the optimizer steps once
@@ -232,12 +237,15 @@ def train(
     b = batch_size // k
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}.")
     n = x.shape[0]
     if batch_size > n:
         raise ValueError(f"batch_size ({batch_size}) exceeds the {n} training samples.")
     backward = backward_fn or accumulate_backward
     loss_fn = nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    opt: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+                                  if optimizer == "SGD" else torch.optim.AdamW(model.parameters(), lr=lr))
     total_steps = epochs * (n // batch_size)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total_steps) if schedule == "cosine" else None
     gen = torch.Generator().manual_seed(seed)

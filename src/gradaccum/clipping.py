@@ -97,8 +97,11 @@ def clip_vector(v: torch.Tensor, c: float, mode: Literal["norm", "value"] = "nor
         raise ValueError(f"mode must be 'norm' or 'value', got {mode!r}.")
     norm = torch.linalg.vector_norm(v)
     if not bool(torch.isfinite(norm)):
+        wider = ("float32 (v.float())" if v.dtype == torch.float16 else "float64 (v.double())"
+                 if v.dtype != torch.float64 else "a rescaled copy (clip v / 2**k: the same result once its norm "
+                 "exceeds c)")
         raise ValueError(f"the norm of v overflows {v.dtype} although its entries are finite: clip_grad_norm_ would "
-                         "scale it by c/inf = 0; clip it in float32 (v.float()).")
+                         f"scale it by c/inf = 0; clip it in {wider}.")
     coef = c / (norm + EPS)
     return v * coef.clamp(max=1.0)
 
@@ -123,8 +126,8 @@ def combine(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement,
     micro_grads = require_vectors(micro_grads)
     k = len(micro_grads)
     # sum() of K >= 1 tensors is a tensor (typeshed types it ``Tensor | Literal[0]`` for the empty case)
-    if placement == "once":
-        return clip_vector(cast(torch.Tensor, sum(micro_grads)) / k, c, mode)
+    if placement == "once":  # each g_k / K first, as a loop's backward of loss / K adds them (no overflow of the sum)
+        return clip_vector(cast(torch.Tensor, sum(g / k for g in micro_grads)), c, mode)
     if placement == "scaled_micro":
         return cast(torch.Tensor, sum(clip_vector(g / k, c, mode) for g in micro_grads))
     if placement == "raw_micro":
@@ -188,7 +191,7 @@ class Comparison:
     def ratio(self) -> float:
         """Length of the placement's step in units of the correct one (NaN when the correct step is zero up to
         ``clip_grad_norm_``'s 1e-6: no unit to measure in)."""
-        return self.norm / self.correct if self.correct >= self.floor else math.nan
+        return self.norm / self.correct if self.correct >= self.floor and self.correct > 0 else math.nan
 
 
 def compare_to_once(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement) -> Comparison:
@@ -197,14 +200,32 @@ def compare_to_once(micro_grads: Sequence[torch.Tensor], c: float, placement: Pl
     ``clip_grad_norm_``'s :math:`10^{-6}` term leaves a residue of at most about :math:`10^{-6}` times the smaller
     of c and the micro-gradients' mean norm where an exact projection would give 0 (opposite micro-gradients
     clipped to c each): a step shorter than that floor is zero up to it, its direction is rounding noise, and its
-    cosine (and a ratio to it) is reported as NaN."""
+    cosine (and a ratio to it) is reported as NaN. Where no clip acted (every vector clipped is shorter than
+    :math:`c - 10^{-6}`), both steps are plain sums, the floor is 0, and only an exactly zero step has no cosine."""
     step = combine(micro_grads, c, placement)
     correct = combine(micro_grads, c, "once")
     scale = sum(float(torch.linalg.vector_norm(g.double())) for g in micro_grads) / len(micro_grads)
-    floor = EPS * min(float(c), scale)
+    # the residue comes from a clip that acted; where none did, both steps are exact sums and keep their directions
+    acted = _clip_acted(micro_grads, c, placement) or _clip_acted(micro_grads, c, "once")
+    floor = EPS * min(float(c), scale) if acted else 0.0
     n, m = float(torch.linalg.vector_norm(step)), float(torch.linalg.vector_norm(correct))
     cos = cosine(step, correct) if n >= floor and m >= floor else math.nan
     return Comparison(placement, n, m, cos, floor)
+
+
+def _clip_acted(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement) -> bool:
+    r"""Whether any clip of ``placement`` scaled its vector (``clip_grad_norm_``'s coefficient
+    :math:`c/(\lVert v\rVert + 10^{-6})` below 1)."""
+    k = len(micro_grads)
+    if placement == "once":
+        norms = [float(torch.linalg.vector_norm(sum(g.double() / k for g in micro_grads)))]
+    elif placement == "scaled_micro":
+        norms = [float(torch.linalg.vector_norm(g.double())) / k for g in micro_grads]
+    elif placement == "raw_micro":
+        norms = [float(torch.linalg.vector_norm(g.double())) for g in micro_grads]
+    else:
+        norms = running_buffer_norms(micro_grads, c)
+    return any(n + EPS > c for n in norms)
 
 
 def _require_finite_grads(model: nn.Module) -> None:
@@ -292,7 +313,8 @@ def mean_pairwise_cosine(vectors: Sequence[torch.Tensor]) -> float:
     unit = torch.stack([v / torch.linalg.vector_norm(v) for v in scaled])
     gram = unit @ unit.T
     n = len(vectors)
-    return float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
+    mean = float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
+    return min(1.0, max(-1.0 / (n - 1), mean))  # the exact range: rounding can step out of it by an ulp
 
 
 def running_buffer_norms(micro_grads: Sequence[torch.Tensor], c: float) -> list[float]:
@@ -340,6 +362,10 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     if init_scale > torch.finfo(torch.float32).max:
         raise ValueError(f"GradScaler keeps its scale in float32, whose largest value is "
                          f"{torch.finfo(torch.float32).max:g}; got init_scale {init_scale:g}.")
+    if any(p.dtype == torch.float16 for p in model.parameters()):
+        raise ValueError("the model has float16 parameters, whose gradients GradScaler refuses to unscale (torch: "
+                         "'Attempting to unscale FP16 gradients'); keep the parameters in float32 and run the forward "
+                         "under torch.autocast(device_type, dtype=torch.float16), the recipe of chapter 4.")
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     device_type = next(work.parameters()).device.type
@@ -381,7 +407,10 @@ def raw_micro_all_clipped(agreement: float, k: int, smallest_over_c: float) -> f
     for name, value in (("agreement", agreement), ("smallest_over_c", smallest_over_c)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
             raise ValueError(f"{name} must be a number, got {value!r}.")
-    if not -1.0 / (k - 1 if k > 1 else 1) <= agreement <= 1.0:
+    low = -1.0 / (k - 1 if k > 1 else 1)
+    if low - 1e-12 <= agreement <= 1.0 + 1e-12:  # a cosine computed in floating point may step out by an ulp
+        agreement = min(1.0, max(low, float(agreement)))
+    else:
         raise ValueError(f"agreement is the mean pairwise cosine of K = {k} unit vectors, which lies in "
                          f"[-1/(K-1), 1] = [{-1 / max(k - 1, 1):.3g}, 1], got {agreement}.")
     if not smallest_over_c > 1.0:
@@ -390,11 +419,12 @@ def raw_micro_all_clipped(agreement: float, k: int, smallest_over_c: float) -> f
     return math.sqrt(max(0.0, 1 / k + (1 - 1 / k) * agreement))
 
 
-def scaler_clip_norm(grad_norm: float, c: float, scale: float = 2.0**16, unscale_first: bool = False) -> float:
+def scaler_clip_norm(grad_norm: float, c: float, scale: float = 2.0**16, unscale_first: bool = True) -> float:
     """Norm of the gradient the optimizer receives from ``torch.amp.GradScaler`` with ``clip_grad_norm_(c)``,
     for an accumulated gradient of true norm ``grad_norm``: ``unscale_`` then clip (right) or clip then
-    ``unscale_`` (wrong: the clip sees the scaled norm S·‖g‖ and brings it to c, unscaling leaves c/S).
-    Uses a real scaler on one float64 parameter on the CPU."""
+    ``unscale_`` (``unscale_first=False``, wrong: the clip sees the scaled norm S·‖g‖ and brings it to c, unscaling
+    leaves c/S). The default is the right order, as in :func:`clip_with_scaler`. Uses a real scaler on one float64
+    parameter on the CPU."""
     _require_threshold(c)
     require_flag(unscale_first, "unscale_first", "True: unscale_ then clip, the right order")
     require_positive(grad_norm, "grad_norm")

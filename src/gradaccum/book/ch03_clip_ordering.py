@@ -185,14 +185,14 @@ class ClipRun:
 
 
 def placement_run(split: DigitsSplit, k: int, c: float, placement: str, epochs: int = 8, seed: int = 0,
-                  norm: Literal["group", "layer"] = "group", lr: float = 0.05) -> ClipRun:
+                  norm: Literal["group", "layer"] = "group", lr: float = 0.05, optimizer: str = "SGD") -> ClipRun:
     """One run of :func:`train_placements`: ``placement`` over K micro-batches, or ``"full batch"`` (K = 1, the
     batch clipped once)."""
     kk, p = (1, "once") if placement == "full batch" else (k, placement)
     backward_fn = functools.partial(clipped_accumulation, c=c, placement=_require_placement(p))
     model = make_cnn(norm, seed=seed, device=split.x_train.device)
     r = train(model, split.x_train, split.y_train, split.x_val, split.y_val, batch_size=64, k=kk,
-              epochs=epochs, seed=seed, backward_fn=backward_fn, lr=lr)
+              epochs=epochs, seed=seed, backward_fn=backward_fn, lr=lr, optimizer=optimizer)
     return ClipRun(placement, kk, r.val_acc, r.train_loss)
 
 
@@ -249,14 +249,14 @@ def table_sweep(split: DigitsSplit, setups: Sequence[tuple[Literal["group", "lay
 def train_sweep(split: DigitsSplit, k: int = 8, epochs: int = 2,
                 setups: Sequence[tuple[Literal["group", "layer"], float]] = SETUPS,
                 seeds: Sequence[int] = (0, 1, 2), lr: float = 0.05,
-                placements: Sequence[str] = PLACEMENTS, workers: int = 1,
+                placements: Sequence[str] = PLACEMENTS, workers: int = 1, optimizer: str = "SGD",
                 ) -> dict[tuple[str, float, int], dict[str, float]]:
     """Last-epoch training loss of every placement, for every set-up and seed (short runs: ``epochs``; SGD with
-    momentum 0.9 at learning rate ``lr``); ``workers`` as in :func:`train_placements`."""
+    momentum 0.9 at learning rate ``lr``, or ``optimizer="AdamW"``); ``workers`` as in :func:`train_placements`."""
     for norm, c in setups:
         _check_setup(c, norm, placements)
     keys = [(norm, c, s, p) for norm, c in setups for s in seeds for p in placements]
-    jobs = [dict(split=split, k=k, c=c, placement=p, epochs=epochs, seed=s, norm=norm, lr=lr)
+    jobs = [dict(split=split, k=k, c=c, placement=p, epochs=epochs, seed=s, norm=norm, lr=lr, optimizer=optimizer)
             for norm, c, s, p in keys]
     out: dict[tuple[str, float, int], dict[str, float]] = {}
     for (norm, c, s, p), run in zip(keys, run_jobs(placement_run, jobs, workers)):

@@ -368,8 +368,8 @@ def grade_clip_raw_micro(answer: object) -> Feedback:
             (1.0, "1 is the correct step: the average (1, 0) has norm 1 and is not clipped. Under (a2) g_1 is "
                   "clipped to (1, 0) *before* averaging, and then it cancels g_2."),
             (2.0, "average after clipping: ((1, 0) + (−1, 0)) / 2."),
-            (0.5, "(1, 0)/2 leaves g_2 out: g_2 = (−1, 0) has norm 1 = c, so it is not clipped, but it still enters "
-                  "the average."),
+            (0.5, "(1, 0)/2 leaves g_2 out: g_2 = (−1, 0) has norm 1 = c, so it is not clipped (beyond "
+                  "clip_grad_norm_'s factor 1/(1 + 1e-6)), but it still enters the average."),
         ],
         hint="Clip g_1 and g_2 separately to norm ≤ 1, then average.",
         atol=1e-6,  # clip_grad_norm_'s + 1e-6 in max_norm / (norm + 1e-6) leaves ~3e-7, not 0
