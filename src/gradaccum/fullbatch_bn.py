@@ -1066,7 +1066,28 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
     require_tensor(x)
     require_tensor(y, "y")
     require_flag(exact, "exact", "True: the exact full-batch gradient; False: the statistics as constants")
+    _require_sample_mean(loss_fn, y)
     return _restoring(model, lambda: _step(model, loss_fn, x, y, k, exact, cache))
+
+
+def _require_sample_mean(loss_fn: LossFn, y: torch.Tensor) -> None:
+    """Refuse the torch losses whose ``reduction="mean"`` is not a mean over the samples: a class-weighted mean
+    (divided by the summed weights of the targets) or one with ignored targets (divided by the targets left), whose
+    micro-batch means, each divided by K, do not add up to the full batch's. A functional loss is not inspected."""
+    if not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) or loss_fn.reduction != "mean":
+        return
+    name = type(loss_fn).__name__
+    if loss_fn.weight is not None:
+        raise ValueError(f"{name}(weight=...) with reduction='mean' divides by the summed weights of each "
+                         "micro-batch's targets, not by the number of samples: its micro-batch losses divided by K "
+                         f"do not add up to the full batch's. Pass a sample mean instead, e.g. "
+                         f"{name}(weight=w, reduction='none') averaged with .mean().")
+    if not y.is_floating_point() and bool((y == loss_fn.ignore_index).any()):
+        raise ValueError(f"y contains {name}'s ignore_index ({loss_fn.ignore_index}): the mean runs over the "
+                         "targets left in each micro-batch, not over its samples, so the micro-batch losses divided "
+                         "by K do not add up to the full batch's. This scheme needs a mean over the samples (it "
+                         "divides each micro-batch's loss by K): drop the ignored targets from x and y, or pass a "
+                         "loss_fn that averages over samples.")
 
 
 def _restoring(model: nn.Module, run: Callable[[], float]) -> float:

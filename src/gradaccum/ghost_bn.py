@@ -345,8 +345,13 @@ class GhostBatchNorm(_BatchNorm):
         expected = 4 if self.dims == 2 else 2
         if x.dim() != expected:
             raise ValueError(f"GhostBatchNorm(dims={self.dims}) expects a {expected}-D input, got {x.dim()}-D"
-                             + ("; for (N, C, L) sequences, reshape to (N, C, 1, L) and use dims=2."
+                             + ("; for (N, C, L) sequences, reshape to (N, C, 1, L) and use dims=2 (a layer "
+                                "ghostify made from an nn.BatchNorm1d that sees sequences: reshape around it in the "
+                                "model's forward, or leave that layer an nn.BatchNorm1d)."
                                 if x.dim() == 3 else "."))
+        if not x.is_floating_point():
+            raise ValueError(f"GhostBatchNorm normalizes floating-point inputs, got {x.dtype}: convert the input "
+                             "(x.float()) first.")
         if x.shape[1] != self.num_features:
             raise ValueError(f"GhostBatchNorm({self.num_features}, ...) got an input with {x.shape[1]} channels "
                              f"(shape {tuple(x.shape)}): its dimension 1 must hold the {self.num_features} "

@@ -72,10 +72,9 @@ def precise_bn_size_effect(model: nn.Module, x: torch.Tensor, x_val: torch.Tenso
 
     ``update_bn`` averages what BatchNorm stores per batch — the mean and the *unbiased* variance — so at the
     first BatchNorm layer both sizes estimate the same population values for independent values (features); for
-    feature maps, whose positions within an image are correlated, a batch of b images misses about 1/b of the
-    variance between images, so small batches give a lower running variance. At later layers the inputs
-    themselves differ, because during the pass every earlier layer normalizes each batch with that batch's
-    statistics.
+    feature maps Bessel's factor treats the b·H·W values of a batch as independent and can over-correct
+    (:func:`first_layer_variance_ratio`). At later layers the inputs themselves differ, because during the pass
+    every earlier layer normalizes each batch with that batch's statistics.
     """
 
     copies = {}
@@ -92,6 +91,37 @@ def precise_bn_size_effect(model: nn.Module, x: torch.Tensor, x_val: torch.Tenso
             shifts[name] = float(((mean - ref_mean).abs() / ref_var.sqrt()).max())
     accs = {size: accuracy(m.eval(), x_val, y_val) for size, m in copies.items()}
     return PreciseBNSizeEffect(small, large, ratios, shifts, accs[small], accs[large])
+
+
+def first_layer_variance_ratio(model: nn.Module, x: torch.Tensor, small: int, large: int) -> tuple[float, float]:
+    r"""The range over channels of the predicted ratio of the first BatchNorm layer's PreciseBN running variance
+    with batches of ``small`` images to that with batches of ``large``, for 2-d feature maps.
+
+    A batch of b whole images has :math:`n = bHW` values; its biased variance has expectation
+    :math:`\sigma^2 - V_B/b`, with :math:`\sigma^2` the variance of all values and :math:`V_B` that of the
+    per-image means (the within-image spread is all there). BatchNorm stores it times :math:`n/(n-1)`, which is
+    right only for independent values (a shortfall of :math:`\sigma^2/n`), so the ratio is
+    :math:`\frac{n_s/(n_s-1)\,(1 - V_B/(b_s\sigma^2))}{n_l/(n_l-1)\,(1 - V_B/(b_l\sigma^2))}`; above 1 where
+    :math:`V_B < \sigma^2/(HW)`. Computed in float64 from the layer's input on ``x`` (the model is not changed)."""
+    work = copy.deepcopy(model).eval()  # eval: the forward leaves the running statistics alone
+    layer = next((m for m in work.modules() if isinstance(m, nn.BatchNorm2d)), None)
+    if layer is None:
+        raise ValueError("the model has no BatchNorm2d layer: the prediction is for feature maps.")
+    seen: list[torch.Tensor] = []
+    layer.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().double()))
+    with torch.no_grad():
+        work(x)
+    a = seen[0]
+    hw = a.shape[2] * a.shape[3]
+    v_b = a.mean((2, 3)).var(0, unbiased=False)
+    s2 = a.transpose(0, 1).reshape(a.shape[1], -1).var(1, unbiased=False)
+
+    def stored(b: int) -> torch.Tensor:
+        n = b * hw
+        return n / (n - 1) * (1 - v_b / (b * s2))
+
+    ratio = stored(small) / stored(large)
+    return float(ratio.min()), float(ratio.max())
 
 
 #: The methods chapter 2 compares, in the order of its table. "ghost BN, 1 update/step" is this book's
