@@ -579,3 +579,17 @@ def test_a_clip_that_bit_is_not_called_a_scaling_by_its_epsilon():
     x, y = torch.cat([x[:8], x[:8]]), torch.cat([y[:8], y[:8]])
     step = _sgd_step(clip_params=lambda m: [m.parameters()], threshold=0.05, clip_each=True)
     assert C.check(model, loss_fn, x, y, 2, step=step).codes == ["clip_running_buffer"]
+
+    def per_micro(model, loss_fn, x, y, k):  # each micro-batch clipped on its own, then added up
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            model.zero_grad()
+            (loss_fn(model(xb), yb) / k).backward()
+            clip_grad_norm_(model.parameters(), 0.05)
+            for t, p in zip(total, model.parameters()):
+                t += p.grad
+        for t, p in zip(total, model.parameters()):
+            p.grad = t
+
+    # ... and with duplicates the placement is still read from the step (it was "running" and "scaled 2×")
+    assert C.check(model, loss_fn, x, y, 2, step=per_micro).codes == ["clip_per_micro_batch"]

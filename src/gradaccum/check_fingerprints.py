@@ -551,6 +551,33 @@ def _token_from_backwards(m: Measurements, out: _Findings, loop_error: float, co
                     what="on average, the backward passes' weights are")
 
 
+def _clip_placement(m: Measurements, out: _Findings, clips: list[Event], weights: str) -> bool:
+    """Whether the step equals one of chapter 3's clip placements (other than clipping once) computed from the
+    micro-batch gradients at the loop's threshold; if so, the placement is named (the measured gradient decides
+    between the running buffer and per micro-batch) and True returned."""
+    c, kind, norm_type = _loop_clip(m, clips)
+    if c is None:
+        return False
+    matches = [name for name, vec in placements(m.basis, m.f, c, kind, norm_type).items()
+               if name != "once" and rel(vec, m.applied) <= m.thr]
+    if not matches:
+        return False
+    # several can match (duplicate micro-batches make the running buffer and raw per-micro-batch clips one
+    # vector): then the placement the buffer trace already named stands
+    named = {code for code in ("clip_running_buffer", "clip_per_micro_batch") if code in out}
+    agreeing = [name for name in matches
+                if ("clip_running_buffer" if name == "running" else "clip_per_micro_batch") in named]
+    matched = (agreeing or matches)[0]
+    evidence = f"your gradient equals {PLACEMENT_TEXT[matched]} at threshold {num(c)} to rounding; {weights}"
+    if matched == "running":
+        out.remove({"clip_per_micro_batch"})
+        out.add("clip_running_buffer", CLIP_RUNNING, evidence, CLIP_FIX, 3)
+    else:
+        out.remove({"clip_running_buffer"})
+        out.add("clip_per_micro_batch", CLIP_PER_MICRO, evidence, CLIP_FIX, 3)
+    return True
+
+
 def _held_one(m: Measurements, e: Event) -> bool:
     """Whether, at clip event e, the buffer held only the latest micro-batch (it was emptied before it)."""
     j = e.after  # clip came after backward j (1-based)
@@ -670,6 +697,9 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
                     f"{ordinal_list(resets)}; the step applies what the last backward pass(es) left in it",
                     "zero the gradients once per window, before the first micro-batch", 6)
             return
+        if _clip_placement(m, out, _counts(events, "clip"), "the micro-batch gradients are linearly dependent, "
+                           "so the weights cannot be told apart"):
+            return
         denom = float(clipped @ clipped)
         s = float(m.applied @ clipped) / denom if denom > 0 else float("nan")
         cos = cosine(clipped, m.applied)
@@ -720,22 +750,8 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
             _scale_findings(m, out, mean, loop_error, cosine(clipped, m.applied), clips, what=what)
         return
     # weights of different shape: clipping placements, scale changes, or something else
-    c, kind, norm_type = _loop_clip(m, clips)
-    matched = None
-    if c is not None:
-        for name, vec in placements(m.basis, m.f, c, kind, norm_type).items():
-            if name != "once" and rel(vec, m.applied) <= m.thr:
-                matched = name
-                break
-    if matched is not None and c is not None:  # a match implies a threshold
-        evidence = (f"your gradient equals {PLACEMENT_TEXT[matched]} at threshold {num(c)} to rounding; the "
-                    f"micro-batches no longer weigh what they weigh in the full batch: {weights}")
-        if matched == "running":  # the measured gradient decides the placement
-            out.remove({"clip_per_micro_batch"})
-            out.add("clip_running_buffer", CLIP_RUNNING, evidence, CLIP_FIX, 3)
-        else:
-            out.remove({"clip_running_buffer"})
-            out.add("clip_per_micro_batch", CLIP_PER_MICRO, evidence, CLIP_FIX, 3)
+    if _clip_placement(m, out, clips, f"the micro-batches no longer weigh what they weigh in the full batch: "
+                       f"{weights}"):
         _token_from_backwards(m, out, loop_error, cosine(clipped, m.applied), clips)
         return
     scales = [p.scale for p in m.passes if p.scale is not None]

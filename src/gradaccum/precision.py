@@ -54,7 +54,7 @@ def format_info(dtype: torch.dtype) -> FormatInfo:
     if float(torch.tensor(sub, dtype=dtype)) != sub or float(torch.tensor(sub / 2, dtype=dtype)) != 0.0:
         raise ValueError(f"{dtype}: torch.finfo's smallest normal × eps is not this format's smallest positive "
                          "number (a format without subnormals, or one whose finfo disagrees with its casts, like "
-                         "the fnuz float8 types); use float16, bfloat16, float32, float64, float8_e4m3fn or "
+                         "float8_e5m2fnuz); use float16, bfloat16, float32, float64, float8_e4m3fn or "
                          "float8_e5m2.")
     return FormatInfo(str(dtype).replace("torch.", ""), fi.max, fi.smallest_normal, sub, fi.eps,
                       int(round(-math.log2(fi.eps))))
@@ -121,6 +121,9 @@ def largest_fitting_log2(values: torch.Tensor, dtype: torch.dtype = torch.float1
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
     if not isinstance(values, torch.Tensor):
         raise ValueError(f"values must be a tensor (torch.tensor(...) of the list), got {type(values).__name__}.")
+    if values.is_complex():
+        raise ValueError("values are complex: fp16 and bf16 hold real numbers; pass the real and imaginary parts "
+                         "(torch.view_as_real(values)).")
     largest = float(values.detach().abs().max()) if values.numel() else 0.0
     if not math.isfinite(largest) or largest == 0:
         raise ValueError(f"need finite values with a nonzero entry, got max |v| = {largest}.")
@@ -203,6 +206,7 @@ def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     require_k(k)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters: no parameter gradient is written in fp16.")
+    _require_input_dtype(model, x)
     work = copy.deepcopy(model)
     kernels = FP16_KERNELS + ((nn.LayerNorm,) if x.device.type == "cpu" else ())
     fp32 = (nn.modules.batchnorm._NormBase, nn.GroupNorm) + (() if x.device.type == "cpu" else (nn.LayerNorm,))
@@ -221,6 +225,19 @@ def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
         loss_fn(work(xb), yb).backward()
         out += [p.grad.detach().reshape(-1) for p in params if p.grad is not None]
     return torch.cat(out)
+
+
+def _require_divide(divide: object) -> None:
+    if divide not in ("loss", "grads"):
+        raise ValueError(f"divide must be 'loss' (divide each micro-batch's loss by K) or 'grads' (divide the "
+                         f"accumulated gradients by K after unscale_), got {divide!r}.")
+
+
+def _require_input_dtype(model: nn.Module, x: torch.Tensor) -> None:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and dtypes and x.dtype not in dtypes:
+        raise ValueError(f"x is {x.dtype} and the model's parameters {sorted(map(str, dtypes))}: pass x in the "
+                         f"model's precision (x.to({sorted(map(str, dtypes))[0]})).")
 
 
 def _require_float32_model(model: nn.Module, x: torch.Tensor | None = None) -> None:
@@ -299,7 +316,10 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     * ``step_per_micro``: ``step`` and ``update`` after every micro-batch: K small steps, not one.
     * ``no_scaler``: autocast only, loss / K (right for bf16; for fp16 small gradients underflow).
 
-    ``overflow_micro`` makes that micro-batch overflow in fp16 (its inputs are multiplied by 10⁶).
+    ``overflow_micro`` makes that micro-batch overflow in fp16 (its inputs are multiplied by 10⁶; a ValueError
+    with bf16, whose range that does not reach). The copy runs in the mode ``model`` is in, as every tool here
+    (``model.train()`` for a training step; a model with dropout draws other masks at every call, so compare runs
+    with dropout off).
 
     ``divide``: where the 1/K goes. ``"loss"`` (the recipe): each micro-batch's loss is divided by K before
     ``backward``, so the backward pass holds :math:`\tfrac{S}{K}\,\nabla L`. ``"grads"``: the loss is only
@@ -310,9 +330,7 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     _require_scale(init_scale)
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}; choose one of {PATTERNS}.")
-    if divide not in ("loss", "grads"):
-        raise ValueError(f"divide must be 'loss' (divide each micro-batch's loss by K) or 'grads' (divide the "
-                         f"accumulated gradients by K after unscale_), got {divide!r}.")
+    _require_divide(divide)
     if divide == "grads" and pattern not in ("correct", "no_scaler"):
         raise ValueError(f"divide='grads' is defined for the patterns 'correct' and 'no_scaler', not {pattern!r}.")
     _require_float32_model(model, x)
@@ -322,7 +340,10 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
         raise ValueError(f"overflow_micro must be None or the index of a micro-batch, an int in [0, {k}), got "
                          f"{overflow_micro!r}.")
     require_positive(lr, "lr (the update is divided by it)")
-    work = copy.deepcopy(model).train()
+    if overflow_micro is not None and dtype != torch.float16:
+        raise ValueError(f"overflow_micro makes a micro-batch overflow fp16 (inputs times 10^6); {dtype} shares "
+                         "float32's range and does not overflow that way: use dtype=torch.float16.")
+    work = copy.deepcopy(model)  # in the mode it is in, as the other tools here (a training step: model.train())
     device_type = next(work.parameters()).device.type
     _require_amp(device_type, dtype)
     opt = torch.optim.SGD(work.parameters(), lr=lr)
@@ -400,7 +421,9 @@ def _step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> None:
 
 
 def reference_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The full-precision full-batch gradient (what one correct window should apply), as a flat vector."""
+    """The full-precision full-batch gradient, as a flat vector: what one correct window applies when nothing in
+    the model couples the samples of a batch (with BatchNorm in training mode the accumulated window normalizes
+    with micro-batch statistics and differs from it; chapter 1). The model runs in the mode it is in."""
 
     return full_batch_gradient(model, loss_fn, x, y)
 
@@ -467,15 +490,16 @@ def scaled_window_grads(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
     r"""The flat fp32 ``.grad`` after one window under autocast with the loss multiplied by ``scale`` (what
     ``scaler.scale(loss)`` does), before any unscaling; on a copy of ``model`` (float32 parameters).
 
-    ``divide="loss"``: each micro-batch's backward pass starts from :math:`\tfrac{S}{K}L`; ``"grads"``: from
-    :math:`S\,L`. Since multiplying by a power of two is exact until something overflows or underflows,
-    ``divide="loss"`` at :math:`S` gives bitwise the same ``.grad`` as ``divide="grads"`` at :math:`S/K` when
-    K is a power of two: only :math:`S/K` reaches the backward pass.
+    The copy runs in the mode ``model`` is in. ``divide="loss"``: each micro-batch's backward pass starts from
+    :math:`\tfrac{S}{K}L`; ``"grads"``: from :math:`S\,L`. Since multiplying by a power of two is exact until
+    something overflows or underflows, ``divide="loss"`` at :math:`S` gives bitwise the same ``.grad`` as
+    ``divide="grads"`` at :math:`S/K` when K is a power of two: only :math:`S/K` reaches the backward pass.
     """
     require_k(k)
     _require_scale(scale)
+    _require_divide(divide)
     _require_float32_model(model, x)
-    work = copy.deepcopy(model).train()
+    work = copy.deepcopy(model)  # in the mode it is in
     device_type = next(work.parameters()).device.type
     _require_amp(device_type, dtype)
     work.zero_grad(set_to_none=True)
@@ -505,8 +529,7 @@ def largest_safe_log2_scale(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, 
     two. Bisection: assumes that a window that overflows at :math:`2^s` also overflows at every larger scale.
     """
     require_k(k)
-    if divide not in ("loss", "grads"):
-        raise ValueError(f"divide must be 'loss' or 'grads', got {divide!r}.")
+    _require_divide(divide)
     for name, value in (("lo", lo), ("hi", hi)):
         if isinstance(value, bool) or not isinstance(value, int) or not -126 <= value <= 127:
             raise ValueError(f"{name} is a power of two's exponent: an int in [-126, 127] (float32's range), got "
@@ -519,7 +542,10 @@ def largest_safe_log2_scale(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, 
     if not finite(lo):
         raise ValueError(f"the window already overflows at S = 2^{lo}; lower lo.")
     if finite(hi):
-        raise ValueError(f"the window does not overflow even at S = 2^{hi}; raise hi.")
+        if dtype == torch.bfloat16:
+            raise ValueError(f"the window does not overflow bf16 even at S = 2^{hi}: bf16 shares float32's range, "
+                             "so it needs no loss scale (chapter 4); there is no edge to find.")
+        raise ValueError(f"the window does not overflow even at S = 2^{hi}; raise hi (at most 127).")
     while hi - lo > 1:  # invariant: finite at lo, overflow at hi
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if finite(mid) else (lo, mid)
@@ -551,6 +577,9 @@ def accumulation_error(micro_grads: Sequence[torch.Tensor], accumulator: torch.d
     """Relative error of :func:`accumulate_in` against the exact (fp64) sum of the same rounded inputs: the
     error added by the accumulator alone."""
     got = accumulate_in(micro_grads, accumulator, produced_in).double()
+    if not bool(torch.isfinite(got).all()):
+        raise ValueError(f"the running sum overflows the {accumulator} accumulator: its error is not a rounding "
+                         "error; accumulate in float32 (as autocast keeps .grad) or scale the gradients down.")
     k = len(micro_grads)
     exact = cast(torch.Tensor, sum((g / k).to(produced_in).double() for g in micro_grads))
     if not torch.linalg.vector_norm(exact) > 0:

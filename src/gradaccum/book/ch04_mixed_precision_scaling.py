@@ -15,7 +15,16 @@ from gradaccum.accumulate import agreement
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import make_cnn
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
-from gradaccum.precision import amp_window, cast_report, format_info, reference_gradient
+from gradaccum.precision import (
+    activation_gradients,
+    amp_window,
+    cast_report,
+    format_info,
+    kernel_gradients,
+    largest_fitting_log2,
+    largest_safe_log2_scale,
+    reference_gradient,
+)
 
 
 def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int],
@@ -50,6 +59,31 @@ def recipe_errors(split: DigitsSplit, loss_fn, seeds: Sequence[int], starts: Seq
             errors = tuple(agreement(ref, r.update).rel_error for r in runs)
             out[seed, start] = (errors[0], errors[1], errors[2])
     return out
+
+
+def edge_prediction_gaps(split: DigitsSplit, norm: str, seeds: Sequence[int], starts: Sequence[int] = (0, 64, 128),
+                         k: int = 4) -> list[int]:
+    """On the CPU, for each seed (a fresh float32 digits CNN with ``norm``) and each batch of 64 training images
+    from ``starts``: the predicted fp16 edge of S/K (the larger of the kernels' parameter gradients and the
+    layer-output gradients, :func:`gradaccum.precision.largest_fitting_log2`) minus the measured one
+    (:func:`gradaccum.precision.largest_safe_log2_scale` − log2 K, the loss divided by K). 0 where the prediction
+    is exact; 1 where a partial sum overflows before the whole does (an fp16 convolution on the CPU sums its
+    weight gradient in fp16)."""
+    require_k(k)
+    if k & (k - 1):
+        raise ValueError(f"K = {k}: the edges move by log2 K only for a power of two; pass one.")
+    loss_fn = torch.nn.CrossEntropyLoss()
+    gaps = []
+    for seed in seeds:
+        for start in starts:
+            x, y = split.x_train[start:start + 64].float().cpu(), split.y_train[start:start + 64].cpu()
+            model = make_cnn(norm, seed=seed, dtype=torch.float32, device=x.device)
+            measured = largest_safe_log2_scale(model, loss_fn, x, y, k) - int(math.log2(k))
+            w = largest_fitting_log2(kernel_gradients(model, loss_fn, x, y, k))
+            a = largest_fitting_log2(torch.cat([activation_gradients(model, loss_fn, xb, yb)
+                                                for xb, yb in zip(x.chunk(k), y.chunk(k))]))
+            gaps.append(min(w, a) - measured)
+    return gaps
 
 
 def plot_formats(values_by_k: dict[int, torch.Tensor]):
