@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -61,8 +62,8 @@ def recipe_errors(split: DigitsSplit, loss_fn, seeds: Sequence[int], starts: Seq
     return out
 
 
-def edge_prediction_gaps(split: DigitsSplit, norm: str, seeds: Sequence[int], starts: Sequence[int] = (0, 64, 128),
-                         k: int = 4) -> list[int]:
+def edge_prediction_gaps(split: DigitsSplit, norm: Literal["batch", "group", "layer", "none"], seeds: Sequence[int],
+                         starts: Sequence[int] = (0, 64, 128), k: int = 4) -> list[int]:
     """On the CPU, for each seed (a fresh float32 digits CNN with ``norm``) and each batch of 64 training images
     from ``starts``: the predicted fp16 edge of S/K (the larger of the kernels' parameter gradients and the
     layer-output gradients, :func:`gradaccum.precision.largest_fitting_log2`) minus the measured one
