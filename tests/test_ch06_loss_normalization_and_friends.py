@@ -353,3 +353,43 @@ def test_review_weighted_token_loss_divides_by_the_summed_target_weights():
         counted = targets[targets != -100]
         assert abs(window_sum / float(weight[counted].sum()) - full) < 1e-12
         assert abs(window_sum / len(counted) - full) > 1e-3
+
+
+# ------------------------------------------------------------------ fourth review
+
+
+def test_a_short_last_micro_batch_needs_the_sample_count(digits):
+    """The page: dividing a partial window by k' is exact only for full micro-batches. With micro-batches of 8, 8
+    and 2 images (DataLoader(drop_last=False)), dividing by k' = 3 misses the mean gradient of the 18 samples by
+    about half or more; the summed loss over 18 is exact."""
+    from gradaccum.accumulate import agreement, flat_grad, full_batch_gradient
+    from gradaccum.book.models import make_cnn
+
+    x, y = digits.x_train[:18], digits.y_train[:18]
+    for seed in (0, 1, 2):
+        model = make_cnn("group", seed=seed)
+        ref = full_batch_gradient(model, nn.CrossEntropyLoss(), x, y)
+        parts = [(x[:8], y[:8]), (x[8:16], y[8:16]), (x[16:], y[16:])]
+        errors = []
+        for divide in ("k_prime", "samples"):
+            model.zero_grad(set_to_none=True)
+            for xb, yb in parts:
+                if divide == "k_prime":
+                    (nn.functional.cross_entropy(model(xb), yb) / 3).backward()
+                else:
+                    (nn.functional.cross_entropy(model(xb), yb, reduction="sum") / 18).backward()
+            errors.append(agreement(flat_grad(model), ref).rel_error)
+        assert errors[0] > 0.3 and errors[1] < 1e-12, (seed, errors)
+
+
+def test_token_loss_refuses_other_layouts_and_empty_means():
+    """Review: logits laid out (N, V, T) for F.cross_entropy failed with torch's message on the batch size (and with
+    V = T, which no shape check can tell apart, gave a wrong number: the docstring states the layout); a mean over
+    no token was NaN."""
+    torch.manual_seed(0)
+    logits, y = torch.randn(4, 12, 10), torch.randint(0, 10, (4, 12))
+    with pytest.raises(ValueError, match="transpose"):
+        windows.token_loss(logits.transpose(1, 2), y)
+    with pytest.raises(ValueError, match="every target is padding"):
+        windows.token_loss(logits, torch.full_like(y, windows.IGNORE))
+    assert float(windows.token_loss(logits, torch.full_like(y, windows.IGNORE), reduction="sum")) == 0.0

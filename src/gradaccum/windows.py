@@ -13,16 +13,17 @@ pass would draw; every mask entry is still Bernoulli(1 − p) and independent, s
 full-batch gradient's *distribution* (the same expectation over masks), not its value. Re-seeding the generator
 per micro-batch index repeats masks from window to window: that is the bug.
 
-**A last partial window** of :math:`k' < K` micro-batches divided by K has gradient
+**A last partial window** of :math:`k' < K` (full) micro-batches divided by K has gradient
 :math:`\frac{k'}{K}\bar g` (:math:`\bar g` the mean gradient of its samples). Plain SGD's step shrinks by the same
 factor. Adam's step is its running mean of gradients (first moment, :math:`\beta_1 = 0.9`) divided by the root of
 its running mean of squared gradients (second moment, :math:`\beta_2 = 0.999`). Its first step is invariant to the
 gradient's scale. Later the partial gradient is one term of each: about a fifth of the first moment after 5
-windows, a tenth later on, so most of the step comes from earlier, full-size gradients and it shrinks little (SGD
-with momentum has the same memory). Early on, the newest squared gradient is also about 1/t of the second moment,
-so the smaller gradient lowers the denominator too and cancels more of the shrink; after many windows it no longer
-does, and the step shrinks more (how much depends on the model and on how long Adam has run). Without the first
-moment's memory (``"adam_beta1_0"``: :math:`\beta_1 = 0`) the step shrinks to about half after 5 windows.
+windows, a tenth later on, so most of the step comes from earlier, full-size gradients and it changes little,
+either way: it can even come out a little longer (SGD with momentum has the same memory). Early on, the newest
+squared gradient is also about 1/t of the second moment, so the smaller gradient lowers the denominator too and
+cancels more of the shrink; after many windows it no longer does, and the step shrinks more (how much depends on
+the model and on how long Adam has run). Without the first moment's memory (``"adam_beta1_0"``:
+:math:`\beta_1 = 0`) the step shrinks to about half after 5 windows.
 """
 
 from __future__ import annotations
@@ -55,12 +56,21 @@ IGNORE = -100
 
 
 def token_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over the non-padding tokens (targets other than :data:`IGNORE`), mean or sum. Targets must be
-    int64 class indices in [0, vocabulary) or :data:`IGNORE` (-100); anything else is refused with a ValueError."""
+    """Cross-entropy over the non-padding tokens (targets other than :data:`IGNORE`), mean or sum. ``logits`` are
+    (..., vocabulary) with the targets' shape in front. Targets must be int64 class indices in [0, vocabulary) or
+    :data:`IGNORE` (-100); anything else, a mean over no token, or another layout is refused with a ValueError."""
     if not isinstance(y, torch.Tensor) or y.dtype != torch.int64:
         raise ValueError(f"targets must be an int64 tensor of class indices (pass y.long()), got "
                          f"{y.dtype if isinstance(y, torch.Tensor) else type(y).__name__}.")
+    if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != y.shape:
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be (..., vocabulary) with the targets' shape {tuple(y.shape)} in front, got "
+                         f"{got}; logits laid out (N, vocabulary, T) for F.cross_entropy: pass "
+                         "logits.transpose(1, 2).")
     counted = y[y != IGNORE]
+    if reduction == "mean" and counted.numel() == 0:
+        raise ValueError(f"every target is padding ({IGNORE}): a mean over zero tokens is NaN; leave the batch out, "
+                         "or use reduction='sum' (0) and divide by the window's token count.")
     vocab = logits.shape[-1]
     if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= vocab):
         bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
@@ -101,7 +111,8 @@ def window_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
     ``window_tokens``: each micro-batch's *summed* token loss divided by the tokens of the whole window —
     ``total_tokens`` if given (e.g. the count all-reduced across ranks; under DDP the gradient must then also be
     multiplied by the number of ranks, which DDP's average divides out: :func:`ranks_gradient`), else counted
-    here. Returns the window's loss as the chosen normalization defines it.
+    here. Returns the window's loss as the chosen normalization defines it: with ``total_tokens``, this window's
+    share of it (under DDP, this rank's; the ranks' shares add up to the loss).
     """
     micro = split_batch(x, y, k)
     if normalization == "window_tokens":
