@@ -208,3 +208,35 @@ def test_review_helpers_refuse_empty_and_impossible_arguments():
     for call in bad:
         with pytest.raises(ValueError):
             call()
+
+
+# ------------------------------------------------------------------ fourth review
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_transformers_classification_heads_get_k_times_the_gradient(k):
+    """Review (transformers #47688): BertForSequenceClassification and LlamaForSequenceClassification take
+    **kwargs, so the Trainer skips its 1/K, but their loss ignores num_items_in_batch: the step is K times the full
+    batch's; accepts_loss_kwargs = False restores it."""
+    lines = load_corpus()
+    vocab = make_vocab(lines)
+    lm_x, _ = ch7.lm_batch(lines, vocab)
+    for kind in ("bert", "llama"):
+        assert abs(ch7.builtin_classifier_step(kind, lm_x, vocab, k=k).weight - k) < 1e-4
+    assert ch7.builtin_classifier_step("bert", lm_x, vocab, k=k, opt_out=True).error < ch7.EXACT
+    with pytest.raises(ValueError, match="'bert' or 'llama'"):
+        fw.tiny_classifier("gpt2", vocab.size, lm_x.shape[1])
+
+
+def test_the_nanogpt_loop_refuses_what_it_does_not_do(digits):
+    """Review: cosine was ignored, and partial-window measurements reported a weight for a window it never runs."""
+    x, y = digits
+    micro = fw.split(x[:16], y[:16], 8)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    with pytest.raises(ValueError, match="cosine is not supported"):
+        fw.run("nanogpt", model, nn.CrossEntropyLoss(), micro, 4, cosine=6)
+    with pytest.raises(ValueError, match="never runs a partial window"):
+        ch7.partial_weights(x, y, ks=(4,), frameworks=("nanogpt",))
+    frozen = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        fw.run("timm", frozen, nn.CrossEntropyLoss(), micro, 4)

@@ -273,6 +273,12 @@ def run(framework: str, model: nn.Module, loss_fn: LossFn, micro: MicroBatches, 
     """
     _validate(model, micro, k, framework, precision)
     _check_options(framework, clip, warmup, cosine, epochs, loss_kwargs, lr)
+    if framework == "nanogpt" and cosine:
+        raise ValueError("the nanoGPT-style loop here writes only a linear warmup into the optimizer (no scheduler "
+                         "object): cosine is not supported; leave cosine=0, or use another framework.")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameter (every one has requires_grad=False): there is no "
+                         "gradient to accumulate.")
     if framework == "nanogpt" and epochs * len(micro) < k:
         raise ValueError(f"the nanoGPT-style loop runs epochs · micro-batches // K iterations: {epochs} · "
                          f"{len(micro)} // {k} is none; pass at least K micro-batches (or more epochs).")
@@ -925,9 +931,36 @@ def tiny_causal_lm(kind: str, vocab: int, positions: int, seed: int = 0) -> nn.M
     raise ValueError(f"kind must be 'gpt2' or 'llama', got {kind!r}.")
 
 
+def tiny_classifier(kind: str, vocab: int, positions: int, num_labels: int = 3, seed: int = 0) -> nn.Module:
+    """A one-layer Transformers sequence classifier built from a config (no download): ``"bert"``
+    (``BertForSequenceClassification``) or ``"llama"`` (``LlamaForSequenceClassification``, pad token 0), float32,
+    dropout off. Both ``forward`` methods take ``**kwargs`` and compute a mean loss that ignores
+    ``num_items_in_batch`` (transformers issue #47688)."""
+    _import("trainer")
+    from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+
+    with _quiet(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if kind == "bert":
+            bert = BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=32, max_position_embeddings=positions, hidden_dropout_prob=0.0,
+                              attention_probs_dropout_prob=0.0)
+            bert.num_labels = num_labels
+            return BertForSequenceClassification(bert)
+        if kind == "llama":
+            llama = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=positions,
+                                pad_token_id=0)
+            llama.num_labels = num_labels
+            return LlamaForSequenceClassification(llama)
+    raise ValueError(f"kind must be 'bert' or 'llama', got {kind!r}.")
+
+
 def trainer_on_causal_lm(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[Run, float]:
-    """One window of ``k`` equal micro-batches of a Transformers causal LM through the Trainer (its own loss, with
-    ``num_items_in_batch``), learning rate 0. Returns the run and the full-batch gradient's relative error."""
+    """One window of ``k`` equal micro-batches of a Transformers model called with ``input_ids`` and ``labels`` (a
+    causal LM, or a classifier from :func:`tiny_classifier`) through the Trainer (the model's own loss, with
+    ``num_items_in_batch`` where its ``forward`` takes it), learning rate 0. Returns the run and the full-batch
+    gradient's relative error."""
     import copy
 
     require_k(k)

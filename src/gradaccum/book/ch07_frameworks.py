@@ -234,6 +234,25 @@ def builtin_lm_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vo
     return BuiltinStep(error, fw.step_factor(run.grads[0], fw.flat_grads(list(reference.parameters()))))
 
 
+def builtin_classifier_step(kind: str, lm_x: torch.Tensor, vocab: Vocab, k: int = K,
+                            opt_out: bool = False) -> BuiltinStep:
+    """The Trainer on a one-layer ``BertForSequenceClassification`` or ``LlamaForSequenceClassification`` built from
+    a config (:func:`gradaccum.frameworks.tiny_classifier`), :func:`lm_batch`'s lines as inputs, class ``i % 3`` for
+    row i, ``k`` micro-batches. ``opt_out`` sets ``model.accepts_loss_kwargs = False``, so that the Trainer divides
+    by K again."""
+    if not isinstance(opt_out, bool):
+        raise ValueError(f"opt_out must be True or False, got {opt_out!r}.")
+    classes = torch.arange(len(lm_x)) % 3
+    model = fw.tiny_classifier(kind, vocab.size, lm_x.shape[1])
+    reference = fw.tiny_classifier(kind, vocab.size, lm_x.shape[1])
+    if opt_out:  # what the Trainer reads first (an instance attribute does, as the class attribute would)
+        setattr(model, "accepts_loss_kwargs", False)  # noqa: B010
+    run, error = fw.trainer_on_causal_lm(model, lm_x, classes, k)
+    with fw._quiet():
+        reference(input_ids=lm_x, labels=classes).loss.backward()
+    return BuiltinStep(error, fw.step_factor(run.grads[0], fw.flat_grads(list(reference.parameters()))))
+
+
 def accelerate_adjust_scheduler(requested: bool) -> bool:
     """What Accelerate's ``GradientState`` — the object its prepared scheduler reads — reports as
     ``adjust_scheduler`` for an ``Accelerator`` built with ``GradientAccumulationPlugin(num_steps=K,
@@ -422,6 +441,12 @@ def plot_step_weights(weights: dict[str, list[float]], micro_batches: int, k: in
     return fig
 
 
+def _no_nanogpt(frameworks: Sequence[str]) -> None:
+    if "nanogpt" in frameworks:
+        raise ValueError("the nanoGPT-style loop has no epochs and never runs a partial window (micro-batches left "
+                         "over are not used): leave it out of partial-window measurements.")
+
+
 def partial_weights(x: torch.Tensor, y: torch.Tensor, ks: Sequence[int],
                     frameworks: Sequence[str] = ("accelerate", "lightning", "timm"),
                     ) -> dict[str, list[tuple[int, int, float]]]:
@@ -429,6 +454,7 @@ def partial_weights(x: torch.Tensor, y: torch.Tensor, ks: Sequence[int],
     ``r = 1 … K − 1``: the partial window's gradient as a multiple of the mean gradient of its micro-batches."""
     if not ks or any(require_k(k) < 2 for k in ks):
         raise ValueError(f"pass Ks of 2 or more (K = 1 has no partial window), got {tuple(ks)!r}.")
+    _no_nanogpt(frameworks)
     return {name: [(k, r, step_weights(name, x, y, k + r, k, b=2)[-1]) for k in ks for r in range(1, k)]
             for name in frameworks}
 
@@ -482,6 +508,7 @@ def partial_window_curves(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[int]
     """Train :func:`digits_mlp` (seed ``s``, on the ``s``-th slice of ``micro_batches · b`` digits) for ``epochs``
     epochs of ``micro_batches`` micro-batches — every epoch ends with a partial window of ``micro_batches mod k`` —
     with each framework, SGD at ``lr``, constant or decayed to 0 by a cosine over the run."""
+    _no_nanogpt(frameworks)
     if not schedules:
         raise ValueError("pass at least one schedule ('constant', 'cosine').")
     for schedule in schedules:
