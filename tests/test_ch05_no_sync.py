@@ -394,3 +394,22 @@ def test_review_tools_refuse_what_they_cannot_compute():
     assert ch5.bytes_human(999.6) == "1 KB" and ch5.bytes_human(999.0) == "999 B"
     link = distributed.Interconnect("x", np.float64(1e9), np.float64(0.0), "s")
     assert type(link.bandwidth) is float and type(distributed.ring_allreduce_time(1e6, 2, link)) is float
+
+
+def test_the_counting_hook_averages_over_the_models_own_group():
+    """Review: counting_hook averaged over the default group, so a DDP model on a subgroup (one replica per rank
+    here) was averaged with other replicas' gradients (1.5 on both ranks instead of 1 and 2), silently."""
+    res = ch5.launch("subgroups", world_size=2)
+    assert [r["grad"] for r in res] == [1.0, 2.0] and all(r["calls"] == 1 for r in res), res
+    from gradaccum.distributed import register_counter
+
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        register_counter(torch.nn.Linear(2, 2))
+
+
+def test_accumulating_a_plain_module_is_refused():
+    """Review: ddp_accumulate on a plain module raised AttributeError ('no_sync') or ran plain accumulation."""
+    for no_sync in (True, False):
+        with pytest.raises(ValueError, match="DistributedDataParallel"):
+            distributed.ddp_accumulate(torch.nn.Linear(2, 2), torch.nn.MSELoss(), torch.ones(4, 2), torch.ones(4, 2), 2,
+                                       no_sync=no_sync)

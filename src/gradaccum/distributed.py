@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -55,6 +57,8 @@ def placed_accumulate(model: DDP, loss_fn: Callable, x: torch.Tensor, y: torch.T
     says (one of :data:`PLACEMENTS`)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}.")
+    if not isinstance(model, DDP):
+        raise ValueError(f"model must be wrapped in DistributedDataParallel, got {type(model).__name__}.")
     for i, (xb, yb) in enumerate(split_batch(x, y, k)):
         last = i == k - 1
         if placement == "sync every micro-batch" or (last and placement != "last forward inside"):
@@ -74,19 +78,34 @@ def placed_accumulate(model: DDP, loss_fn: Callable, x: torch.Tensor, y: torch.T
 
 @dataclass
 class CommCounter:
-    """State of :func:`counting_hook`: all-reduce calls and bytes sent into them."""
+    """State of :func:`counting_hook`: all-reduce calls and bytes sent into them, and the process group to average
+    over — the DDP model's own (``model.process_group``; :func:`register_counter` sets it). None is the default
+    (world) group, right only for a DDP model built on it: a model on a subgroup would be averaged with ranks of
+    other replicas."""
 
     calls: int = 0
     bytes: int = 0
+    process_group: Any = None
 
 
 def counting_hook(state: CommCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP communication hook that counts, then does what DDP does by default (average by all-reduce)."""
+    """A DDP communication hook that counts, then does what DDP does by default: average by all-reduce over
+    ``state.process_group``."""
 
     state.calls += 1
     state.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
-    # None: the default process group (the hook handles it; torch types the argument as ProcessGroup)
-    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+    return default_hooks.allreduce_hook(state.process_group, bucket)
+
+
+def register_counter(model: nn.Module) -> CommCounter:
+    """Register :func:`counting_hook` on a DDP model, with a :class:`CommCounter` that averages over the model's own
+    process group; returns the counter."""
+    if not isinstance(model, DDP):
+        raise ValueError(f"register_counter needs a DistributedDataParallel model, got {type(model).__name__}; wrap "
+                         "it in DDP first.")
+    counter = CommCounter(process_group=model.process_group)
+    model.register_comm_hook(counter, counting_hook)
+    return counter
 
 
 def micro_batch_that_fits(n_images: int, world_size: int, k: int, steps: int, cap: int = 8) -> int:

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, Dataset, SequentialSampler, TensorDatas
 
 from gradaccum._validate import require_k, require_nonnegative
 from gradaccum.check_instrument import flat
-from gradaccum.distributed import CommCounter, counting_hook
+from gradaccum.distributed import CommCounter, counting_hook, register_counter
 from gradaccum.windows import IGNORE
 
 __all__ = ["FRAMEWORKS", "IGNORE", "LABELS", "LR", "PINNED", "PRECISIONS", "CountingLR", "HFWrapper", "Options",
@@ -412,9 +412,7 @@ def _finish(result: Run, opt: RecordingSGD, sched: CountingLR | None, comm: Comm
 def _hook(model: nn.Module) -> CommCounter | None:
     """Count the all-reduces of a DDP-wrapped model (None for a model that is not)."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        counter = CommCounter()
-        model.register_comm_hook(counter, counting_hook)
-        return counter
+        return register_counter(model)
     return None
 
 
@@ -458,6 +456,7 @@ def _CommCallback(comm: CommCounter | None) -> Any:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             model = trainer.strategy.model
             if comm is not None and isinstance(model, nn.parallel.DistributedDataParallel):
+                comm.process_group = model.process_group  # the model's own group
                 model.register_comm_hook(comm, counting_hook)
 
     return Hook()

@@ -41,6 +41,7 @@ from gradaccum.distributed import (
     counting_hook,
     ddp_accumulate,
     placed_accumulate,
+    register_counter,
 )
 
 
@@ -226,9 +227,8 @@ def _calls_per_step(x: torch.Tensor, y: torch.Tensor, k: int, steps: int, no_syn
     ``ddp_kwargs``; step 1 without ``no_sync()`` if ``first_sync``. A RuntimeError inside DDP is returned as its
     first line (every rank raises it alike, so the process group stays usable)."""
 
-    counter = CommCounter()
     model = DDP(make_cnn("group", seed=0), **ddp_kwargs)
-    model.register_comm_hook(counter, counting_hook)
+    counter = register_counter(model)
     per_step = []
     try:
         for s in range(steps):
@@ -251,9 +251,8 @@ def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None,
     x, y = _shard(rank, world_size, k * b, torch.float64, data)
     out: dict[str, Any] = {}
     for mode in ("sync every micro-batch", "no_sync"):
-        counter = CommCounter()
         model = DDP(make_cnn("group", seed=0))
-        model.register_comm_hook(counter, counting_hook)
+        counter = register_counter(model)
         ddp_accumulate(model, nn.CrossEntropyLoss(), x, y, k, no_sync=mode == "no_sync")
         out[mode] = {"grad": flat_grad(model.module).detach(), "calls": counter.calls, "bytes": counter.bytes}
         if steps > 1:
@@ -297,9 +296,8 @@ def _task_placement(rank: int, world_size: int, k: int, b: int, data: Any = None
     x, y = _shard(rank, world_size, k * b, torch.float64, data)
     out: dict[str, Any] = {"local": accumulated_gradient(make_cnn("group", seed=0), nn.CrossEntropyLoss(), x, y, k)}
     for placement in PLACEMENTS:
-        counter = CommCounter()
         model = DDP(make_cnn("group", seed=0))
-        model.register_comm_hook(counter, counting_hook)
+        counter = register_counter(model)
         placed_accumulate(model, nn.CrossEntropyLoss(), x, y, k, placement)
         out[placement] = {"grad": flat_grad(model.module).detach(), "calls": counter.calls}
     return out
@@ -426,6 +424,17 @@ def _task_frameworks(rank: int, world_size: int, **kwargs: Any) -> Any:
     return rank_task(rank, world_size, **kwargs)
 
 
+def _task_subgroups(rank: int, world_size: int) -> dict[str, Any]:
+    """One replica per rank: DDP on a process group of this rank alone, counted with :func:`register_counter`;
+    input ``rank + 1``. Averaging inside the model's own group leaves each rank its own gradient."""
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group, in order
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 2).double(), process_group=groups[rank])
+    counter = register_counter(model)
+    model(torch.full((1, 4), float(rank + 1), dtype=torch.float64)).sum().backward()
+    return {"grad": float(model.module.weight.grad[0, 0]), "calls": counter.calls}
+
+
 #: Tasks that train on the digits: launch() hands them the training images.
 DATA_TASKS = ("equality", "timing", "train", "placement", "buffers", "collectives")
 
@@ -433,4 +442,4 @@ DATA_TASKS = ("equality", "timing", "train", "placement", "buffers", "collective
 TASKS: dict[str, Callable[..., Any]] = {"equality": _task_equality, "timing": _task_timing, "crash": _task_crash,
                                         "train": _task_train, "placement": _task_placement,
                                         "frameworks": _task_frameworks, "buffers": _task_buffers,
-                                        "collectives": _task_collectives}
+                                        "collectives": _task_collectives, "subgroups": _task_subgroups}
