@@ -413,3 +413,11 @@ def test_accumulating_a_plain_module_is_refused():
         with pytest.raises(ValueError, match="DistributedDataParallel"):
             distributed.ddp_accumulate(torch.nn.Linear(2, 2), torch.nn.MSELoss(), torch.ones(4, 2), torch.ones(4, 2), 2,
                                        no_sync=no_sync)
+
+
+def test_the_crash_task_checks_its_arguments_before_starting():
+    """Review: crash_rank outside the ranks returned [None, None] (no rank failed); how='bogus' raised."""
+    with pytest.raises(ValueError, match="crash_rank must be a rank"):
+        ch5.launch("crash", world_size=2, crash_rank=5, how="raise")
+    with pytest.raises(ValueError, match="how must be"):
+        ch5.launch("crash", world_size=2, crash_rank=1, how="bogus")

@@ -102,6 +102,13 @@ def launch(task: str, world_size: int = 2, timeout: float = 60.0, **kwargs: Any)
             require_count(kwargs[name], name)
     if kwargs.get("bucket_cap_mb") is not None:
         require_positive(kwargs["bucket_cap_mb"], "bucket_cap_mb")
+    if task == "crash":
+        crash_rank, how = kwargs.get("crash_rank"), kwargs.get("how")
+        if isinstance(crash_rank, bool) or not isinstance(crash_rank, int) or not 0 <= crash_rank < world_size:
+            raise ValueError(f"crash_rank must be a rank in [0, {world_size}), got {crash_rank!r}: otherwise no rank "
+                             "fails and the task only all-reduces.")
+        if how not in ("raise", "exit", "hang"):
+            raise ValueError(f"how must be 'raise', 'exit' or 'hang', got {how!r}.")
     if task in DATA_TASKS and "data" not in kwargs:
         from gradaccum.book.data import load_digits_split  # here, not at the top: workers never load sklearn
 
