@@ -593,3 +593,91 @@ def test_a_clip_that_bit_is_not_called_a_scaling_by_its_epsilon():
 
     # ... and with duplicates the placement is still read from the step (it was "running" and "scaled 2×")
     assert C.check(model, loss_fn, x, y, 2, step=per_micro).codes == ["clip_per_micro_batch"]
+
+
+# ------------------------------------------------------------------ fifth review: two bugs at once
+
+
+def _loop(zero_at=(), clip=None, where="once", div=True, per_micro=False):
+    """A window with the options a reviewer combined: zero_grad before the given micro-batches, a clip once /
+    after every backward, no 1/K, each micro-batch clipped on its own into an accumulator."""
+    def step(model, loss_fn, x, y, k):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for j, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            if j in zero_at or per_micro:
+                opt.zero_grad()
+            loss = loss_fn(model(xb), yb)
+            (loss / k if div else loss).backward()
+            if clip is not None and (where == "running" or per_micro):
+                clip_grad_norm_(model.parameters(), clip)
+            if per_micro:
+                for t, p in zip(total, model.parameters()):
+                    t += p.grad
+        if per_micro:
+            for t, p in zip(total, model.parameters()):
+                p.grad = t
+        if clip is not None and where == "once" and not per_micro:
+            clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return step
+
+
+def _token_make():
+    model, _, x, y = make()
+    y = y.clone()
+    y[:5] = -100  # micro-batches of 3, 8, 8, 8 targets
+    return model, (lambda o, t: F.cross_entropy(o, t, ignore_index=-100)), x, y
+
+
+@pytest.mark.parametrize("case, expected", [
+    # a zero_grad inside the window with a clip once that bites: no invented "scaling"
+    (dict(zero_at=(2,), clip=0.05), {"zero_grad_inside_window"}),
+    # each micro-batch clipped on its own, without 1/K: the 1/K is read before the clips
+    (dict(clip=0.05, per_micro=True, div=False), {"clip_per_micro_batch", "missing_1_over_k"}),
+])
+def test_two_bugs_on_a_plain_loss(case, expected):
+    model, loss_fn, x, y = make()
+    report = C.check(model, loss_fn, x, y, K, step=_loop(**case))
+    assert set(report.codes) == expected, report
+
+
+@pytest.mark.parametrize("case, expected", [
+    # token means and no 1/K behind a clip once that bites
+    (dict(clip=0.05, div=False), {"token_normalization", "missing_1_over_k"}),
+    # token means and a zero_grad inside the window: no invented scaling, the token bug named
+    (dict(zero_at=(2,)), {"zero_grad_inside_window", "token_normalization"}),
+    # token means, no 1/K and a clip on the running buffer: all three
+    (dict(clip=0.05, where="running", div=False), {"clip_running_buffer", "token_normalization", "missing_1_over_k"}),
+])
+def test_two_bugs_on_a_token_loss(case, expected):
+    model, loss_fn, x, y = _token_make()
+    report = C.check(model, loss_fn, x, y, K, step=_loop(**case))
+    assert set(report.codes) == expected, report
+
+
+def test_an_all_padding_micro_batch_does_not_switch_off_the_reading_before_the_clip():
+    model, loss_fn, x, y = _token_make()
+    y = y.clone()
+    y[8:16] = -100  # micro-batch 2 is all padding (its token mean is NaN: the loop sums it as 0)
+
+    def step(model, loss_fn, x, y, k):
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            loss = F.cross_entropy(model(xb), yb, ignore_index=-100, reduction="sum") / max(int((yb != -100).sum()), 1)
+            loss.backward()  # no 1/K
+            clip_grad_norm_(model.parameters(), 0.05)
+
+    report = C.check(model, loss_fn, x, y, K, step=step)
+    assert {"clip_running_buffer", "token_normalization", "missing_1_over_k"} <= set(report.codes), report
+
+
+def test_duplicate_micro_batches_with_a_reset_and_a_clip():
+    """Duplicates make a zero_grad before the last micro-batch harmless to this window's gradient; with a clip once
+    it was named a running-buffer clip (no clip ran inside), and with no 1/K the two bugs passed as OK."""
+    model, loss_fn, x, y = make()
+    x, y = torch.cat([x[:8], x[:8]]), torch.cat([y[:8], y[:8]])
+    assert C.check(model, loss_fn, x, y, 2, step=_loop(zero_at=(1,), clip=0.05)).codes == ["zero_grad_inside_window"]
+    assert "missing_1_over_k" in C.check(model, loss_fn, x, y, 2, step=_loop(zero_at=(1,), div=False)).codes
+    per_micro = C.check(model, loss_fn, x, y, 2, step=_loop(clip=0.05, per_micro=True, div=False))
+    assert set(per_micro.codes) == {"clip_per_micro_batch", "missing_1_over_k"}, per_micro

@@ -368,7 +368,10 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     error = rel(m.target, g)
     info["rel_error"], info["cosine"] = error, cosine(m.target, g)
     if error <= m.tol:
-        if _counts(m.events, "clip"):  # a clip that bites on both sides can hide a missing 1/K from the step
+        # a clip that bites on both sides, or two bugs that cancel on this window (duplicate micro-batches, a
+        # zero_grad and a missing 1/K), can hide a wrong weight from the step: read what each backward added
+        # (not when the step is only within a tolerance the caller loosened: that is the caller's "equal")
+        if _counts(m.events, "clip") or error <= m.wtol:
             _backward_weight_findings(m, out, rel(clipped, g), cosine(clipped, g))
         return out.list(), info
 
@@ -468,8 +471,7 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
     inside = [e for e in clips if e.after < last]
     if inside:
         # the placement: per micro-batch when the buffer held one micro-batch only at each clip
-        later = [e for e in inside if e.after >= 2]  # the first clip always sees one micro-batch only
-        per_micro = bool(later) and all(_held_one(m, e) for e in later)
+        per_micro = _trace_per_micro(m, inside)
         factors = [e.detail.get("factor", 1.0) for e in inside]
         bites = any(abs(f - 1) > 1e-12 for f in factors)
         by_value = all(e.detail.get("fn") == "clip_grad_value_" for e in inside)
@@ -536,18 +538,12 @@ def _token_from_backwards(m: Measurements, out: _Findings, loop_error: float, co
     weighting. What each backward pass added, :math:`\alpha_j` (read before any clip), is the loss's alone: equal
     :math:`\alpha_j` where the full batch's :math:`f_j` differ is a per-micro-batch mean, named alongside the clip
     (and a mean :math:`\alpha` K or 1/K times the mean :math:`f` a missing or doubled 1/K)."""
-    alphas = _per_backward(m)
-    present = [j for j in range(m.k) if m.f[j] != 0]
-    if alphas is None or len(present) < 2 or "token_normalization" in out:
+    pattern = _alpha_pattern(m)
+    if pattern is None or not pattern[1]:
         return
-    f, a = [m.f[j] for j in present], [alphas[j] for j in present]
-    a_mean = sum(a) / len(a)
-    if max(f) - min(f) <= m.thr * max(abs(v) for v in f) or a_mean == 0:
-        return  # the full batch weighs them equally: nothing to read here
-    if max(abs(v / a_mean - 1) for v in a) > m.thr:
-        return
-    _token_finding(m, out, list(m.f), alphas, " (what each backward added, read before your clip)")
-    _scale_findings(m, out, a_mean / (sum(m.f) / m.k), loop_error, cos, clips, token=True,
+    if "token_normalization" not in out:
+        _token_finding(m, out, list(m.f), pattern[2], " (what each backward added, read before your clip)")
+    _scale_findings(m, out, pattern[0], loop_error, cos, clips, token=True,
                     what="on average, the backward passes' weights are")
 
 
@@ -556,7 +552,7 @@ def _clip_placement(m: Measurements, out: _Findings, clips: list[Event], weights
     micro-batch gradients at the loop's threshold; if so, the placement is named (the measured gradient decides
     between the running buffer and per micro-batch) and True returned."""
     c, kind, norm_type = _loop_clip(m, clips)
-    if c is None:
+    if c is None or not [e for e in clips if e.after < len(m.passes)]:  # no clip inside the window: none of these
         return False
     matches = [name for name, vec in placements(m.basis, m.f, c, kind, norm_type).items()
                if name != "once" and rel(vec, m.applied) <= m.thr]
@@ -564,9 +560,10 @@ def _clip_placement(m: Measurements, out: _Findings, clips: list[Event], weights
         return False
     # several can match (duplicate micro-batches make the running buffer and raw per-micro-batch clips one
     # vector): then the placement the buffer trace already named stands
-    named = {code for code in ("clip_running_buffer", "clip_per_micro_batch") if code in out}
+    inside = [e for e in clips if e.after < len(m.passes)]
+    traced = "clip_per_micro_batch" if _trace_per_micro(m, inside) else "clip_running_buffer"
     agreeing = [name for name in matches
-                if ("clip_running_buffer" if name == "running" else "clip_per_micro_batch") in named]
+                if ("clip_running_buffer" if name == "running" else "clip_per_micro_batch") == traced]
     matched = (agreeing or matches)[0]
     evidence = f"your gradient equals {PLACEMENT_TEXT[matched]} at threshold {num(c)} to rounding; {weights}"
     if matched == "running":
@@ -576,6 +573,47 @@ def _clip_placement(m: Measurements, out: _Findings, clips: list[Event], weights
         out.remove({"clip_running_buffer"})
         out.add("clip_per_micro_batch", CLIP_PER_MICRO, evidence, CLIP_FIX, 3)
     return True
+
+
+def _alpha_pattern(m: Measurements) -> tuple[float, bool, list[float]] | None:
+    r"""What each backward pass added, :math:`\alpha_j`, against the full batch's :math:`f_j`, over the
+    micro-batches that carry weight (:math:`f_j \ne 0`): ``(scale, equal, alphas)`` when the :math:`\alpha_j`
+    are proportional to the :math:`f_j` (``equal`` False; scale the common ratio) or equal where the :math:`f_j`
+    differ (``equal`` True, a per-micro-batch mean; scale the mean :math:`\alpha` over the mean :math:`f`); None
+    when neither, or when they cannot be read."""
+    alphas = _per_backward(m)
+    present = [j for j in range(m.k) if m.f[j] != 0]
+    if alphas is None or len(present) < 1 or any(math.isnan(alphas[j]) for j in present):
+        return None
+    f, a = [m.f[j] for j in present], [alphas[j] for j in present]
+    ratio = [aj / fj for aj, fj in zip(a, f)]
+    r_mean = sum(ratio) / len(ratio)
+    if r_mean != 0 and max(abs(r / r_mean - 1) for r in ratio) <= m.thr:
+        return r_mean, False, alphas
+    a_mean = sum(a) / len(a)
+    f_equal = max(f) - min(f) <= m.thr * max(abs(v) for v in f)
+    if len(present) > 1 and not f_equal and a_mean != 0 and max(abs(v / a_mean - 1) for v in a) <= m.thr:
+        return a_mean / (sum(m.f) / m.k), True, alphas
+    return None
+
+
+def _per_micro_with(m: Measurements, alphas: list[float]) -> bool:
+    """Whether the step is each backward's contribution clipped on its own and added up (the per-micro-batch
+    placement with the measured weights): then those weights are what reached the step."""
+    clips = [e for e in _counts(m.events, "clip") if e.after < len(m.passes)]
+    c, kind, norm_type = _loop_clip(m, clips)
+    if not clips or c is None:
+        return False
+    weights = [0.0 if math.isnan(a) else a for a in alphas]
+    return rel(placements(m.basis, weights, c, kind, norm_type)["scaled_micro"], m.applied) <= m.thr
+
+
+def _trace_per_micro(m: Measurements, inside: list[Event]) -> bool:
+    """Whether the buffer trace shows clips per micro-batch: at each clip after the first the buffer held that
+    micro-batch only, and after each clip it was emptied (K = 2 has only the second kind of evidence)."""
+    later = [e for e in inside if e.after >= 2]  # the first clip always sees one micro-batch only
+    emptied = all(e.after < len(m.passes) and _is_zero(m.passes[e.after].before) for e in inside)
+    return bool(inside) and all(_held_one(m, e) for e in later) and (bool(later) or emptied)
 
 
 def _held_one(m: Measurements, e: Event) -> bool:
@@ -691,7 +729,9 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     if cond > 1e10:
         # micro-batch gradients linearly dependent (duplicate samples, tiny models): weights are not unique, so
         # read the buffer trace instead, and the scale along the ideal gradient
-        if resets and m.passes and rel(m.passes[-1].after, m.applied) <= fit_tol:
+        last_clip = math.prod(ev.detail.get("factor", 1.0) for ev in _counts(events, "clip")
+                              if ev.after == len(m.passes))  # a clip after the last backward rescales the buffer
+        if resets and m.passes and rel(m.passes[-1].after * last_clip, m.applied) <= fit_tol:
             out.add("zero_grad_inside_window", "zero_grad() inside the window: the gradient buffer is emptied "
                     "between micro-batches", f"the .grad buffer was emptied before micro-batch(es) "
                     f"{ordinal_list(resets)}; the step applies what the last backward pass(es) left in it",
@@ -738,10 +778,18 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     w_mean = sum(w_present) / len(w_present)
     w_uniform = max(abs(v / w_mean - 1) for v in w_present) <= m.thr if w_mean else False
     clips = _counts(events, "clip")
-    if not uniform and not f_uniform and w_uniform:
+    before = _alpha_pattern(m) if clips or missing else None  # read before any clip or reset
+    if before is not None and before[1]:  # equal weights where the full batch's differ: per-micro-batch means
+        _token_finding(m, out, list(m.f), before[2], " (what each backward added, read before your clip or reset)")
+    if not uniform and not f_uniform and w_uniform and before is None:
         _token_finding(m, out, e, w)
         plain = sum(e) / k  # equal weights that add up to the full batch's total
         _scale_findings(m, out, w_mean / plain, loop_error, cosine(clipped, m.applied), clips, token=True)
+        return
+    if before is not None and ((uniform and (missing or before[1])) or (not f_uniform and w_uniform)):
+        # a clip rescales, a reset removes: the scale of the loss's weights is what each backward added
+        _scale_findings(m, out, before[0], loop_error, cosine(clipped, m.applied), clips, token=before[1],
+                        what="on average, the backward passes' weights are")
         return
     if uniform:
         if abs(mean - 1) > m.thr:
@@ -784,10 +832,10 @@ def _backward_weight_findings(m: Measurements, out: _Findings, loop_error: float
     for ev in _counts(m.events, "clip"):
         if ev.after == len(m.passes):
             factor *= ev.detail.get("factor", 1.0)
-    if rel(left * factor, m.applied) > m.thr:
-        return
     present = [j for j in range(k) if m.f[j] != 0]
-    if not present:
+    if not present or any(math.isnan(alphas[j]) for j in present):
+        return
+    if rel(left * factor, m.applied) > m.thr and not _per_micro_with(m, alphas):
         return
     ratio = [alphas[j] / m.f[j] for j in present]
     mean = sum(ratio) / len(ratio)
@@ -861,8 +909,9 @@ def _per_backward(m: Measurements) -> list[float] | None:
     for j, p in enumerate(m.passes):
         h = m.basis[j]
         hh = float(h @ h)
-        if hh == 0:
-            return None
+        if hh == 0:  # all padding, say: it adds nothing whatever its weight
+            alphas.append(math.nan)
+            continue
         a = float((p.after - p.before) @ h) / hh
         alphas.append(a / p.scale if p.scale else a)
     return alphas
@@ -876,6 +925,9 @@ def _scale_findings(m: Measurements, out: _Findings, s: float, loop_error: float
     close = lambda a, b: abs(a - b) <= m.thr * abs(b)  # noqa: E731
     # clip_grad_norm_ divides by the norm + 1e-6: a clip that bit moves the step by up to 1e-6 / norm of itself
     slack = sum(1e-6 / n for n in (e.detail.get("norm_before", math.nan) for e in clips) if n > 0)
+    full = float(m.full.norm())
+    if m.clip is not None and full > 0:  # the reference's own clip has the same term
+        slack += 1e-6 / full
     if close(s, 1.0) or abs(s - 1) <= 2 * slack:
         return
     named = [c for c in ("missing_1_over_k", "double_1_over_k") if c in out]
