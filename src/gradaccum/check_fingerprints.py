@@ -552,15 +552,15 @@ def _clip_placement(m: Measurements, out: _Findings, clips: list[Event], weights
     micro-batch gradients at the loop's threshold; if so, the placement is named (the measured gradient decides
     between the running buffer and per micro-batch) and True returned."""
     c, kind, norm_type = _loop_clip(m, clips)
-    if c is None or not [e for e in clips if e.after < len(m.passes)]:  # no clip inside the window: none of these
+    inside = [e for e in clips if e.after < len(m.passes)]
+    if c is None or not inside:  # no clip inside the window: none of these placements
         return False
     matches = [name for name, vec in placements(m.basis, m.f, c, kind, norm_type).items()
                if name != "once" and rel(vec, m.applied) <= m.thr]
     if not matches:
         return False
     # several can match (duplicate micro-batches make the running buffer and raw per-micro-batch clips one
-    # vector): then the placement the buffer trace already named stands
-    inside = [e for e in clips if e.after < len(m.passes)]
+    # vector): then the placement the buffer trace shows stands
     traced = "clip_per_micro_batch" if _trace_per_micro(m, inside) else "clip_running_buffer"
     agreeing = [name for name in matches
                 if ("clip_running_buffer" if name == "running" else "clip_per_micro_batch") == traced]
@@ -821,7 +821,8 @@ def _backward_weight_findings(m: Measurements, out: _Findings, loop_error: float
     r"""Missing or doubled 1/K read from what each backward pass added, :math:`\alpha_j` (before any clipping),
     against the full batch's weights :math:`f_j`: :math:`\alpha_j = K f_j` for all j is a missing 1/K,
     :math:`\alpha_j = f_j / K` a doubled one. Used only when the step applies the buffer the last backward left,
-    rescaled by nothing but its clip calls (so a loop that divides the gradients after the window is not blamed)."""
+    rescaled by nothing but its clip calls, or each backward's contribution clipped on its own and added up (so a
+    loop that divides the gradients after the window is not blamed)."""
     k = m.k
     alphas = _per_backward(m)
     if k < 2 or alphas is None or not m.passes:
@@ -832,15 +833,12 @@ def _backward_weight_findings(m: Measurements, out: _Findings, loop_error: float
     for ev in _counts(m.events, "clip"):
         if ev.after == len(m.passes):
             factor *= ev.detail.get("factor", 1.0)
-    present = [j for j in range(k) if m.f[j] != 0]
-    if not present or any(math.isnan(alphas[j]) for j in present):
+    pattern = _alpha_pattern(m)  # the weights each backward added, proportional to the full batch's
+    if pattern is None or pattern[1]:
         return
     if rel(left * factor, m.applied) > m.thr and not _per_micro_with(m, alphas):
         return
-    ratio = [alphas[j] / m.f[j] for j in present]
-    mean = sum(ratio) / len(ratio)
-    if mean == 0 or max(abs(r / mean - 1) for r in ratio) > m.thr:
-        return
+    mean = pattern[0]
     clips = _counts(m.events, "clip")
     before = " (measured before any clipping)" if clips else ""
     evidence = (f"each backward added {nums(alphas)}× its micro-batch's gradient{before}; "
