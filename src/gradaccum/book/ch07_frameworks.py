@@ -222,16 +222,16 @@ class BuiltinStep:
     weight: float  # the step's gradient as a multiple of the full batch's (least squares)
 
 
+def _builtin_step(run: fw.Run, full: torch.Tensor) -> BuiltinStep:
+    return BuiltinStep(fw.relative_error(run.grads[0], full), fw.step_factor(run.grads[0], full))
+
+
 def builtin_lm_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K) -> BuiltinStep:
     """The Trainer on a one-layer ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` built from a config, padded lines,
     ``k`` micro-batches: what its ``num_items_in_batch`` makes of the model's own (shifted) token loss."""
     labels = causal_lm_labels(lm_x, lm_y)
     model = fw.tiny_causal_lm(kind, vocab.size, lm_x.shape[1])
-    reference = fw.tiny_causal_lm(kind, vocab.size, lm_x.shape[1])
-    run, error = fw.trainer_on_causal_lm(model, lm_x, labels, k)
-    with fw._quiet():
-        reference(input_ids=lm_x, labels=labels).loss.backward()
-    return BuiltinStep(error, fw.step_factor(run.grads[0], fw.flat_grads(list(reference.parameters()))))
+    return _builtin_step(*fw.trainer_on_causal_lm(model, lm_x, labels, k))
 
 
 def builtin_classifier_step(kind: str, lm_x: torch.Tensor, vocab: Vocab, k: int = K,
@@ -244,13 +244,9 @@ def builtin_classifier_step(kind: str, lm_x: torch.Tensor, vocab: Vocab, k: int 
         raise ValueError(f"opt_out must be True or False, got {opt_out!r}.")
     classes = torch.arange(len(lm_x)) % 3
     model = fw.tiny_classifier(kind, vocab.size, lm_x.shape[1])
-    reference = fw.tiny_classifier(kind, vocab.size, lm_x.shape[1])
     if opt_out:  # what the Trainer reads first (an instance attribute does, as the class attribute would)
         setattr(model, "accepts_loss_kwargs", False)  # noqa: B010
-    run, error = fw.trainer_on_causal_lm(model, lm_x, classes, k)
-    with fw._quiet():
-        reference(input_ids=lm_x, labels=classes).loss.backward()
-    return BuiltinStep(error, fw.step_factor(run.grads[0], fw.flat_grads(list(reference.parameters()))))
+    return _builtin_step(*fw.trainer_on_causal_lm(model, lm_x, classes, k))
 
 
 def accelerate_adjust_scheduler(requested: bool) -> bool:
