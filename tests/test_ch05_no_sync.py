@@ -184,6 +184,11 @@ def test_analyse_timing_on_synthetic_measurements():
     (row,) = [r for r in ch5.analyse_timing(result, p=2).rows if r[2] == 4]
     assert row[5] == pytest.approx(1.0)
     assert ch5.format_seconds(-8.67e-3) == "-8.67 ms"
+    result["world_size"] = 2  # the result records who measured it: another p is refused
+    with pytest.raises(ValueError, match="pass p=2"):
+        ch5.analyse_timing(result, p=4)
+    with pytest.raises(ValueError, match="p"):
+        ch5.analyse_timing(result, p=1)
 
 
 def test_figures():

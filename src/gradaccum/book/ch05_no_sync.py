@@ -109,8 +109,13 @@ class TimingFit:
 
 
 def analyse_timing(result: dict[str, Any], p: int) -> TimingFit:
-    """Fit the cost model to the microbenchmarks of :func:`_task_timing` and predict each saving from it."""
-
+    """Fit the cost model to the microbenchmarks of :func:`_task_timing` and predict each saving from it. ``p`` must
+    be the number of processes that measured them (the result records it): the fit's bandwidth scales with
+    2(p − 1)/p."""
+    require_count(p, "p (the number of processes)", minimum=2)
+    measured = result.get("world_size")
+    if measured is not None and measured != p:
+        raise ValueError(f"these timings were measured by {measured} processes, not p = {p}: pass p={measured}.")
     sizes = sorted(result["allreduce"])
     link = fit_alpha_beta(sizes, [result["allreduce"][s] for s in sizes], p)
     slope = float(np.polyfit(sizes, [result["copy"][s] for s in sizes], 1)[0])

@@ -322,7 +322,8 @@ def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b
     """
     x, y = _shard(rank, world_size, max(ks) * b, torch.float32, data)
     loss_fn = nn.CrossEntropyLoss()
-    result: dict[str, Any] = {"allreduce": {}, "copy": {}, "steps": {}, "params": {}, "pairs": {}}
+    result: dict[str, Any] = {"allreduce": {}, "copy": {}, "steps": {}, "params": {}, "pairs": {},
+                              "world_size": world_size}
     for n in sizes:  # all-reduce, and a plain copy, of n float32 values
         t, src = torch.ones(n), torch.ones(n)
         reduces, copies = [], []
