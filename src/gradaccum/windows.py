@@ -58,7 +58,9 @@ IGNORE = -100
 def token_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy over the non-padding tokens (targets other than :data:`IGNORE`), mean or sum. ``logits`` are
     (..., vocabulary) with the targets' shape in front. Targets must be int64 class indices in [0, vocabulary) or
-    :data:`IGNORE` (-100); anything else, a mean over no token, or another layout is refused with a ValueError."""
+    :data:`IGNORE` (-100); anything else, a mean over no token, or another layout is refused with a ValueError —
+    except where the vocabulary is as long as the sequence: then (N, vocabulary, T) has the same shape as
+    (N, T, vocabulary) and cannot be told apart, so keep the vocabulary last."""
     if not isinstance(y, torch.Tensor) or y.dtype != torch.int64:
         raise ValueError(f"targets must be an int64 tensor of class indices (pass y.long()), got "
                          f"{y.dtype if isinstance(y, torch.Tensor) else type(y).__name__}.")
