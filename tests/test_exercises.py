@@ -264,3 +264,15 @@ def test_chapter_1_and_8_graders_refuse_impossible_exercises():
     assert _validate.require_momentum(np.float32(0.5)) == 0.5
     with pytest.raises(ValueError, match="cumulative average"):
         _validate.require_momentum(None)
+
+
+def test_a_tie_at_the_asked_digits_names_both_roundings():
+    """Review: 122.5 ms (exactly, at the book's parameters) was computed as 122.49999999999999, so 123 was accepted
+    with "correct: 122"; an exact tie says that either rounding counts."""
+    assert ex.expected_answer(ex.grade_nosync_saving) == (122.5, 3)
+    for answer in (122, 122.5, 123):
+        feedback = ex.grade_nosync_saving(answer)
+        assert feedback.correct and "122 and 123 both count" in feedback.message
+    assert not ex.grade_nosync_saving(121).correct
+    assert "0.62 and 0.63" in ex.grade_number(0.63, 0.625, digits=2).message
+    assert ex.grade_number(3.14, 3.14159).message == "correct: 3.14 (to 3 significant digits; exactly 3.14159)."

@@ -54,13 +54,17 @@ def round_significant(x: float, digits: int) -> float:
 def _is_rounded(value: float, x: float, digits: int) -> bool:
     """Whether ``value`` is ``x`` rounded to ``digits`` significant digits, a tie rounded either way (0.625 to two
     digits is 0.62 to Python, 0.63 to most people)."""
-    if value == round_significant(x, digits):
-        return True
+    return value == round_significant(x, digits) or value == _rounded_half_up(x, digits)
+
+
+def _rounded_half_up(x: float, digits: int) -> float:
+    """``x`` rounded to ``digits`` significant digits, a tie away from zero (0.625 to two digits is 0.63); 0 and
+    non-finite values stay as they are."""
     if x == 0 or not math.isfinite(x):
-        return False
+        return x
     exact = Decimal(repr(float(x)))  # a NumPy float64 reprs as np.float64(...)
     unit = Decimal(1).scaleb(exact.adjusted() - digits + 1)
-    return value == float(exact.quantize(unit, rounding=ROUND_HALF_UP))
+    return float(exact.quantize(unit, rounding=ROUND_HALF_UP))
 
 
 def tolerance(target: float, digits: int, atol: float = 1e-12) -> float:
@@ -129,6 +133,10 @@ def grade_number(
         if float(expected).is_integer() and abs(expected) < 1e15:
             return Feedback(True, f"correct: {int(expected)}.")
         shown = round_significant(expected, digits)
+        up = _rounded_half_up(expected, digits)
+        if up != shown:  # a tie: Python rounds it to even, most people up, and either is right
+            return Feedback(True, f"correct: exactly {expected:.6g}, a tie at {digits} significant digits "
+                                  f"({shown:.{digits}g} and {up:.{digits}g} both count).")
         exactly = "" if shown == expected else f"; exactly {expected:.6g}"
         return Feedback(True, f"correct: {shown:.{digits}g} (to {digits} significant digits{exactly}).")
     for wrong, why, *own_rtol in mistakes:
@@ -555,14 +563,14 @@ def grade_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float
     require_count(p, "p (the number of ranks)", minimum=2)
     require_positive(megabytes, "megabytes")
     require_positive(gb_per_s, "gb_per_s")
-    one = 2 * (p - 1) / p * megabytes / 1000 / gb_per_s * 1000  # ms per ring all-reduce
+    one = 2 * (p - 1) / p * megabytes / gb_per_s  # ms per ring all-reduce (MB / (GB/s) is ms)
     return grade_number(
         answer,
         (k - 1) * one,
         mistakes=[
             (k * one, "no_sync saves K − 1 all-reduces, not K: one remains at the end of the window."),
             (one, "that is one all-reduce; no_sync saves K − 1 of them per step."),
-            ((k - 1) * megabytes / 1000 / gb_per_s * 1000, "a ring all-reduce sends 2(p − 1)/p · n bytes, not n."),
+            ((k - 1) * megabytes / gb_per_s, "a ring all-reduce sends 2(p − 1)/p · n bytes, not n."),
             ((k - 1) * one / 2, "a ring all-reduce has two phases (reduce-scatter and all-gather): 2(p − 1)/p · n."),
             ((k - 1) * one / 1000, "right number, wrong unit: that is in seconds; the answer is asked in "
                                    "milliseconds."),
