@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradaccum import _validate, bn_statistics
+from gradaccum import _validate, accumulate, bn_statistics
 from gradaccum.book import ch01_microbatch_statistics as ch1
 from gradaccum.book.models import make_cnn
 
@@ -175,15 +175,16 @@ def test_gradient_table_on_other_weights_and_batches(digits):
 
 
 def test_error_grid_on_other_initializations(digits):
-    """Chapter 1's grid beyond seed 0: with seeds 1 and 2 the error falls at every step in b in every row with
-    K > 1, at least 10-fold from b = 2 to b = 64, and K moves it by up to 2.2x."""
+    """Chapter 1's grid beyond seed 0: with seeds 1 to 5 the error falls at every step in b in every row with
+    K > 1, at least 10-fold from b = 2 to b = 64, and K moves it by up to 2.7x (review: seeds 1 and 2 alone gave
+    2.2x, seed 4 2.67x)."""
     falls, moves = [], []
-    for seed in (1, 2):
+    for seed in (1, 2, 3, 4, 5):
         grid = ch1.bn_error_grid((2, 4, 8, 16), (2, 4, 8, 16, 32, 64), digits.x_train, digits.y_train, seed=seed)
         assert np.all(np.diff(grid, axis=1) < 0) and np.all(grid > 0.05), (seed, grid)
         falls.append((grid[:, 0] / grid[:, -1]).min())
         moves.append((grid.max(axis=0) / grid.min(axis=0)).max())
-    assert 10 < min(falls) < 11 and round(max(moves), 1) == 2.2, (falls, moves)
+    assert 10 < min(falls) < 11 and round(max(moves), 1) == 2.7, (falls, moves)
 
 
 def test_microbatch_effect(digits):
@@ -456,3 +457,21 @@ def test_review_graders_name_percentages_and_cut_off_digits():
     assert "not right" in exercises.grade_effective_momentum(0.5).message
     for value in (0.28, 0.56):  # 0.29 * 100 is 28.999...: no cut-off digits seen in a plain wrong answer
         assert "cuts the answer off" not in exercises.grade_number(value, value + 0.01, digits=2).message
+
+
+def test_review_tools_refuse_frozen_models_arrays_and_integer_gradients():
+    """Fifth review: a frozen model gave torch's RuntimeError, NumPy inputs a TypeError or AttributeError, and
+    agreement compared integer tensors without a word; each is a ValueError that says what to pass."""
+    frozen = nn.Linear(3, 2).requires_grad_(False)
+    cases = [
+        (lambda: accumulate.accumulated_gradient(frozen, nn.MSELoss(), torch.zeros(4, 3), torch.zeros(4, 2), 2),
+         "trainable"),
+        (lambda: accumulate.accumulated_gradient(nn.Linear(3, 2), nn.MSELoss(), np.zeros((4, 3)),
+                                                 torch.zeros(4, 2), 2), "torch.as_tensor"),
+        (lambda: ch1.moment_spread(np.zeros((10, 3)), 2), "torch.as_tensor"),
+        (lambda: accumulate.agreement(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4])), "floating-point"),
+        (lambda: accumulate.agreement(torch.ones(3, device="meta"), torch.ones(3, device="meta")), "meta"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()

@@ -241,6 +241,14 @@ def test_review_memory_meter_counts_each_storage_once_and_skips_what_every_metho
     a, b = (torch.randn(256, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
     graph = ch8.peak_saved_bytes(lambda: ch8.loss(a, b).backward())
     assert 0.5 * wide["GradCache"] < graph <= wide["GradCache"] < wide["plain accumulation"], (graph, wide)
+    # the summary: GradCache's share of the full batch's graph is under a tenth here (K = 8), rises again at large
+    # K (its loss graph over the Kb × Kb similarities grows as K², the full batch's graph as K) to about a fifth at
+    # K = 32, and is larger with a narrower encoder
+    def share(saved: dict[str, int]) -> float:
+        return saved["GradCache"] / saved["full batch"]
+
+    shares = [share(ch8.step_costs(split.x_train, k, 32, repeat=1).saved_bytes) for k in (16, 32)]
+    assert share(wide) < 0.1 < shares[0] < shares[1] and abs(shares[1] - 0.2) < 0.03 and share(wide) < share(narrow)
 
 
 def test_review_grad_cache_and_plain_accumulation_pass_gradients_through_a_shared_trunk():
@@ -321,3 +329,26 @@ def test_review_graders_name_k_and_read_array_parameters():
     assert ex.grade_switch_aux(1.1, fractions=[torch.tensor(0.75), torch.tensor(0.25)]).correct
     with pytest.raises(ValueError, match="must return a tensor"):
         coupled.window_fractions(lambda t: t, [np.zeros((2, 4))], 4)
+
+
+def test_review_dropout_masks_at_fixed_k_times_b_on_the_cpu():
+    """Review: "the same run" at fixed K·b holds with dropout only where one batch of 16 draws the masks that four
+    batches of 4 draw in turn — true of the CPU generator (the page says CUDA's need not): the masks, and one
+    accumulated step of a dropout MLP against the full batch's."""
+    for d in (64, 4096):
+        torch.manual_seed(0)
+        whole = torch.nn.functional.dropout(torch.ones(16, d, dtype=torch.float64), 0.5)
+        torch.manual_seed(0)
+        parts = torch.cat([torch.nn.functional.dropout(torch.ones(4, d, dtype=torch.float64), 0.5) for _ in range(4)])
+        assert torch.equal(whole, parts)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 10, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g)
+    nets = []
+    for k in (1, 4):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                  torch.nn.Linear(32, 3)).double()
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            (torch.nn.functional.cross_entropy(net(xb), yb) / k).backward()
+        nets.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
+    assert float((nets[0] - nets[1]).norm() / nets[0].norm()) < 1e-12

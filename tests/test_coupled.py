@@ -427,3 +427,52 @@ def test_grad_cache_refuses_functions_arrays_tuples_and_unreduced_losses():
     with pytest.raises(ValueError, match=r"returned \(4,\), not a scalar"):
         coupled.grad_cache_backward([enc, enc], [x, x], 2, lambda a, b: (a * b).sum(1))
     assert enc.weight.grad is None  # refused before any backward pass
+
+
+class PerToken(nn.Module):
+    """An encoder that returns one row per token: (b, T, d) in, (b·T, e) out."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.net = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5)).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).reshape(-1, 5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_review_grad_cache_with_several_rows_per_sample(k):
+    """Review: an encoder returning one embedding per token ((b·T, d) from b samples) made step 3 slice the cached
+    gradient by samples, failing with a raw autograd error after part of .grad was written. The slices follow the
+    cached rows now, and the gradient is the full batch's."""
+    g = torch.Generator().manual_seed(3)
+    xa = torch.randn(8, 3, 6, generator=g, dtype=torch.float64)
+    xb = xa + 0.1 * torch.randn(8, 3, 6, generator=g, dtype=torch.float64)
+    encs = [PerToken(0), PerToken(1)]
+    reference = full_batch([copy.deepcopy(e) for e in encs], [xa, xb])
+    coupled.grad_cache_backward(encs, [xa, xb], k)
+    assert rel(grads(*encs), reference) < 1e-13
+    with pytest.raises(ValueError, match="0-dimensional"):
+        coupled.grad_cache_backward([encoder(6, [5], 0), lambda_module(lambda x: x.sum())], list(pair(8)), 2)
+
+
+class lambda_module(nn.Module):  # noqa: N801
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.f = f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_review_switch_aux_loss_takes_a_low_precision_softmax(dtype):
+    """Review: a bf16 router softmax (rows off 1 by up to 2.6e-3) was refused as "not a softmax"; the slack is the
+    dtype's rounding now, and logits are still refused, with the size of the error."""
+    logits = torch.randn(512, 8, generator=torch.Generator().manual_seed(0)) * 3
+    probs = logits.to(dtype).softmax(1)
+    assert torch.isfinite(coupled.switch_aux_loss(probs))
+    with pytest.raises(ValueError, match="off by"):
+        coupled.switch_aux_loss(logits.to(dtype))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._validate import require_count, require_k
+from ._validate import require_count, require_k, require_tensor
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: Produces one optimizer step's gradient in ``model``'s ``.grad`` from a batch cut into K parts; returns the loss.
@@ -39,6 +39,7 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Te
     in the averaged loss (chapter 6); pad, drop, or choose another K instead.
     """
     require_k(k)
+    x, y = require_tensor(x, "x"), require_tensor(y, "y")
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"x has {x.shape[0]} samples but y has {y.shape[0]}; pass matching inputs and labels.")
     n = x.shape[0]
@@ -77,6 +78,9 @@ def accumulated_gradient(
     Each micro-batch loss is divided by K before its backward pass, exactly as a training loop does.
     Runs on a copy of ``model``; the caller's model is not modified.
     """
+    if not isinstance(model, nn.Module) or not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("model must be an nn.Module with trainable parameters (requires_grad=True): a frozen model "
+                         "has no gradient to accumulate.")
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     accumulate_backward(work, loss_fn, x, y, k)
@@ -121,6 +125,12 @@ def agreement(g_ref: torch.Tensor, g: torch.Tensor) -> Agreement:
         if t.is_complex() or t.dtype == torch.bool:
             raise ValueError(f"{name} is a {t.dtype} tensor: a gradient of real parameters is real; compare "
                              "float tensors (for complex parameters, torch.view_as_real(g).flatten()).")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} is a {t.dtype} tensor: gradients are floating-point; pass the gradients "
+                             "themselves (flat_grad(model)), not counts or indices.")
+        if t.is_meta:
+            raise ValueError(f"{name} is on the meta device and holds no values; compare gradients computed on a "
+                             "real device.")
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} holds NaN or inf entries: a relative error or cosine of it means nothing; "
                              "find where the gradient overflowed first.")

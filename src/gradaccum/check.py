@@ -415,23 +415,59 @@ class _Probe:
     weights: list[float]
     residual: float
     tokens: list[int]
+    moved: list[float] | None = None  # the weights again with the outputs rolled one row, where they changed
+    thr: float = 1e-9  # what counts as equal in this reading (a thousand roundings of the loss's dtype)
 
 
 def _loss_probe(loss_fn: Callable, out: torch.Tensor, y: torch.Tensor, k: int, b: int) -> _Probe:
     r"""How the loss weighs micro-batches, measured on the loss alone: with :math:`G` its gradient with respect to
     the full batch's output and :math:`G_j` the gradient of micro-batch j's loss with respect to its part,
     :math:`f_j = \langle G[j], G_j\rangle / \|G_j\|^2`; ``residual`` is how far :math:`G[j]` is from
-    :math:`f_j G_j` (0 for a loss that is a sum over positions). ``tokens``: positions with a non-zero gradient
-    (padding and ignored targets have none)."""
+    :math:`f_j G_j` (0 for a loss that is a sum over positions, to the rounding of the loss's dtype: ``thr``).
+    ``tokens``: positions with a non-zero gradient (padding and ignored targets have none).
+
+    A loss whose weights are fixed by the targets (a token mean, a class-weighted mean) has the same :math:`f_j`
+    at any outputs, and its value is :math:`\sum_j f_j L_j` (:math:`L_j` micro-batch j's loss alone). ``moved``
+    holds the weights at the outputs rolled by one row when both fail (by more than a thousand roundings of the
+    loss's dtype): the weights follow a batch-wide value of the outputs (a logsumexp or softmax over the samples'
+    losses), which no fixed normalization reproduces. A weight that follows a count (of non-zero losses, say)
+    keeps the identity."""
     n = out.shape[0]
     dim = 0 if out.shape[0] == n else next(d for d, s in enumerate(out.shape) if s == n)
-    o = out.detach().double().requires_grad_()
-    (g_full,) = torch.autograd.grad(loss_fn(o.to(out.dtype), y), o, allow_unused=True)
+    weights, residuals, tokens, values, full_value = _probe_at(loss_fn, out.detach().double(), out.dtype, y, k, b,
+                                                               dim)
+    thr = max(1e-9, 1000 * torch.finfo(out.dtype).eps) if out.is_floating_point() else 1e-9
+    probe = _Probe(weights, max(residuals), tokens, thr=thr)
+    top = max(abs(f) for f in weights) if weights else 0.0
+    if n < 2 or top == 0 or not math.isfinite(full_value):
+        return probe
+    total = sum(f * v for f, v in zip(weights, values))
+    if abs(total - full_value) <= thr * max(abs(full_value), sum(abs(f * v) for f, v in zip(weights, values))):
+        return probe
+    try:  # rows of the same batch: outputs the loss accepts
+        moved = _probe_at(loss_fn, out.detach().double().roll(1, dim), out.dtype, y, k, b, dim)[0]
+    except Exception:  # noqa: BLE001 (a loss that refuses rolled outputs: the weights are read as fixed)
+        return probe
+    both = [(f, g) for f, g in zip(weights, moved) if f != 0 and g != 0]
+    if both and max(abs(f - g) for f, g in both) > thr * top:
+        probe.moved = moved
+    return probe
+
+
+def _probe_at(loss_fn: Callable, o: torch.Tensor, dtype: torch.dtype, y: torch.Tensor, k: int, b: int,
+              dim: int) -> tuple[list[float], list[float], list[int], list[float], float]:
+    """:func:`_loss_probe`'s reading at the (float64) outputs ``o``: weights, residuals, tokens, each micro-batch's
+    loss alone and the full batch's loss."""
+    o = o.requires_grad_()
+    full = loss_fn(o.to(dtype), y)
+    (g_full,) = torch.autograd.grad(full, o, allow_unused=True)
     g_full = torch.zeros_like(o) if g_full is None else g_full
-    weights, residuals, tokens = [], [], []
+    weights, residuals, tokens, values = [], [], [], []
     for j in range(k):
         oj = o.detach().narrow(dim, j * b, b).clone().requires_grad_()
-        (gj,) = torch.autograd.grad(loss_fn(oj.to(out.dtype), y[j * b:(j + 1) * b]), oj, allow_unused=True)
+        lj = loss_fn(oj.to(dtype), y[j * b:(j + 1) * b])
+        (gj,) = torch.autograd.grad(lj, oj, allow_unused=True)
+        values.append(float(lj.detach()))
         gj = torch.zeros_like(oj) if gj is None else gj
         gf = g_full.narrow(dim, j * b, b)
         gg = float((gj * gj).sum())
@@ -441,7 +477,7 @@ def _loss_probe(loss_fn: Callable, out: torch.Tensor, y: torch.Tensor, k: int, b
         residuals.append(float((gf - fj * gj).norm()) / scale if gg > 0 or float(gf.norm()) > 0 else 0.0)
         nz = (gj != 0)
         tokens.append(int(nz.reshape(*nz.shape[:-1], -1).any(-1).sum()) if gj.dim() >= 2 else int(nz.sum()))
-    return _Probe(weights, max(residuals), tokens)
+    return weights, residuals, tokens, values, float(full.detach())
 
 
 def _validate_arguments(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: Any, clip: Any, tolerance: Any,
@@ -680,7 +716,7 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
     rtol = 1e-9 if wtol < 1e-6 else 1e-4
     m = Measurements(
         k=k, b=b, n=n, tol=tol, wtol=wtol, basis=refs.basis, full=refs.full, target=target, applied=run.applied,
-        f=probe.weights, loss_residual=probe.residual, tokens=probe.tokens,
+        f=probe.weights, loss_residual=probe.residual, tokens=probe.tokens, f_moved=probe.moved, loss_thr=probe.thr,
         clip=clip, clip_kind=kind, clip_norm_type=norm_type, clip_source=source, events=shown_events,
         passes=run.passes, error=run.error, forwards=run.forwards, unreplayed=run.unreplayed, random_draws=draws,
         reseeded=reseeded, coupled=lambda: coupled_modules(model, x, b, SampleRNG(seed), rtol),

@@ -242,6 +242,10 @@ class Measurements:
     param_slices: list[tuple[str, slice]]
     has_step: bool
     outside_draws: list[str] = field(default_factory=list)  # random ops the step ran outside the model's forward
+    # the loss weights f again at the outputs rolled by one row, when they moved and the loss value is not
+    # sum_j f_j L_j: a weighting set by a batch-wide value of the outputs (check._loss_probe)
+    f_moved: list[float] | None = None
+    loss_thr: float | None = None  # what counts as equal in the loss probe (its dtype's rounding); None: thr
 
     @property
     def thr(self) -> float:
@@ -376,22 +380,29 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
         return out.list(), info
 
     # ---- the model or the loss: does the full batch equal the ideal accumulation of this model?
-    loss_tol = m.thr
-    if m.loss_residual > loss_tol:
-        out.add("loss_couples_samples", "the loss couples the samples of a batch: it is not a sum over "
-                "micro-batches", f"the loss's gradient on a micro-batch inside the full batch is not a multiple of "
-                f"its gradient on the micro-batch alone (relative residual {num(m.loss_residual)}); in-batch "
-                "negatives or batch statistics in the loss do this", "accumulation cannot reproduce such a loss; "
-                "enlarge the micro-batch, or compute the full-batch gradient with GradCache "
-                "(gradaccum.coupled.grad_cache_backward)", 8)
+    loss_thr = m.thr if m.loss_thr is None else min(m.thr, m.loss_thr)
+    coupled_loss = m.loss_residual > loss_thr or m.f_moved is not None
+    fix = ("accumulation cannot reproduce such a loss; enlarge the micro-batch, or compute the full-batch gradient "
+           "with GradCache (gradaccum.coupled.grad_cache_backward)")
+    cause = "the loss couples the samples of a batch: it is not a sum over micro-batches"
+    if m.loss_residual > loss_thr:
+        out.add("loss_couples_samples", cause, f"the loss's gradient on a micro-batch inside the full batch is not a "
+                f"multiple of its gradient on the micro-batch alone (relative residual {num(m.loss_residual)}); "
+                "in-batch negatives or batch statistics in the loss do this", fix, 8)
+    elif m.f_moved is not None:
+        out.add("loss_couples_samples", cause, f"the full batch weighs each micro-batch's gradient by a factor that "
+                f"changes with the model's outputs ({nums(m.f)} here, {nums(m.f_moved)} with the outputs moved by "
+                "one row), and the full batch's loss is not these weights times the micro-batches' own losses: a "
+                "batch-wide value of the outputs sets the weights (a logsumexp or softmax over the samples' "
+                "losses does this), so no fixed normalization reproduces them", fix, 8)
     model_error = rel(m.full, ideal_unclipped)
-    if model_error > m.tol and m.loss_residual <= loss_tol:
+    if model_error > m.tol and not coupled_loss:
         _coupling_findings(m, out, ideal_unclipped, model_error)
 
     # ---- the loop: does the step produce the ideal accumulation?
     loop_error = rel(clipped, g)
     info["loop_error"] = loop_error
-    if loop_error > m.tol and m.loss_residual <= loss_tol:  # (the weights f mean nothing for a coupled loss)
+    if loop_error > m.tol and not coupled_loss:  # (the weights f mean nothing for a coupled loss)
         _loop_findings(m, out, w, e, residual, cond, clipped, loop_error)
     autocast = _counts(m.events, "autocast")
     if error > m.tol and autocast and error <= 0.1 and not any(f.severity in ("bug", "inconclusive")

@@ -72,8 +72,9 @@ def _temperature(temperature: float | torch.Tensor, dtype: torch.dtype | None = 
     if not valid:
         raise ValueError(f"temperature must be a positive finite number (or a one-element floating tensor, for a "
                          f"learnable temperature), got {temperature!r}.")
-    if dtype is not None and float(temperature) < 1 / torch.finfo(dtype).max:
-        raise ValueError(f"temperature {float(temperature):g} is so small that 1/temperature overflows {dtype}; "
+    value = float(temperature.detach()) if isinstance(temperature, torch.Tensor) else float(temperature)
+    if dtype is not None and value < 1 / torch.finfo(dtype).max:
+        raise ValueError(f"temperature {value:g} is so small that 1/temperature overflows {dtype}; "
                          "typical temperatures lie between 0.01 and 1.")
     if isinstance(temperature, torch.Tensor):
         return temperature.reshape(())  # a (1, 1) temperature must not broadcast the logits to 3-D
@@ -235,10 +236,11 @@ def _rng_state(devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
 def _embedding(enc: nn.Module, x: torch.Tensor, saved: list[_Buffer]) -> torch.Tensor:
     """``enc(x)``, refused unless it is one tensor (the buffers put back first)."""
     z = enc(x)
-    if not isinstance(z, torch.Tensor):
+    if not isinstance(z, torch.Tensor) or z.dim() == 0:
         _refuse_changed_buffers(saved)
-        raise ValueError(f"{type(enc).__name__} returned a {type(z).__name__}: GradCache caches one tensor of "
-                         "embeddings per encoder and micro-batch; return a single tensor.")
+        got = "a 0-dimensional tensor" if isinstance(z, torch.Tensor) else f"a {type(z).__name__}"
+        raise ValueError(f"{type(enc).__name__} returned {got}: GradCache caches one tensor of embeddings (rows "
+                         "first) per encoder and micro-batch; return a single tensor.")
     return z
 
 
@@ -249,6 +251,23 @@ def _scalar(loss: object) -> torch.Tensor:
         raise ValueError(f"loss_fn returned {shape}, not a scalar tensor: GradCache backpropagates one full-batch "
                          "loss; reduce it (.mean() or .sum(), as the loss you want to train).")
     return loss
+
+
+def _replay(enc: nn.Module, x: torch.Tensor, state: tuple[torch.Tensor, list[torch.Tensor]], devices: list[int],
+            cached: torch.Tensor) -> torch.Tensor:
+    """``enc(x)`` again, with a graph, under the random state saved before its first run (the same dropout masks);
+    refused unless it has the cached embedding's shape."""
+    with torch.random.fork_rng(devices=devices):
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        for d, s in zip(devices, cuda):
+            torch.cuda.set_rng_state(s, d)
+        z = enc(x)
+    if z.shape != cached.shape:
+        raise ValueError(f"{type(enc).__name__} returned {tuple(z.shape)} when embedding a micro-batch again, "
+                         f"{tuple(cached.shape)} the first time: GradCache needs a forward pass that repeats "
+                         "itself; .grad now holds a partial gradient (zero it).")
+    return z
 
 
 def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor], k: int,
@@ -268,7 +287,9 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
     state changed elsewhere (a parameter, a plain attribute, a change made only in step 3) and any coupling of the
     samples inside an encoder; GradCache is exact for couplings that sit in ``loss_fn``. Under DDP, each
     re-embedding backward pass all-reduces unless all but the last run in ``no_sync()``. A shared trunk before the
-    encoders gets its gradient in one backward pass at the end (:func:`_cut`, :func:`_join`).
+    encoders gets its gradient in one backward pass at the end (:func:`_cut`, :func:`_join`). An encoder may return
+    any number of rows per micro-batch (one per token, say): ``loss_fn`` sees each encoder's rows concatenated in
+    micro-batch order.
     """
     _check_encoders(encoders, inputs)
     chunks = _split(cut := _cut(inputs), k)
@@ -289,18 +310,13 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
     loss = _scalar(loss_fn(*reps))
     loss.backward()
     grads = [r.grad for r in reps]
-    b = len(chunks[0][0])
+    starts = [0] * len(encoders)  # each micro-batch's first row in reps (an encoder may return several per sample)
     for j, chunk in enumerate(chunks):
         for i, (enc, x) in enumerate(zip(encoders, chunk)):
-            with torch.random.fork_rng(devices=devices):
-                cpu, cuda = states[j][i]
-                torch.set_rng_state(cpu)
-                for d, state in zip(devices, cuda):
-                    torch.cuda.set_rng_state(state, d)
-                z = enc(x)
-            gz = grads[i]
+            z, rows, gz = _replay(enc, x, states[j][i], devices, cached[j][i]), len(cached[j][i]), grads[i]
             if z.requires_grad and gz is not None:  # a frozen encoder has nothing to update
-                z.backward(gz[j * b:(j + 1) * b])
+                z.backward(gz[starts[i]:starts[i] + rows])
+            starts[i] += rows
     _join(inputs, cut)
     return float(loss.detach())
 
@@ -333,10 +349,13 @@ def switch_aux_loss(probs: torch.Tensor, fractions: torch.Tensor | None = None) 
                          f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__}.")
     if not probs.is_floating_point():
         raise ValueError(f"probs must be floating-point router probabilities (a softmax), got {probs.dtype}.")
-    sums = probs.detach().sum(1)
-    if bool((probs.detach() < 0).any()) or not torch.allclose(sums, torch.ones_like(sums), atol=1e-4):
-        raise ValueError("each row of probs must be a probability distribution (non-negative, summing to 1): pass "
-                         "the router's softmax, not its logits.")
+    sums = probs.detach().to(torch.float64).sum(1)
+    slack = max(1e-4, torch.finfo(probs.dtype).eps)  # a bf16 softmax's rows sum to 1 within about 2^-8
+    off = float((sums - 1).abs().max())
+    if bool((probs.detach() < 0).any()) or not off <= slack:
+        raise ValueError(f"each row of probs must be a probability distribution (non-negative, summing to 1; a row "
+                         f"here is off by {off:.3g}, more than {probs.dtype}'s rounding allows): pass the router's "
+                         "softmax, not its logits.")
     n = probs.shape[1]
     f = expert_fractions(probs.argmax(1), n) if fractions is None else fractions
     if not isinstance(f, torch.Tensor) or f.shape != (n,):

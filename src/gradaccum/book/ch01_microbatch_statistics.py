@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradaccum._validate import require_count, require_k, require_micro_batch
+from gradaccum._validate import require_count, require_k, require_micro_batch, require_tensor
 from gradaccum.accumulate import (
     accumulated_gradient,
     agreement,
@@ -90,6 +90,7 @@ def moment_spread(features: torch.Tensor, b: int, draws: int = 2000, seed: int =
     """
     require_micro_batch(b)
     require_count(draws, "draws (a spread needs at least two micro-batches)", minimum=2)
+    features = require_tensor(features, "features")
     if features.dim() != 2:
         raise ValueError(f"features must have shape (N, C), got {tuple(features.shape)}.")
     n = features.shape[0]
