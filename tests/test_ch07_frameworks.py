@@ -217,14 +217,20 @@ def test_review_helpers_refuse_empty_and_impossible_arguments():
 def test_transformers_classification_heads_get_k_times_the_gradient(k):
     """Review (transformers #47688): BertForSequenceClassification and LlamaForSequenceClassification take
     **kwargs, so the Trainer skips its 1/K, but their loss ignores num_items_in_batch: the step is K times the full
-    batch's; accepts_loss_kwargs = False restores it."""
+    batch's; accepts_loss_kwargs = False restores it. The token-level heads (BertForTokenClassification,
+    BertForMaskedLM; fifth review) do the same with their token means: about K times, each micro-batch's token mean
+    weighted alike (not exactly K: the micro-batches hold different numbers of tokens)."""
     lines = load_corpus()
     vocab = make_vocab(lines)
-    lm_x, _ = ch7.lm_batch(lines, vocab)
+    lm_x, lm_y = ch7.lm_batch(lines, vocab)
     for kind in ("bert", "llama"):
-        assert abs(ch7.builtin_classifier_step(kind, lm_x, vocab, k=k).weight - k) < 1e-4
-    assert ch7.builtin_classifier_step("bert", lm_x, vocab, k=k, opt_out=True).error < ch7.EXACT
-    with pytest.raises(ValueError, match="'bert' or 'llama'"):
+        assert abs(ch7.builtin_classifier_step(kind, lm_x, lm_y, vocab, k=k).weight - k) < 1e-4
+    for kind in ("bert-token", "bert-mlm"):
+        step = ch7.builtin_classifier_step(kind, lm_x, lm_y, vocab, k=k)
+        assert 0.95 * k < step.weight < 1.05 * k and step.error > k - 1.1, (kind, step)
+    assert ch7.builtin_classifier_step("bert", lm_x, lm_y, vocab, k=k, opt_out=True).error < ch7.EXACT
+    assert ch7.builtin_classifier_step("bert-token", lm_x, lm_y, vocab, k=k, opt_out=True).error > 0.01
+    with pytest.raises(ValueError, match="kind must be one of"):
         fw.tiny_classifier("gpt2", vocab.size, lm_x.shape[1])
 
 

@@ -930,29 +930,44 @@ def tiny_causal_lm(kind: str, vocab: int, positions: int, seed: int = 0) -> nn.M
     raise ValueError(f"kind must be 'gpt2' or 'llama', got {kind!r}.")
 
 
-def tiny_classifier(kind: str, vocab: int, positions: int, num_labels: int = 3, seed: int = 0) -> nn.Module:
-    """A one-layer Transformers sequence classifier built from a config (no download): ``"bert"``
-    (``BertForSequenceClassification``) or ``"llama"`` (``LlamaForSequenceClassification``, pad token 0), float32,
-    dropout off. Both ``forward`` methods take ``**kwargs`` and compute a mean loss that ignores
-    ``num_items_in_batch`` (transformers issue #47688)."""
-    _import("trainer")
-    from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+#: The Transformers heads :func:`tiny_classifier` builds: a label per sequence, or per token (``-100`` skipped).
+CLASSIFIER_KINDS = {"bert": "sequence", "llama": "sequence", "bert-token": "token", "bert-mlm": "token"}
 
+
+def tiny_classifier(kind: str, vocab: int, positions: int, num_labels: int = 3, seed: int = 0) -> nn.Module:
+    """A one-layer Transformers classifier built from a config (no download), float32, dropout off: a label per
+    sequence, ``"bert"`` (``BertForSequenceClassification``) or ``"llama"`` (``LlamaForSequenceClassification``, pad
+    token 0), or per token, ``"bert-token"`` (``BertForTokenClassification``) or ``"bert-mlm"``
+    (``BertForMaskedLM``, the vocabulary as classes). Every ``forward`` takes ``**kwargs`` and computes a mean loss
+    that ignores ``num_items_in_batch`` (transformers issue #47688)."""
+    _import("trainer")
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        BertForSequenceClassification,
+        BertForTokenClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+    )
+
+    if kind not in CLASSIFIER_KINDS:
+        raise ValueError(f"kind must be one of {sorted(CLASSIFIER_KINDS)}, got {kind!r}.")
     with _quiet(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if kind == "bert":
+        if kind.startswith("bert"):
             bert = BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                               intermediate_size=32, max_position_embeddings=positions, hidden_dropout_prob=0.0,
                               attention_probs_dropout_prob=0.0)
             bert.num_labels = num_labels
-            return BertForSequenceClassification(bert)
+            head = {"bert": BertForSequenceClassification, "bert-token": BertForTokenClassification,
+                    "bert-mlm": BertForMaskedLM}[kind]
+            return head(bert)
         if kind == "llama":
             llama = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=positions,
                                 pad_token_id=0)
             llama.num_labels = num_labels
-            return LlamaForSequenceClassification(llama)
-    raise ValueError(f"kind must be 'bert' or 'llama', got {kind!r}.")
+        return LlamaForSequenceClassification(llama)
 
 
 def trainer_on_causal_lm(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,

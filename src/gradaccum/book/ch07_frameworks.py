@@ -214,6 +214,11 @@ def causal_lm_labels(lm_x: torch.Tensor, lm_y: torch.Tensor) -> torch.Tensor:
     return torch.where(lm_y != fw.IGNORE, lm_x, torch.full_like(lm_x, fw.IGNORE))
 
 
+#: The Transformers classes :func:`builtin_classifier_step` trains, by ``kind``.
+HEADS = {"bert": "BertForSequenceClassification", "llama": "LlamaForSequenceClassification",
+         "bert-token": "BertForTokenClassification", "bert-mlm": "BertForMaskedLM"}
+
+
 @dataclass
 class BuiltinStep:
     """One Trainer window of a Transformers model against its full batch."""
@@ -234,15 +239,20 @@ def builtin_lm_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vo
     return _builtin_step(*fw.trainer_on_causal_lm(model, lm_x, labels, k))
 
 
-def builtin_classifier_step(kind: str, lm_x: torch.Tensor, vocab: Vocab, k: int = K,
+def builtin_classifier_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K,
                             opt_out: bool = False) -> BuiltinStep:
-    """The Trainer on a one-layer ``BertForSequenceClassification`` or ``LlamaForSequenceClassification`` built from
-    a config (:func:`gradaccum.frameworks.tiny_classifier`), :func:`lm_batch`'s lines as inputs, class ``i % 3`` for
-    row i, ``k`` micro-batches. ``opt_out`` sets ``model.accepts_loss_kwargs = False``, so that the Trainer divides
-    by K again."""
+    """The Trainer on a one-layer Transformers classifier built from a config
+    (:func:`gradaccum.frameworks.tiny_classifier`: ``"bert"`` or ``"llama"`` label sequences, ``"bert-token"`` and
+    ``"bert-mlm"`` tokens), :func:`lm_batch`'s lines as inputs, ``k`` micro-batches. A sequence's class is ``i % 3``
+    for row i; a token's is its id modulo 3 (``"bert-token"``) or its id (``"bert-mlm"``), padding -100.
+    ``opt_out`` sets ``model.accepts_loss_kwargs = False``, so that the Trainer divides by K again."""
     if not isinstance(opt_out, bool):
         raise ValueError(f"opt_out must be True or False, got {opt_out!r}.")
-    classes = torch.arange(len(lm_x)) % 3
+    if fw.CLASSIFIER_KINDS.get(kind) == "token":
+        tokens = causal_lm_labels(lm_x, lm_y)
+        classes = torch.where(tokens != fw.IGNORE, tokens % 3, tokens) if kind == "bert-token" else tokens
+    else:
+        classes = torch.arange(len(lm_x)) % 3
     model = fw.tiny_classifier(kind, vocab.size, lm_x.shape[1])
     if opt_out:  # what the Trainer reads first (an instance attribute does, as the class attribute would)
         setattr(model, "accepts_loss_kwargs", False)  # noqa: B010
