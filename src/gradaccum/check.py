@@ -415,7 +415,7 @@ class _Probe:
     weights: list[float]
     residual: float
     tokens: list[int]
-    moved: list[float] | None = None  # the weights again with the outputs rolled one row, where they changed
+    moved: list[float] | None = None  # the weights again at moved outputs, where they follow the outputs
     thr: float = 1e-9  # what counts as equal in this reading (a thousand roundings of the loss's dtype)
 
 
@@ -426,48 +426,53 @@ def _loss_probe(loss_fn: Callable, out: torch.Tensor, y: torch.Tensor, k: int, b
     :math:`f_j G_j` (0 for a loss that is a sum over positions, to the rounding of the loss's dtype: ``thr``).
     ``tokens``: positions with a non-zero gradient (padding and ignored targets have none).
 
-    A loss whose weights are fixed by the targets (a token mean, a class-weighted mean) has the same :math:`f_j`
-    at any outputs, and its value is :math:`\sum_j f_j L_j` (:math:`L_j` micro-batch j's loss alone). ``moved``
-    holds the weights at the outputs rolled by one row when both fail (by more than a thousand roundings of the
-    loss's dtype): the weights follow a batch-wide value of the outputs (a logsumexp or softmax over the samples'
-    losses), which no fixed normalization reproduces. A weight that follows a count (of non-zero losses, say)
-    keeps the identity."""
+    A loss whose weights are fixed by the targets or by counts (a token mean, a class-weighted mean, a mean over
+    the non-zero losses) keeps the same :math:`f_j` when the outputs move a little. ``moved`` holds the weights at
+    outputs moved by a thousandth of their spread (a hundredth below float64; three random directions) when they
+    change with the outputs, smoothly (moving the other way changes them by as much, with the opposite sign): a
+    batch-wide value of the outputs sets them (a logsumexp or softmax over the samples' losses, the square root of
+    a mean), which no fixed normalization reproduces."""
     n = out.shape[0]
     dim = 0 if out.shape[0] == n else next(d for d, s in enumerate(out.shape) if s == n)
-    weights, residuals, tokens, values, full_value = _probe_at(loss_fn, out.detach().double(), out.dtype, y, k, b,
-                                                               dim)
+    base = out.detach().double()
+    weights, residuals, tokens = _probe_at(loss_fn, base, out.dtype, y, k, b, dim)
     thr = max(1e-9, 1000 * torch.finfo(out.dtype).eps) if out.is_floating_point() else 1e-9
     probe = _Probe(weights, max(residuals), tokens, thr=thr)
     top = max(abs(f) for f in weights) if weights else 0.0
-    if n < 2 or top == 0 or not math.isfinite(full_value):
+    if n < 2 or top == 0 or not out.is_floating_point():
         return probe
-    total = sum(f * v for f, v in zip(weights, values))
-    if abs(total - full_value) <= thr * max(abs(full_value), sum(abs(f * v) for f, v in zip(weights, values))):
-        return probe
-    try:  # rows of the same batch: outputs the loss accepts
-        moved = _probe_at(loss_fn, out.detach().double().roll(1, dim), out.dtype, y, k, b, dim)[0]
-    except Exception:  # noqa: BLE001 (a loss that refuses rolled outputs: the weights are read as fixed)
-        return probe
-    both = [(f, g) for f, g in zip(weights, moved) if f != 0 and g != 0]
-    if both and max(abs(f - g) for f, g in both) > thr * top:
-        probe.moved = moved
+    eps = 1e-3 if out.dtype == torch.float64 else max(1e-2, 16 * torch.finfo(out.dtype).eps)
+    noise = max(1e-12, 100 * torch.finfo(out.dtype).eps) * top  # the rounding of weights read in the loss's dtype
+    for seed in range(3):  # three random directions: one may leave the weights nearly where they were
+        step = eps * float(base.std()) * torch.randn(base.shape, generator=torch.Generator().manual_seed(seed),
+                                                     dtype=torch.float64)
+        try:  # outputs a little away, both ways
+            up = _probe_at(loss_fn, base + step, out.dtype, y, k, b, dim)[0]
+            down = _probe_at(loss_fn, base - step, out.dtype, y, k, b, dim)[0]
+        except Exception:  # noqa: BLE001 (a loss that refuses moved outputs: the weights are read as fixed)
+            return probe
+        rise = [u - f for u, f in zip(up, weights)]
+        fall = [d - f for d, f in zip(down, weights)]
+        largest = max(max(abs(r) for r in rise), max(abs(f) for f in fall))
+        if largest > 10 * noise and all(math.isfinite(r) and math.isfinite(f) and abs(r + f) <= 0.1 * largest + noise
+                                         for r, f in zip(rise, fall)):
+            probe.moved = up
+            break
     return probe
 
 
 def _probe_at(loss_fn: Callable, o: torch.Tensor, dtype: torch.dtype, y: torch.Tensor, k: int, b: int,
-              dim: int) -> tuple[list[float], list[float], list[int], list[float], float]:
-    """:func:`_loss_probe`'s reading at the (float64) outputs ``o``: weights, residuals, tokens, each micro-batch's
-    loss alone and the full batch's loss."""
-    o = o.requires_grad_()
+              dim: int) -> tuple[list[float], list[float], list[int]]:
+    """:func:`_loss_probe`'s reading at the (float64) outputs ``o``, the loss computed in ``dtype``: weights,
+    residuals and tokens."""
+    o = o.detach().clone().requires_grad_()
     full = loss_fn(o.to(dtype), y)
     (g_full,) = torch.autograd.grad(full, o, allow_unused=True)
     g_full = torch.zeros_like(o) if g_full is None else g_full
-    weights, residuals, tokens, values = [], [], [], []
+    weights, residuals, tokens = [], [], []
     for j in range(k):
         oj = o.detach().narrow(dim, j * b, b).clone().requires_grad_()
-        lj = loss_fn(oj.to(dtype), y[j * b:(j + 1) * b])
-        (gj,) = torch.autograd.grad(lj, oj, allow_unused=True)
-        values.append(float(lj.detach()))
+        (gj,) = torch.autograd.grad(loss_fn(oj.to(dtype), y[j * b:(j + 1) * b]), oj, allow_unused=True)
         gj = torch.zeros_like(oj) if gj is None else gj
         gf = g_full.narrow(dim, j * b, b)
         gg = float((gj * gj).sum())
@@ -477,7 +482,7 @@ def _probe_at(loss_fn: Callable, o: torch.Tensor, dtype: torch.dtype, y: torch.T
         residuals.append(float((gf - fj * gj).norm()) / scale if gg > 0 or float(gf.norm()) > 0 else 0.0)
         nz = (gj != 0)
         tokens.append(int(nz.reshape(*nz.shape[:-1], -1).any(-1).sum()) if gj.dim() >= 2 else int(nz.sum()))
-    return weights, residuals, tokens, values, float(full.detach())
+    return weights, residuals, tokens
 
 
 def _validate_arguments(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: Any, clip: Any, tolerance: Any,

@@ -211,6 +211,12 @@ PLACEMENT_TEXT = {
 }
 
 
+def _dtype_eps(name: object) -> float:
+    """Machine epsilon of the floating dtype called ``name`` ("bfloat16"), 0 for anything else."""
+    dtype = getattr(torch, str(name), None)
+    return float(torch.finfo(dtype).eps) if isinstance(dtype, torch.dtype) and dtype.is_floating_point else 0.0
+
+
 @dataclass
 class Measurements:
     """Everything :func:`diagnose` reads."""
@@ -242,8 +248,8 @@ class Measurements:
     param_slices: list[tuple[str, slice]]
     has_step: bool
     outside_draws: list[str] = field(default_factory=list)  # random ops the step ran outside the model's forward
-    # the loss weights f again at the outputs rolled by one row, when they moved and the loss value is not
-    # sum_j f_j L_j: a weighting set by a batch-wide value of the outputs (check._loss_probe)
+    # the loss weights f again at slightly moved outputs, when they follow the outputs smoothly: a weighting set
+    # by a batch-wide value of the outputs (check._loss_probe)
     f_moved: list[float] | None = None
     loss_thr: float | None = None  # what counts as equal in the loss probe (its dtype's rounding); None: thr
 
@@ -357,7 +363,10 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
 
     w, residual, cond = fit_weights(m.basis, g)
     top_w = max(abs(v) for v in w) if w else 0.0
-    w = [v if abs(v) > max(m.wtol, 1e-9) * top_w else 0.0 for v in w]  # rounding noise of the fit shown as 0
+    # rounding noise of the fit shown as 0 (under autocast, the noise of its dtype: a zeroed micro-batch reads
+    # about 1e-4 of the others in bf16)
+    zero = max([m.wtol, 1e-9] + [_dtype_eps(ev.detail.get("dtype", "")) for ev in _counts(m.events, "autocast")])
+    w = [v if abs(v) > zero * top_w else 0.0 for v in w]
     clip_factor = 1.0
     ideal_unclipped = cast(torch.Tensor, sum(fj * m.basis[j] for j, fj in enumerate(m.f)))
     if m.clip is not None:
@@ -383,7 +392,8 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     loss_thr = m.thr if m.loss_thr is None else min(m.thr, m.loss_thr)
     coupled_loss = m.loss_residual > loss_thr or m.f_moved is not None
     fix = ("accumulation cannot reproduce such a loss; enlarge the micro-batch, or compute the full-batch gradient "
-           "with GradCache (gradaccum.coupled.grad_cache_backward)")
+           "with GradCache (gradaccum.coupled.grad_cache_backward; for a loss of the model's outputs, the model as "
+           "its one encoder and lambda out: loss_fn(out, y))")
     cause = "the loss couples the samples of a batch: it is not a sum over micro-batches"
     if m.loss_residual > loss_thr:
         out.add("loss_couples_samples", cause, f"the loss's gradient on a micro-batch inside the full batch is not a "
@@ -391,10 +401,11 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
                 "in-batch negatives or batch statistics in the loss do this", fix, 8)
     elif m.f_moved is not None:
         out.add("loss_couples_samples", cause, f"the full batch weighs each micro-batch's gradient by a factor that "
-                f"changes with the model's outputs ({nums(m.f)} here, {nums(m.f_moved)} with the outputs moved by "
-                "one row), and the full batch's loss is not these weights times the micro-batches' own losses: a "
-                "batch-wide value of the outputs sets the weights (a logsumexp or softmax over the samples' "
-                "losses does this), so no fixed normalization reproduces them", fix, 8)
+                f"changes smoothly with the model's outputs ({nums(m.f)} here, {nums(m.f_moved)} with the outputs "
+                "moved by a thousandth of their spread, a hundredth below float64): a batch-wide value of the "
+                "outputs sets the weights (a "
+                "logsumexp or softmax over the samples' losses, the square root of a mean as in RMSE, a power of "
+                "the batch's mean loss), so no fixed normalization reproduces them", fix, 8)
     model_error = rel(m.full, ideal_unclipped)
     if model_error > m.tol and not coupled_loss:
         _coupling_findings(m, out, ideal_unclipped, model_error)
@@ -765,6 +776,14 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     missing = [j for j in range(k) if w[j] == 0 and e[j] != 0]  # exactly absent (rounding noise removed above)
     present = [j for j in range(k) if j not in missing and e[j] != 0]
     weights = f"weights {nums(w)} instead of {nums(e)}"
+    late = [ev for ev in _counts(events, "zero_grad") if ev.after == len(m.passes)]
+    if missing and not present and late and _is_zero(m.applied):  # emptied between the last backward and the step
+        out.add("zero_grad_inside_window", "zero_grad() inside the window: the gradient buffer is emptied "
+                "between micro-batches", f"zero_grad() called {len(late)}× after the last backward pass, before "
+                f"your step's gradient was applied: the step applies an empty buffer ({weights})",
+                "zero the gradients once per window, before the first micro-batch or after optimizer.step(); "
+                "never between the last backward and the step", 6)
+        return
     if missing:
         if resets or zeros:
             calls = f" (zero_grad() called {len(zeros)}× inside the window)" if zeros else ""
@@ -788,6 +807,11 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     w_present = [w[j] for j in present]
     w_mean = sum(w_present) / len(w_present)
     w_uniform = max(abs(v / w_mean - 1) for v in w_present) <= m.thr if w_mean else False
+    if uniform and not f_uniform and w_uniform and mean != 0 \
+            and max(abs(r / mean - 1) for r in ratio) > max(10 * m.wtol, m.tol):
+        # equal weights where the full batch's differ by less than thr (a float32 reading) but by more than the
+        # fit's rounding: still a mean of per-micro-batch means, not a scale
+        uniform = False
     clips = _counts(events, "clip")
     before = _alpha_pattern(m) if clips or missing else None  # read before any clip or reset
     if before is not None and before[1]:  # equal weights where the full batch's differ: per-micro-batch means
@@ -801,6 +825,11 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         # a clip rescales, a reset removes: the scale of the loss's weights is what each backward added
         _scale_findings(m, out, before[0], loop_error, cosine(clipped, m.applied), clips, token=before[1],
                         what="on average, the backward passes' weights are")
+        return
+    empty = [j for j in range(k) if e[j] == 0 and m.tokens[j] == 0]  # micro-batches with no target to count
+    if uniform and empty and abs(mean * k / len(present) - 1) <= m.thr:
+        # each micro-batch that has tokens weighted 1/K, as if the empty ones counted: a mean of token means
+        _token_finding(m, out, e, [w_mean if j in empty else w[j] for j in range(k)])
         return
     if uniform:
         if abs(mean - 1) > m.thr:
