@@ -200,7 +200,10 @@ def test_window_tools_refuse_what_they_cannot_compute(lm):
 
 
 def test_window_tools_refuse_bad_input_with_what_to_pass():
-    """Found by review: these ran on (or crashed with a ZeroDivisionError / TypeError / a K-message)."""
+    """Found by review: these ran on (or crashed with a ZeroDivisionError / TypeError / a K-message); token_loss
+    with reduction='none' returned a flattened per-token tensor (fifth review)."""
+    with pytest.raises(ValueError, match="'mean' or 'sum'"):
+        windows.token_loss(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.int64), reduction="none")
     model = nn.Linear(2, 2)
     x, y = torch.randn(16, 2), torch.randint(0, 2, (16,))
     ratio = functools.partial(windows.partial_step_ratio, model, nn.CrossEntropyLoss(), x, y)

@@ -276,3 +276,9 @@ def test_a_tie_at_the_asked_digits_names_both_roundings():
     assert not ex.grade_nosync_saving(121).correct
     assert "0.62 and 0.63" in ex.grade_number(0.63, 0.625, digits=2).message
     assert ex.grade_number(3.14, 3.14159).message == "correct: 3.14 (to 3 significant digits; exactly 3.14159)."
+
+
+def test_a_fractional_count_is_told_so_before_a_near_slip():
+    """Review of chapter 6: 125.5 for the warmup's end got the explanation of the slip 126; a count is whole."""
+    assert "not a whole number" in ex.grade_warmup_end(125.5).message
+    assert "first optimizer step that *uses*" in ex.grade_warmup_end(126).message

@@ -69,6 +69,9 @@ def token_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -
         raise ValueError(f"logits must be (..., vocabulary) with the targets' shape {tuple(y.shape)} in front, got "
                          f"{got}; logits laid out (N, vocabulary, T) for F.cross_entropy: pass "
                          "logits.transpose(1, 2).")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}; for per-token losses call "
+                         "F.cross_entropy(..., reduction='none') yourself.")
     counted = y[y != IGNORE]
     if reduction == "mean" and counted.numel() == 0:
         raise ValueError(f"every target is padding ({IGNORE}): a mean over zero tokens is NaN; leave the batch out, "

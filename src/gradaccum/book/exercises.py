@@ -139,6 +139,12 @@ def grade_number(
                                   f"({shown:.{digits}g} and {up:.{digits}g} both count).")
         exactly = "" if shown == expected else f"; exactly {expected:.6g}"
         return Feedback(True, f"correct: {shown:.{digits}g} (to {digits} significant digits{exactly}).")
+    mistakes = list(mistakes)
+    # a count is whole: say so before a slip whose value is whole (125.5 is not the slip 126), not before a
+    # slip that is itself a fraction (the answer a misplaced division gives)
+    if fractional and not any(value == m[0] or (not float(m[0]).is_integer() and agrees(value, m[0], digits, atol))
+                              for m in mistakes):
+        return Feedback(False, f"{value!r} is not a whole number: the answer counts something; give the count.")
     for wrong, why, *own_rtol in mistakes:
         if agrees(wrong, expected, digits, atol):
             continue  # a "mistake" that equals the answer cannot be one
