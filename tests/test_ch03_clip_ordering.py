@@ -400,13 +400,20 @@ def test_review_clip_with_scaler_refuses_what_a_scaler_would_skip():
 
 def test_adamw_reverses_the_order_of_a2(digits):
     """The page: with AdamW (torch's defaults) at learning rates 1e-3 and 1e-2, K = 8, c = 0.3, (a1) and (a2)
-    both end below clipping once in all six runs, and (b) above it: SGD's order of (a2) reverses."""
+    both end below clipping once in the six runs on seeds 0-2, and (b) above it: SGD's order of (a2) reverses.
+    Fifth review: on seeds 3-5 at 1e-2 (GroupNorm and LayerNorm) (b) stays above, but (a1) ends above clipping
+    once in two LayerNorm runs: the order of (a1) and (a2) under AdamW depends on the seed."""
     for lr in (1e-3, 1e-2):
         sweep = ch3.train_sweep(digits, k=8, epochs=2, setups=(("group", 0.3),), lr=lr, optimizer="AdamW",
                                 workers=2)
         assert len(sweep) == 3
         for key, loss in sweep.items():
             assert max(loss["scaled_micro"], loss["raw_micro"]) < loss["once"] < loss["running"], (lr, key, loss)
+    more = ch3.train_sweep(digits, k=8, epochs=2, setups=(("group", 0.3), ("layer", 0.3)), seeds=(3, 4, 5),
+                           lr=1e-2, optimizer="AdamW", workers=2)
+    assert len(more) == 6 and all(loss["once"] < loss["running"] for loss in more.values())
+    above = [key for key, loss in more.items() if loss["scaled_micro"] > loss["once"]]
+    assert above == [("layer", 0.3, 4), ("layer", 0.3, 5)], above
     with pytest.raises(ValueError, match="unknown optimizer"):
         ch3.train_sweep(digits, epochs=1, optimizer="Adam", placements=("once",), seeds=(0,))
 
@@ -461,3 +468,16 @@ def test_exercise_shrink_numbers():
     a2 = float(clipping.combine(g, 1.0, "raw_micro").norm())
     assert 2.5e-7 < a2 < 3.5e-7
     assert float(clipping.combine(g, 1.0, "once").norm()) == pytest.approx(1 / (1 + 1e-6), rel=1e-12)
+
+
+def test_torch_clip_ratio_refuses_what_has_no_ratio():
+    """Fifth review: a negative threshold returned 0.7071 (torch's clip flips the sign), NaN, 0 and a norm below 1
+    gave numbers, an empty list a ZeroDivisionError and cancelling vectors 0/0."""
+    v = [[1.0, 0.0], [0.0, 2.0]]
+    assert ch3.torch_clip_ratio(v, 0.5, "raw_micro", 2) == pytest.approx(0.7071068833, rel=1e-9)
+    for args, message in (((v, -1.0, "raw_micro", 2), "threshold"), ((v, float("nan"), "once", 2), "threshold"),
+                          ((v, 0.5, "raw_micro", 0.5), "norm_type"), (([], 0.5, "raw_micro", 2), "vectors"),
+                          (([[1.0], [1.0, 2.0]], 0.5, "raw_micro", 2), "vectors"),
+                          (([[1.0, 0.0], [-1.0, 0.0]], 0.5, "raw_micro", 2), "cancel")):
+        with pytest.raises(ValueError, match=message):
+            ch3.torch_clip_ratio(*args)

@@ -610,7 +610,8 @@ def _trace(model: nn.Module, names: dict[_BatchNorm, str]) -> _Plan:
         raise
     except Exception as e:
         raise ValueError(f"cache=True cuts the model's forward at its BatchNorm layers with torch.fx, which cannot "
-                         f"trace this model ({type(e).__name__}: {e}). Use cache=False.") from e
+                         f"trace this model ({type(e).__name__}: {e}). Use cache=False — unless model(x) itself "
+                         f"raises this error, which is then a bug in the model to fix first.") from e
     if random.getstate() != state:
         random.setstate(state)
         raise ValueError("the forward draws from Python's random module; a torch.fx trace would freeze the value "

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradaccum._validate import require_count, require_k, require_positive
+from gradaccum._validate import require_count, require_k, require_positive, require_vectors
 from gradaccum.accumulate import LossFn, train
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import make_cnn
@@ -67,8 +67,18 @@ def torch_clip_ratio(vectors: Sequence[Sequence[float]], c: float, placement: Pl
     _require_placement(placement)
     if placement == "running":
         raise ValueError("torch_clip_ratio covers (c), (a1) and (a2); (b) is clipping.clip_running_buffer.")
-    grads = [torch.tensor(v, dtype=torch.float64) for v in vectors]
+    c = _require_threshold(c)
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type >= 1:
+        raise ValueError(f"norm_type must be a number >= 1 (1, 2 or math.inf), got {norm_type!r}: below 1 it is "
+                         "not a norm.")
+    try:
+        grads = require_vectors([torch.tensor(v, dtype=torch.float64) for v in vectors], "vectors")
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"vectors must be K >= 1 lists of finite numbers of one length: {err}") from None
     k = len(grads)
+    if not float(torch.linalg.vector_norm(cast(torch.Tensor, sum(grads)), norm_type)) > 0:
+        raise ValueError("the micro-gradients cancel exactly: the correct step is zero, and a ratio to it is "
+                         "undefined; pick vectors whose mean is not zero.")
 
     def clip(v: torch.Tensor) -> torch.Tensor:
         p = v.clone().requires_grad_()
