@@ -211,6 +211,10 @@ PLACEMENT_TEXT = {
 }
 
 
+#: What every zero_grad_inside_window finding says the cause is.
+ZERO_GRAD_CAUSE = "zero_grad() inside the window: the gradient buffer is emptied between micro-batches"
+
+
 def _dtype_eps(name: object) -> float:
     """Machine epsilon of the floating dtype called ``name`` ("bfloat16"), 0 for anything else."""
     dtype = getattr(torch, str(name), None)
@@ -403,9 +407,9 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
         out.add("loss_couples_samples", cause, f"the full batch weighs each micro-batch's gradient by a factor that "
                 f"changes smoothly with the model's outputs ({nums(m.f)} here, {nums(m.f_moved)} with the outputs "
                 "moved by a thousandth of their spread, a hundredth below float64): a batch-wide value of the "
-                "outputs sets the weights (a "
-                "logsumexp or softmax over the samples' losses, the square root of a mean as in RMSE, a power of "
-                "the batch's mean loss), so no fixed normalization reproduces them", fix, 8)
+                "outputs sets the weights (a logsumexp or softmax over the samples' losses, the square root of a "
+                "mean as in RMSE, a power of the batch's mean loss), so no fixed normalization reproduces them",
+                fix, 8)
     model_error = rel(m.full, ideal_unclipped)
     if model_error > m.tol and not coupled_loss:
         _coupling_findings(m, out, ideal_unclipped, model_error)
@@ -731,8 +735,8 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         elif m.has_step and sizes and sizes != [m.b]:
             _other_sizes(m, out, sizes)
         elif inside_zeros:  # e.g. one of two optimizers emptied mid-window: each part keeps other micro-batches
-            out.add("zero_grad_inside_window", "zero_grad() inside the window: the gradient buffer is emptied "
-                    "between micro-batches", f"zero_grad() called {len(inside_zeros)}× inside the window, after "
+            out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE,
+                    f"zero_grad() called {len(inside_zeros)}× inside the window, after "
                     f"backward pass(es) {ordinal_list(sorted({ev.after for ev in inside_zeros}))}; where it empties "
                     f"part of the parameters (one optimizer of several, say), no one set of micro-batch weights "
                     f"gives your step's gradient (relative residual {num(residual)})",
@@ -754,8 +758,7 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         last_clip = math.prod(ev.detail.get("factor", 1.0) for ev in _counts(events, "clip")
                               if ev.after == len(m.passes))  # a clip after the last backward rescales the buffer
         if resets and m.passes and rel(m.passes[-1].after * last_clip, m.applied) <= fit_tol:
-            out.add("zero_grad_inside_window", "zero_grad() inside the window: the gradient buffer is emptied "
-                    "between micro-batches", f"the .grad buffer was emptied before micro-batch(es) "
+            out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE, f"the .grad buffer was emptied before micro-batch(es) "
                     f"{ordinal_list(resets)}; the step applies what the last backward pass(es) left in it",
                     "zero the gradients once per window, before the first micro-batch", 6)
             return
@@ -778,8 +781,8 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     weights = f"weights {nums(w)} instead of {nums(e)}"
     late = [ev for ev in _counts(events, "zero_grad") if ev.after == len(m.passes)]
     if missing and not present and late and _is_zero(m.applied):  # emptied between the last backward and the step
-        out.add("zero_grad_inside_window", "zero_grad() inside the window: the gradient buffer is emptied "
-                "between micro-batches", f"zero_grad() called {len(late)}× after the last backward pass, before "
+        out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE,
+                f"zero_grad() called {len(late)}× after the last backward pass, before "
                 f"your step's gradient was applied: the step applies an empty buffer ({weights})",
                 "zero the gradients once per window, before the first micro-batch or after optimizer.step(); "
                 "never between the last backward and the step", 6)
@@ -787,8 +790,7 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     if missing:
         if resets or zeros:
             calls = f" (zero_grad() called {len(zeros)}× inside the window)" if zeros else ""
-            out.add("zero_grad_inside_window", "zero_grad() inside the window: the gradient buffer is emptied "
-                    "between micro-batches", f"the .grad buffer was emptied before micro-batch(es) "
+            out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE, f"the .grad buffer was emptied before micro-batch(es) "
                     f"{ordinal_list(resets)}{calls}; only micro-batch(es) {ordinal_list([j + 1 for j in present])} "
                     f"reach the optimizer: {weights}", "zero the gradients once per window, before the first "
                     "micro-batch (or after optimizer.step())", 6)
