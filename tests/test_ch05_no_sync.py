@@ -50,6 +50,22 @@ def test_placement_of_the_last_forward(digits):
     assert torch.equal(ranks[0]["no_sync"]["grad"], ranks[1]["no_sync"]["grad"])
 
 
+def test_a_parameter_unused_in_the_last_micro_batch_is_silently_unsynchronized_by_no_sync(digits):
+    """Sixth review: with the default find_unused_parameters=False, a parameter used only inside no_sync() leaves
+    its bucket unready: the step launches no all-reduce and each rank keeps its own gradient, where the naive loop
+    raises in the step; find_unused_parameters=True gives the ranks' average (one all-reduce)."""
+    ranks = ch5.launch("unused", world_size=2, k=3, b=8)
+    for res in ranks:
+        assert res["sync every micro-batch"].startswith("RuntimeError: Expected to have finished reduction")
+        assert res["no_sync"]["calls"] == 0
+        assert res["no_sync, find_unused_parameters=True"]["calls"] == 1
+    own = [res["no_sync"]["grad"] for res in ranks]
+    assert (own[0] - own[1]).abs().max() > 1e-3  # the ranks step apart
+    average = (own[0] + own[1]) / 2
+    for res in ranks:
+        assert torch.allclose(res["no_sync, find_unused_parameters=True"]["grad"], average, rtol=0, atol=1e-15)
+
+
 def test_placed_accumulate_rejects_an_unknown_placement():
     with pytest.raises(ValueError, match="unknown placement"):
         distributed.placed_accumulate(None, None, torch.zeros(4, 1), torch.zeros(4), 2, "backward first")
@@ -80,6 +96,13 @@ def test_ring_and_saving_exercises():
     saving = distributed.predict_step(25_000_000, 8, 8, link, 0.0).saving  # 25 M fp32 gradients = 100 MB
     assert saving == pytest.approx(122.5e-3)
     assert exercises.grade_nosync_saving(122.5, k=8, p=8, megabytes=100, gb_per_s=10).correct
+    # sixth review: at K = p, "K all-reduces" and "the large-p 2n with K − 1" both give 140: both are named
+    both = exercises.grade_nosync_saving(140, k=8, p=8, megabytes=100, gb_per_s=10)
+    assert not both.correct and "K − 1 all-reduces, not K" in str(both) and "large-p limit 2n" in str(both)
+    only_k = exercises.grade_nosync_saving(70, k=4, p=8, megabytes=100, gb_per_s=10)
+    only_2n = exercises.grade_nosync_saving(60, k=4, p=8, megabytes=100, gb_per_s=10)
+    assert "large-p" not in str(only_k) and "not K:" in str(only_k)
+    assert "large-p limit 2n" in str(only_2n) and "not K:" not in str(only_2n)
 
 
 def test_single_process_group_works():
@@ -396,6 +419,9 @@ def test_review_tools_refuse_what_they_cannot_compute():
         with pytest.raises(ValueError):
             call()
     assert ch5.format_seconds(0.0009999) == "1 ms" and ch5.format_seconds(0.000999) == "999 µs"
+    assert ch5.format_seconds(123.456) == "123 s" and ch5.format_seconds(0.9999) == "1 s"  # sixth review
+    with pytest.raises(ValueError, match="a NumPy integer"):  # not NumPy's "truth value ... is ambiguous"
+        ch5.savings_grid(85_002, np.array([1, 4]), np.array([2, 8]), distributed.PRESETS["PCIe 4.0 x16"], 1e-3)
     assert ch5.bytes_human(999.6) == "1 KB" and ch5.bytes_human(999.0) == "999 B"
     link = distributed.Interconnect("x", np.float64(1e9), np.float64(0.0), "s")
     assert type(link.bandwidth) is float and type(distributed.ring_allreduce_time(1e6, 2, link)) is float

@@ -194,6 +194,76 @@ def test_a_lightning_module_of_ones_own_is_checked():
     assert check(Module(), nn.CrossEntropyLoss(), x, y, 3, step=fw.lightning_module_step(), partial=False).ok
 
 
+def test_lightning_clipping_inside_the_step_is_read_as_before_it():
+    """Lightning clips inside optimizer.step(closure), after the closure's backward and before the update: a
+    correct module is correct with gradient_clip_val set, biting or not, and its isolate_rng (a restore to the
+    state it saved) and TemporaryDirectory (a new random.Random) are no seeds. Its partial window, divided by K,
+    is named, with what a biting clip hides."""
+    import pytorch_lightning as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp([5, 6, 3], seed=4).double()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    x, y = data(16, 5, 3)
+    x = x.double()
+    loss = nn.CrossEntropyLoss()
+    for threshold in (1e-3, 10.0):
+        step = fw.lightning_module_step(k=4, gradient_clip_val=threshold)
+        whole = check(Module(), loss, x, y, 4, step=step, partial=False)
+        assert whole.ok and whole.findings == [], whole
+        partial = check(Module(), loss, x, y, 4, step=step)
+        assert partial.codes == ["partial_window"], partial
+        evidence = partial.findings[0].evidence
+        assert "0.75× its mean gradient = 3/4" in evidence
+        assert ("your clip then shrinks it" in evidence) == (threshold < 1), evidence
+
+
+def test_seeding_calls_that_change_nothing_are_not_seeds():
+    import random
+
+    def step(model, loss_fn, x, y, k, how):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            if how == "restore":
+                torch.set_rng_state(torch.get_rng_state())
+            elif how == "new rng":
+                random.Random()
+            elif how == "seed":
+                torch.manual_seed(0)
+            (loss_fn(model(xb), yb) / k).backward()
+        opt.step()
+
+    x, y = data(12, 5, 3)
+    for how in ("restore", "new rng", "seed"):
+        report = check(mlp([5, 4, 3]), nn.CrossEntropyLoss(), x, y, 3, partial=False,
+                       step=lambda *a, how=how: step(*a, how))
+        assert report.ok, report
+        seeded = [f.code for f in report.findings] == ["seed_inside_window"]
+        assert seeded == (how == "seed"), (how, report)
+
+    def loader_step(model, loss_fn, x, y, k):  # a DataLoader draws its base seed; the loss misses its 1/K
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data_set = torch.utils.data.TensorDataset(x, y)
+        for xb, yb in torch.utils.data.DataLoader(data_set, batch_size=len(x) // k):
+            loss_fn(model(xb), yb).backward()
+        opt.step()
+
+    report = check(mlp([5, 4, 3]), nn.CrossEntropyLoss(), x, y, 3, partial=False, step=loader_step)
+    assert report.codes and "randomness_not_replayed" not in report.codes, report
+
+
 def test_the_recorder_reads_closures_and_skips_optimizer_wrappers():
     """A step whose last backward runs inside optimizer.step(closure), and a wrapper optimizer that ignores
     step() until the window ends (Accelerate's pattern), are both recognized as correct loops."""

@@ -858,7 +858,7 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
                        "accept k < K", 6, "note")
     probe = _loss_probe(loss_fn, refs.out.narrow(0, 0, m * b), yp, m, b)
     basis = refs.basis[:m]
-    ideal = cast(torch.Tensor, sum(fj * basis[j] for j, fj in enumerate(probe.weights)))
+    ideal = mean = cast(torch.Tensor, sum(fj * basis[j] for j, fj in enumerate(probe.weights)))
     clips = [e for e in run.events if e.kind == "clip" and not _measures_only(e)]
     by_group = _clipped_by_group(ideal, clips, model, len(run.passes))
     if by_group is not None:
@@ -877,12 +877,21 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
         if rel(grouped if grouped is not None else target, run.applied) <= tol:
             return None
     w, residual, _ = fit_weights(basis, run.applied)
-    s = float(run.applied @ ideal) / float(ideal @ ideal) if float(ideal.norm()) > 0 else float("nan")
+    # one clip of every parameter: compare the gradient it was given (a clip that bites hides the scale)
+    one = (len(clips) == 1 and by_group is None and "max_norm" in clips[0].detail
+           and clips[0].detail.get("factor", 0) > 0)
+    given = run.applied / clips[0].detail["factor"] if one else run.applied
+    against = mean if one else ideal
+    s = float(given @ against) / float(against @ against) if float(against.norm()) > 0 else float("nan")
     thr = max(1e-6 if wtol < 1e-6 else 1e-2, tol)
-    straight = abs(cosine(ideal, run.applied) - 1) <= thr
+    straight = abs(cosine(against, given) - 1) <= thr
     if straight and abs(s - m / k) <= thr * (m / k):
         evidence = (f"a window of {m} micro-batches gets {num(s)}× its mean gradient = {m}/{k}: your step divides by "
                     f"K = {k}, not by the {m} micro-batches present")
+        if one and clips[0].detail["factor"] < 1:
+            evidence += (f"; here your clip then shrinks it to its threshold, so this step differs from the right "
+                         f"one by {num(error)} only (clip_grad_norm_ adds 1e-6 to the norm), but a window the clip "
+                         f"leaves alone gets {m}/{k} of its gradient")
     else:
         evidence = (f"a window of {m} micro-batches gets weights {nums(w)} instead of {nums(probe.weights)} "
                     f"(relative error {num(error)})")

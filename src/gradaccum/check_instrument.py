@@ -255,12 +255,31 @@ class OutsideDraws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if _SEEDED in func.tags and not self.inside() and not _draws_nothing(func, args, kwargs):
+        if _SEEDED in func.tags and not self.inside() and not _draws_nothing(func, args, kwargs) \
+                and not _loader_seed():
             shape = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None
             self.draws.append(f"{func} on shape {shape}")
             if self.unpreserved():
                 self.unpreserved_draws += 1
         return func(*args, **kwargs)
+
+
+def _loader_seed() -> bool:
+    """Whether the draw now running is a DataLoader iterator's base seed, drawn as the iterator is made (its
+    ``__init__`` or ``_share_dist_seed``): it seeds worker processes, and the batches a step sees do not depend on
+    it in the main process (a shuffling sampler draws its own seed elsewhere, in sampler.py)."""
+    frame: Any = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_LOADER_FILE) and frame.f_code.co_name in ("__init__",
+                                                                                       "_share_dist_seed"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_LOADER_FILE = os.path.join("torch", "utils", "data", "dataloader.py")
 
 
 def _draws_nothing(func, args, kwargs) -> bool:  # noqa: ANN001
@@ -421,6 +440,18 @@ def _from_the_toolkit(frame: Any) -> bool:
     if filename.startswith(_TORCH):
         return True
     return filename.startswith(_PACKAGE) and os.sep + "book" + os.sep not in filename[len(_PACKAGE) - 1:]
+def _changes_nothing(frame: Any, name: str) -> bool:
+    """A seeding call that leaves every shared generator as it was: a new ``random.Random`` seeding itself as it is
+    constructed (``tempfile`` makes one), or ``torch.set_rng_state`` given the state the generator is in (a
+    framework restoring what it saved around code that drew nothing, as Lightning's ``isolate_rng`` does)."""
+    if name == "seed":
+        return frame.f_back is not None and frame.f_back.f_code.co_name == "__init__"
+    state = frame.f_locals.get("new_state")
+    if name != "set_rng_state" or not frame.f_code.co_filename.endswith(os.path.join("torch", "random.py")):
+        return False
+    return isinstance(state, torch.Tensor) and torch.equal(state, torch.get_rng_state())
+
+
 _NAMES = ({"step", "__init__", "zero_grad", "scale", "unscale_", "update", "__enter__", "checkpoint"} | _CLIP_NAMES
           | _SEED_NAMES)
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
@@ -559,7 +590,7 @@ class CallRecorder:
             obj = self._self(frame)
             is_rng = (filename.endswith(("torch/random.py", "cuda/random.py", "torch/cuda/random.py"))
                       or (name == "seed" and obj is not None and type(obj).__module__ == "random"))
-            if is_rng and not _from_the_toolkit(frame.f_back):
+            if is_rng and not _from_the_toolkit(frame.f_back) and not _changes_nothing(frame, name):
                 if self._push(frame, "seed"):
                     self._event("seed", fn=name)
             return
@@ -630,6 +661,10 @@ class CallRecorder:
             if self._closure_event is not None:
                 self._read(self._stepping)
                 self._closure_event.after = self.backwards
+                # the step updates the parameters now: what the closure did (its backward, Lightning's clip)
+                # comes before it
+                self.events.remove(self._closure_event)
+                self.events.append(self._closure_event)
             return
         if category == "opt":
             event, entry = data

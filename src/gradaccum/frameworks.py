@@ -931,15 +931,19 @@ def tiny_causal_lm(kind: str, vocab: int, positions: int, seed: int = 0) -> nn.M
 
 
 #: The Transformers heads :func:`tiny_classifier` builds: a label per sequence, or per token (``-100`` skipped).
-CLASSIFIER_KINDS = {"bert": "sequence", "llama": "sequence", "bert-token": "token", "bert-mlm": "token"}
+CLASSIFIER_KINDS = {"bert": "sequence", "llama": "sequence", "bert-token": "token", "bert-mlm": "token",
+                    "vit": "image", "vit-regression": "image"}
 
 
 def tiny_classifier(kind: str, vocab: int, positions: int, num_labels: int = 3, seed: int = 0) -> nn.Module:
     """A one-layer Transformers classifier built from a config (no download), float32, dropout off: a label per
     sequence, ``"bert"`` (``BertForSequenceClassification``) or ``"llama"`` (``LlamaForSequenceClassification``, pad
     token 0), or per token, ``"bert-token"`` (``BertForTokenClassification``) or ``"bert-mlm"``
-    (``BertForMaskedLM``, the vocabulary as classes). Every ``forward`` takes ``**kwargs`` and computes a mean loss
-    that ignores ``num_items_in_batch`` (transformers issue #47688)."""
+    (``BertForMaskedLM``, the vocabulary as classes), or per image, ``"vit"`` (``ViTForImageClassification`` on
+    one-channel images of side ``positions``, patches of half that; ``vocab`` unused) or ``"vit-regression"`` (the
+    same with one output, a regression). Every ``forward`` takes ``**kwargs``; the text heads compute a mean loss
+    that ignores ``num_items_in_batch`` (transformers issue #47688), as ViT's regression (an MSE mean) does, while
+    ViT's single-label loss (``self.loss_function``) divides its summed loss by it."""
     _import("trainer")
     from transformers import (
         BertConfig,
@@ -948,6 +952,8 @@ def tiny_classifier(kind: str, vocab: int, positions: int, num_labels: int = 3, 
         BertForTokenClassification,
         LlamaConfig,
         LlamaForSequenceClassification,
+        ViTConfig,
+        ViTForImageClassification,
     )
 
     if kind not in CLASSIFIER_KINDS:
@@ -962,6 +968,12 @@ def tiny_classifier(kind: str, vocab: int, positions: int, num_labels: int = 3, 
             head = {"bert": BertForSequenceClassification, "bert-token": BertForTokenClassification,
                     "bert-mlm": BertForMaskedLM}[kind]
             return head(bert)
+        if kind.startswith("vit"):
+            vit = ViTConfig(image_size=positions, patch_size=max(1, positions // 2), num_channels=1, hidden_size=16,
+                            num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+            vit.num_labels = 1 if kind == "vit-regression" else num_labels
+            return ViTForImageClassification(vit)
         if kind == "llama":
             llama = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=positions,
@@ -970,13 +982,17 @@ def tiny_classifier(kind: str, vocab: int, positions: int, num_labels: int = 3, 
         return LlamaForSequenceClassification(llama)
 
 
-def trainer_on_causal_lm(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                         k: int) -> tuple[Run, torch.Tensor]:
-    """One window of ``k`` equal micro-batches of a Transformers model called with ``input_ids`` and ``labels`` (a
-    causal LM, or a classifier from :func:`tiny_classifier`) through the Trainer (the model's own loss, with
+def trainer_on_causal_lm(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, k: int,
+                         compute_loss_func: Callable[..., torch.Tensor] | None = None,
+                         loss_is_scaled_for_ga: bool | None = None) -> tuple[Run, torch.Tensor]:
+    """One window of ``k`` equal micro-batches of a Transformers model called with ``input_ids`` (under the
+    model's ``main_input_name``: ``pixel_values`` for ViT) and ``labels`` (a causal LM, or a classifier from
+    :func:`tiny_classifier`) through the Trainer (the model's own loss, with
     ``num_items_in_batch`` where its ``forward`` takes it), learning rate 0. Returns the run and the full batch's
     gradient (the model's own loss on all of it, one backward on a copy in train mode), to compare with
-    :func:`relative_error` and :func:`step_factor`."""
+    :func:`relative_error` and :func:`step_factor`. ``compute_loss_func`` goes to the Trainer, and
+    ``loss_is_scaled_for_ga`` to the Trainer attribute that decides whether it divides the loss by K (``None``: it
+    decides from the model and ``compute_loss_func``)."""
     import copy
 
     require_k(k)
@@ -985,9 +1001,10 @@ def trainer_on_causal_lm(model: nn.Module, input_ids: torch.Tensor, labels: torc
     from transformers import PrinterCallback, TrainingArguments
 
     _import("trainer")
+    name = getattr(model, "main_input_name", "input_ids")
     with _quiet():
         reference = copy.deepcopy(model).train()
-        reference(input_ids=input_ids, labels=labels).loss.backward()
+        reference(**{name: input_ids}, labels=labels).loss.backward()
     full = flat_grads(list(reference.parameters()))
     opt = RecordingSGD(model.parameters(), 0.0)
     sched = CountingLR(opt)
@@ -996,8 +1013,10 @@ def trainer_on_causal_lm(model: nn.Module, input_ids: torch.Tensor, labels: torc
                                  gradient_accumulation_steps=k, num_train_epochs=1, max_grad_norm=0.0, use_cpu=True,
                                  report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=0.0, seed=0)
         state = torch.get_rng_state()
-        columns = _Columns(input_ids=input_ids, labels=labels)
-        trainer = _hf_trainer_class()(model=model, args=args, train_dataset=columns, optimizers=(opt, sched))
+        columns = _Columns(**{name: input_ids}, labels=labels)
+        trainer = _hf_trainer_class()(model=model, args=args, train_dataset=columns, optimizers=(opt, sched),
+                                      compute_loss_func=compute_loss_func)
+        trainer.loss_is_scaled_for_ga = loss_is_scaled_for_ga
         torch.set_rng_state(state)
         trainer.remove_callback(PrinterCallback)
         trainer.train()

@@ -61,7 +61,7 @@ def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, 
     is 0 at K = 1. Raises ValueError where a step would take no time at all (p = 1 with ``micro_compute`` = 0).
     """
 
-    if not ks or not ps:
+    if len(ks) == 0 or len(ps) == 0:  # len: a NumPy array has no truth value
         raise ValueError(f"pass at least one K and one p, got ks={list(ks)!r} and ps={list(ps)!r}.")
     if 1 in ps and micro_compute == 0:
         raise ValueError("with p = 1 and micro_compute = 0 a step takes no time, so the share saved is undefined: "
@@ -71,10 +71,12 @@ def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, 
 
 
 def format_seconds(s: float) -> str:
-    """Seconds in ms (from 1 ms on, also for negative differences, and for what rounds to 1 ms) or µs, three
-    significant digits."""
+    """Seconds in s (from 1 s on), ms (from 1 ms on, also for negative differences, and for what rounds to 1 ms)
+    or µs, three significant digits."""
     if not math.isfinite(s):
         raise ValueError(f"a time must be finite, got {s!r}.")
+    if abs(float(f"{s * 1e3:.3g}")) >= 1000:
+        return f"{s:.3g} s"
     return f"{s * 1e3:.3g} ms" if abs(float(f"{s * 1e6:.3g}")) >= 1000 else f"{s * 1e6:.3g} µs"
 
 

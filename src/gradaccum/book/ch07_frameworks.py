@@ -16,7 +16,7 @@ from torch import nn
 
 from gradaccum import frameworks as fw
 from gradaccum._validate import require_count, require_k
-from gradaccum.book.data import Vocab, encode_batch, spread_lines
+from gradaccum.book.data import Vocab, encode_batch, load_digits_split, spread_lines
 from gradaccum.book.models import TinyLM
 from gradaccum.book.plotting import PALETTE, decorate, figure
 from gradaccum.book.tables import Table
@@ -216,7 +216,8 @@ def causal_lm_labels(lm_x: torch.Tensor, lm_y: torch.Tensor) -> torch.Tensor:
 
 #: The Transformers classes :func:`builtin_classifier_step` trains, by ``kind``.
 HEADS = {"bert": "BertForSequenceClassification", "llama": "LlamaForSequenceClassification",
-         "bert-token": "BertForTokenClassification", "bert-mlm": "BertForMaskedLM"}
+         "bert-token": "BertForTokenClassification", "bert-mlm": "BertForMaskedLM",
+         "vit": "ViTForImageClassification", "vit-regression": "ViTForImageClassification, regression"}
 
 
 @dataclass
@@ -240,23 +241,53 @@ def builtin_lm_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vo
 
 
 def builtin_classifier_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K,
-                            opt_out: bool = False) -> BuiltinStep:
+                            opt_out: bool = False, loss_func: str | None = None,
+                            scaled_for_ga: bool | None = None) -> BuiltinStep:
     """The Trainer on a one-layer Transformers classifier built from a config
     (:func:`gradaccum.frameworks.tiny_classifier`: ``"bert"`` or ``"llama"`` label sequences, ``"bert-token"`` and
     ``"bert-mlm"`` tokens), :func:`lm_batch`'s lines as inputs, ``k`` micro-batches. A sequence's class is ``i % 3``
-    for row i; a token's is its id modulo 3 (``"bert-token"``) or its id (``"bert-mlm"``), padding -100.
-    ``opt_out`` sets ``model.accepts_loss_kwargs = False``, so that the Trainer divides by K again."""
+    for row i; a token's is its id modulo 3 (``"bert-token"``) or its id (``"bert-mlm"``), padding -100. The
+    image heads (``"vit"``, ``"vit-regression"``) take as many digits instead (8×8, float32), the digit modulo 3
+    as the class, or the digit / 9 as the target. ``opt_out`` sets ``model.accepts_loss_kwargs = False``, so that
+    the Trainer divides by K again. ``loss_func`` gives the Trainer a ``compute_loss_func``: ``"mean"`` returns
+    the micro-batch's mean cross-entropy, ``"count"`` its summed cross-entropy over ``num_items_in_batch``.
+    ``scaled_for_ga`` sets the Trainer's ``loss_is_scaled_for_ga`` (``False``: it divides by K whatever the model
+    takes)."""
     if not isinstance(opt_out, bool):
         raise ValueError(f"opt_out must be True or False, got {opt_out!r}.")
-    if fw.CLASSIFIER_KINDS.get(kind) == "token":
+    if loss_func not in (None, "mean", "count"):
+        raise ValueError(f"loss_func must be None, 'mean' or 'count', got {loss_func!r}.")
+    if scaled_for_ga is not None and not isinstance(scaled_for_ga, bool):
+        raise ValueError(f"scaled_for_ga must be None, True or False, got {scaled_for_ga!r}.")
+    inputs = lm_x
+    if fw.CLASSIFIER_KINDS.get(kind) == "image":
+        split = load_digits_split(dtype=torch.float32)
+        inputs, digits = split.x_train[: len(lm_x)], split.y_train[: len(lm_x)]
+        classes = digits.float() / 9 if kind == "vit-regression" else digits % 3
+    elif fw.CLASSIFIER_KINDS.get(kind) == "token":
         tokens = causal_lm_labels(lm_x, lm_y)
         classes = torch.where(tokens != fw.IGNORE, tokens % 3, tokens) if kind == "bert-token" else tokens
     else:
         classes = torch.arange(len(lm_x)) % 3
-    model = fw.tiny_classifier(kind, vocab.size, lm_x.shape[1])
+    model = fw.tiny_classifier(kind, vocab.size, inputs.shape[-1])
     if opt_out:  # what the Trainer reads first (an instance attribute does, as the class attribute would)
         setattr(model, "accepts_loss_kwargs", False)  # noqa: B010
-    return _builtin_step(*fw.trainer_on_causal_lm(model, lm_x, classes, k))
+    func = None if loss_func is None else _trainer_loss(loss_func)
+    return _builtin_step(*fw.trainer_on_causal_lm(model, inputs, classes, k, func, scaled_for_ga))
+
+
+def _trainer_loss(how: str) -> Any:
+    """A ``compute_loss_func(outputs, labels, num_items_in_batch)``: the mean cross-entropy, or the summed one over
+    the count the Trainer passes."""
+
+    def loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        logits = outputs.logits.reshape(-1, outputs.logits.shape[-1])
+        if how == "mean":
+            return nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=fw.IGNORE)
+        total = nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=fw.IGNORE, reduction="sum")
+        return total / num_items_in_batch
+
+    return loss
 
 
 def accelerate_adjust_scheduler(requested: bool) -> bool:

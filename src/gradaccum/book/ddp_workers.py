@@ -389,6 +389,49 @@ def _task_buffers(rank: int, world_size: int, k: int, b: int, windows: int = 2, 
     return {"broadcast": broadcast, "running_mean": torch.as_tensor(bn.running_mean).clone()}
 
 
+class _Branch(nn.Module):
+    """Two linear maps of the flattened image; the second one only where ``branch`` is true (a path some inputs
+    take): its parameters are unused in the other micro-batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(64, 10).double(), nn.Linear(64, 10).double()
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        out = self.a(x.flatten(1))
+        return out + self.b(x.flatten(1)) if branch else out
+
+
+#: :func:`_task_unused`'s runs: name → (DDP options, no_sync()).
+UNUSED_RUNS: dict[str, tuple[dict[str, Any], bool]] = {
+    "sync every micro-batch": ({}, False),
+    "no_sync": ({}, True),
+    "no_sync, find_unused_parameters=True": ({"find_unused_parameters": True}, True),
+}
+
+
+def _task_unused(rank: int, world_size: int, k: int, b: int, data: Any = None) -> dict[str, Any]:
+    """One accumulated step of :class:`_Branch` whose branch runs in the window's first micro-batch only, for each
+    of :data:`UNUSED_RUNS`: the gradient this rank holds and the all-reduce calls, or the first line of the
+    RuntimeError DDP raises (in the step, at the next forward)."""
+    x, y = _shard(rank, world_size, k * b, torch.float64, data)
+    out: dict[str, Any] = {}
+    for name, (options, no_sync) in UNUSED_RUNS.items():
+        model = DDP(_Branch(), **options)
+        counter = register_counter(model)
+        try:
+            for i in range(k):
+                with model.no_sync() if no_sync and i < k - 1 else contextlib.nullcontext():
+                    loss = nn.functional.cross_entropy(model(x[i * b:(i + 1) * b], i == 0), y[i * b:(i + 1) * b])
+                    (loss / k).backward()
+            out[name] = {"grad": flat_grad(model.module).detach(), "calls": counter.calls}
+        except RuntimeError as err:
+            out[name] = f"RuntimeError: {str(err).strip().splitlines()[0]}"
+    return out
+
+
 def _task_crash(rank: int, world_size: int, crash_rank: int, how: str) -> None:
     """Rank ``crash_rank`` fails (raises, or exits abruptly); the others wait in a collective."""
     if rank == crash_rank:
@@ -444,10 +487,11 @@ def _task_subgroups(rank: int, world_size: int) -> dict[str, Any]:
 
 
 #: Tasks that train on the digits: launch() hands them the training images.
-DATA_TASKS = ("equality", "timing", "train", "placement", "buffers", "collectives")
+DATA_TASKS = ("equality", "timing", "train", "placement", "buffers", "collectives", "unused")
 
 
 TASKS: dict[str, Callable[..., Any]] = {"equality": _task_equality, "timing": _task_timing, "crash": _task_crash,
                                         "train": _task_train, "placement": _task_placement,
                                         "frameworks": _task_frameworks, "buffers": _task_buffers,
-                                        "collectives": _task_collectives, "subgroups": _task_subgroups}
+                                        "collectives": _task_collectives, "subgroups": _task_subgroups,
+                                        "unused": _task_unused}

@@ -570,11 +570,19 @@ def grade_nosync_saving(answer: object, k: int = 8, p: int = 8, megabytes: float
     require_positive(megabytes, "megabytes")
     require_positive(gb_per_s, "gb_per_s")
     one = 2 * (p - 1) / p * megabytes / gb_per_s  # ms per ring all-reduce (MB / (GB/s) is ms)
+    k_slip = "no_sync saves K − 1 all-reduces, not K: one remains at the end of the window."
+    large_p = (f"the ring sends 2(p − 1)/p · n = {2 * (p - 1) / p:g} n per all-reduce at p = {p}, not the "
+               "large-p limit 2n.")
+    two_n = (k - 1) * 2 * megabytes / gb_per_s
+    # at K = p the two slips give the same number: name both
+    both = math.isclose(k * one, two_n, rel_tol=1e-9)
     return grade_number(
         answer,
         (k - 1) * one,
         mistakes=[
-            (k * one, "no_sync saves K − 1 all-reduces, not K: one remains at the end of the window."),
+            (k * one, f"either {k_slip[0].lower()}{k_slip[1:]} Or {large_p[0].lower()}{large_p[1:]} (Both slips "
+                      f"give this number here.)" if both else k_slip),
+            (two_n, large_p),
             (one, "that is one all-reduce; no_sync saves K − 1 of them per step."),
             ((k - 1) * megabytes / gb_per_s, "a ring all-reduce sends 2(p − 1)/p · n bytes, not n."),
             ((k - 1) * one / 2, "a ring all-reduce has two phases (reduce-scatter and all-gather): 2(p − 1)/p · n."),
