@@ -26,6 +26,7 @@ import inspect
 import math
 import numbers
 import os
+import random
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -445,7 +446,7 @@ def _changes_nothing(frame: Any, name: str) -> bool:
     constructed (``tempfile`` makes one), or ``torch.set_rng_state`` given the state the generator is in (a
     framework restoring what it saved around code that drew nothing, as Lightning's ``isolate_rng`` does)."""
     if name == "seed":
-        return frame.f_back is not None and frame.f_back.f_code.co_name == "__init__"
+        return frame.f_back is not None and frame.f_back.f_code is random.Random.__init__.__code__
     state = frame.f_locals.get("new_state")
     if name != "set_rng_state" or not frame.f_code.co_filename.endswith(os.path.join("torch", "random.py")):
         return False
@@ -663,8 +664,8 @@ class CallRecorder:
                 self._closure_event.after = self.backwards
                 # the step updates the parameters now: what the closure did (its backward, Lightning's clip)
                 # comes before it
-                self.events.remove(self._closure_event)
-                self.events.append(self._closure_event)
+                moved = self._closure_event  # by identity: events are dataclasses, equal when their fields are
+                self.events[:] = [e for e in self.events if e is not moved] + [moved]
             return
         if category == "opt":
             event, entry = data
