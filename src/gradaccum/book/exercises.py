@@ -535,6 +535,11 @@ def grade_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedb
                                            "second step on every synchronized backward all-reduces each bucket."),
             (float(buckets), "that is the count with no_sync: one synchronized backward per step."),
             (1.0, "DDP all-reduces once per bucket per synchronized backward pass."),
+            (float(k * (buckets + 1)), "that also counts the all-reduce of the map of used parameters "
+                                       "(find_unused_parameters=True, one per synchronized backward): the question "
+                                       "counts gradient all-reduces, one per bucket."),
+            (float((k - 1) * buckets), "that is how many no_sync saves; without it each of the K backward passes "
+                                       "all-reduces every bucket."),
         ],
         hint="Count synchronized backward passes per step, and messages per backward pass.",
         count=True,
@@ -557,7 +562,8 @@ def grade_ring_bytes(answer: object, p: int = 8, megabytes: float = 100.0) -> Fe
                                                 "bytes."),
             (2 * (p - 1) / p * megabytes / 1e3, "right amount, wrong unit: the question asks for megabytes, not "
                                                 "gigabytes."),
-        ],
+        ] + ([(2 * (p - 1) / p, f"that is the factor 2(p − 1)/p alone; multiply it by the {megabytes:g} MB.")]
+             if megabytes != 1 else []),
         hint="2(p − 1) rounds, each sending one chunk of n/p.",
     )
 
