@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make book   create .venv if missing, install everything, build the site into _build/html
+#   make book   create .venv if missing, install the site tools (no torch), build the site into _build/html
 #   make test   the same set-up, then every test: unit tests, strict nbval on every chapter, the site and browser
 #               checks, nbgrader on every chapter's exercises
 SHELL := /bin/bash

@@ -828,3 +828,127 @@ def test_zero_weights_under_bf16_autocast_are_read_as_zero(bug, code):
         opt.step()
 
     assert C.check(model, F.cross_entropy, x, y, K, step=step, tolerance=3e-2).codes == [code]
+
+
+# ---- sixth review of the checker
+
+
+def _plain(model, loss_fn, x, y, k, extra=None, after=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.zero_grad()
+    for xb, yb in zip(x.chunk(k), y.chunk(k)):
+        (loss_fn(model(xb), yb) / k + (extra() if extra else 0)).backward()
+    opt.step()
+    if after:
+        after(model, x)
+
+
+def test_a_term_over_the_callers_model_is_refused():
+    """A regularizer written over the model passed to check lands in a gradient nobody compares (the step runs on a
+    copy): refused, in loss_fn or in the step, and the caller's gradients are left as they were."""
+    model, loss_fn, x, y = make()
+    reg = lambda: 0.1 * sum(p.pow(2).sum() for p in model.parameters())  # noqa: E731
+    for lf, step in ((lambda o, t: loss_fn(o, t) + reg(), _plain),
+                     (loss_fn, lambda *a: _plain(*a, extra=reg))):
+        with pytest.raises(ValueError, match="wrote gradients into the model you passed"):
+            C.check(model, lf, x, y, K, step=step)
+        assert all(p.grad is None for p in model.parameters())
+    assert C.check(model, loss_fn, x, y, K, step=_plain).ok
+
+
+@pytest.mark.parametrize("pick", ["max", "min", "top1"])
+def test_a_loss_that_selects_samples_couples_them(pick):
+    model, _, x, y = make()
+
+    def loss_fn(o, t):
+        each = F.cross_entropy(o, t, reduction="none")
+        return {"max": each.max(), "min": each.min(), "top1": each.topk(1).values.mean()}[pick]
+
+    report = C.check(model, loss_fn, x, y, K)
+    assert report.codes == ["loss_couples_samples"] and "weigh nothing" in str(report), report
+
+
+def test_an_update_written_by_hand_then_cleared_is_read_before_the_clearing():
+    model, loss_fn, x, y = make()
+
+    def by_hand(model, loss_fn, x, y, k, scale=1.0):
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            (loss_fn(model(xb), yb) * scale / k).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+        model.zero_grad()
+
+    assert C.check(model, loss_fn, x, y, K, step=by_hand).ok
+    assert C.check(model, loss_fn, x, y, K, step=lambda *a: by_hand(*a, scale=K)).codes == ["missing_1_over_k"]
+
+
+def test_an_optimizer_whose_step_does_not_name_self_is_seen():
+    class MySGD(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(opt, closure=None):  # noqa: N805
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    def step(model, loss_fn, x, y, k, inside=False):
+        opt = MySGD(model.parameters(), 0.1)
+        opt.zero_grad()
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            (loss_fn(model(xb), yb) / k).backward()
+            if inside:
+                opt.step()
+        if not inside:
+            opt.step()
+        opt.zero_grad()
+
+    model, loss_fn, x, y = make()
+    assert C.check(model, loss_fn, x, y, K, step=step).ok
+    assert C.check(model, loss_fn, x, y, K, step=lambda *a: step(*a, inside=True)).codes == [
+        "optimizer_step_inside_window"]
+
+
+def test_autocast_rounding_is_no_partial_window_beside_another_bug():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+
+    def step(model, loss_fn, x, y, k):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+        opt.zero_grad()
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(xb)
+            (loss_fn(out.float(), yb) / k).backward()
+            sched.step()  # the one bug
+        opt.step()
+
+    assert C.check(model, F.cross_entropy, x, y, K, step=step).codes == ["scheduler_step_inside_window"]
+
+
+def test_a_models_own_generator_is_no_reseeding_and_a_no_grad_forward_is_no_micro_batch():
+    class OwnDropout(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(20, 5).double()
+            self.g = torch.Generator().manual_seed(5)
+
+        def forward(self, x):
+            return self.lin(x * torch.bernoulli(torch.full_like(x, 0.7), generator=self.g) / 0.7)
+
+    _, loss_fn, x, y = make()
+    report = C.check(OwnDropout(), loss_fn, x, y, K, step=_plain)
+    assert "rng_reseeded" not in report.codes, report
+
+    def accuracy(model, x):
+        with torch.no_grad():
+            model(x).argmax(1)
+
+    model, loss_fn, x, y = make()
+    report = C.check(model, loss_fn, x, y, K, step=lambda *a: _plain(*a, after=accuracy))
+    assert report.ok and report.findings == [], report

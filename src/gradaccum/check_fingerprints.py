@@ -394,7 +394,12 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
 
     # ---- the model or the loss: does the full batch equal the ideal accumulation of this model?
     loss_thr = m.thr if m.loss_thr is None else min(m.thr, m.loss_thr)
-    coupled_loss = m.loss_residual > loss_thr or m.f_moved is not None
+    # a micro-batch with a gradient of its own that weighs nothing in the full batch: the loss selects samples
+    # across the batch (a max, a min, the hardest examples); a weighted or token mean gives it its share
+    top_f = max((abs(v) for v in m.f), default=0.0)
+    unselected = [j + 1 for j, fj in enumerate(m.f)
+                  if top_f > 0 and abs(fj) <= m.wtol * top_f and float(m.basis[j].norm()) > 0]
+    coupled_loss = m.loss_residual > loss_thr or m.f_moved is not None or bool(unselected)
     fix = ("accumulation cannot reproduce such a loss; enlarge the micro-batch, or compute the full-batch gradient "
            "with GradCache (gradaccum.coupled.grad_cache_backward; for a loss of the model's outputs, the model as "
            "its one encoder and lambda out: loss_fn(out, y))")
@@ -410,6 +415,11 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
                 "outputs sets the weights (a logsumexp or softmax over the samples' losses, the square root of a "
                 "mean as in RMSE, a power of the batch's mean loss), so no fixed normalization reproduces them",
                 fix, 8)
+    elif unselected:
+        out.add("loss_couples_samples", cause, f"micro-batch(es) {', '.join(map(str, unselected))} weigh nothing in "
+                f"the full batch's gradient (weights {nums(m.f)}), yet have a gradient of their own: the loss "
+                "selects samples across the batch (a max, a min, the hardest examples), so which micro-batch counts "
+                "depends on the others", fix, 8)
     model_error = rel(m.full, ideal_unclipped)
     if model_error > m.tol and not coupled_loss:
         _coupling_findings(m, out, ideal_unclipped, model_error)

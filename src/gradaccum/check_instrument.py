@@ -110,7 +110,8 @@ class SampleRNG(TorchDispatchMode):
             return func(*args, **kwargs)
         if not self.replay:
             out = func(*args, **kwargs)
-            self._record(func, args, out)
+            if kwargs.get("generator") is None:  # a generator of the model's own does not follow the global state
+                self._record(func, args, out)
             return out
         call = self.calls
         self.calls += 1
@@ -463,6 +464,7 @@ class CallRecorder:
 
     def __init__(self, params: list[nn.Parameter], trace: GradTrace):
         self.params = params
+        self._start = _values(params)  # the parameters as the step begins: an update written by hand changes them
         self.param_ids = {id(p) for p in params}
         self.trace = trace
         self.events: list[Event] = []
@@ -557,9 +559,14 @@ class CallRecorder:
             self.errors.append(repr(err))
 
     def _self(self, frame: Any) -> Any:
+        """The object a method runs on: its first argument, when it is named ``self`` or the function is defined
+        in a class (``def step(opt, closure=None)`` in an optimizer of your own)."""
         code = frame.f_code
-        if code.co_argcount and code.co_varnames[0] == "self":
-            return frame.f_locals.get("self")
+        if not code.co_argcount:
+            return None
+        owner = getattr(code, "co_qualname", "").rpartition(".")[0]
+        if code.co_varnames[0] == "self" or (owner and not owner.endswith("<locals>")):
+            return frame.f_locals.get(code.co_varnames[0])
         return None
 
     def _call(self, frame: Any, name: str) -> None:
@@ -648,6 +655,13 @@ class CallRecorder:
             return
         if name == "zero_grad" and isinstance(obj, (torch.optim.Optimizer, nn.Module)):
             if self._push(frame, "zero_grad"):
+                if not any(e.kind == "optimizer.step" for e in self.events) and self.backwards and not torch.equal(
+                        self._start, _values(self.params)):
+                    # no optimizer has stepped, yet the parameters moved: an update written by hand (p -= lr * p.grad)
+                    # applied the gradient the buffer holds now
+                    self._read(None)
+                    self._event("optimizer.step", cls="(an update written by hand)", via_scaler=False,
+                                owns_params=True)
                 self._event("zero_grad", cls=type(obj).__name__)
 
     def recomputing_unpreserved(self) -> bool:

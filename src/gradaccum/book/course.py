@@ -143,7 +143,7 @@ STUDENT_BRANCH = "main"
 #: What the student edition's introduction says about itself, in place of the full edition's sentence on solutions.
 STUDENT_INTRO_NOTE = (
     "- **Exercises** close every chapter. This is the **student edition**: the solutions are not in it (your\n"
-    "  instructor has them), and the exercises with a numeric answer come with a checker that explains what a\n"
+    "  instructor has them), and most exercises with a numeric answer come with a checker that explains what a\n"
     "  wrong answer got wrong.\n"
 )
 
