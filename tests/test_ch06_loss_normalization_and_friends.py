@@ -396,3 +396,33 @@ def test_token_loss_refuses_other_layouts_and_empty_means():
     with pytest.raises(ValueError, match="every target is padding"):
         windows.token_loss(logits, torch.full_like(y, windows.IGNORE))
     assert float(windows.token_loss(logits, torch.full_like(y, windows.IGNORE), reduction="sum")) == 0.0
+
+
+def test_a_cosine_schedule_stepped_per_micro_batch_restarts():
+    """Sixth review (the diagnosis table): CosineAnnealingLR stepped once per micro-batch does not just decay K
+    times too fast: past T_max it follows the cosine back up, reaching 0 after T_max/K optimizer steps and the peak
+    again after twice that; stepped once per optimizer step it decays once."""
+    t_max, k = 20, 4
+
+    def used(per_micro: bool) -> list[float]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, t_max)
+        lrs = []
+        for _ in range(3 * t_max // k):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            for _ in range(k if per_micro else 1):
+                sched.step()
+        return lrs
+
+    wrong, right = used(True), used(False)
+    assert wrong[t_max // k] < 1e-12 and abs(wrong[2 * t_max // k] - 1) < 1e-12
+    assert all(a >= b for a, b in zip(right, right[1:]))
+
+
+def test_count_tokens_refuses_float_targets():
+    from gradaccum.windows import count_tokens
+
+    assert count_tokens(torch.tensor([-100, 3, 4])) == 2
+    with pytest.raises(ValueError, match="integer class targets"):
+        count_tokens(torch.tensor([-100.0, -100.5]))

@@ -144,7 +144,9 @@ def _twice_message(name: str) -> str:
             "one set of full-batch statistics, so it needs each batch-statistics BatchNorm called once. Give each "
             "call its own BatchNorm module (or freeze this one with .eval()). If the second call is activation "
             "checkpointing recomputing the layer during backward, the scheme supports it only with "
-            "torch.utils.checkpoint(..., use_reentrant=False) and cache=True.")
+            "torch.utils.checkpoint(..., use_reentrant=False) and cache=True (its running statistics are then "
+            "updated once, as by a full batch without checkpointing; a checkpointed full batch updates them twice, "
+            "once more in the recomputation).")
 
 
 def _cuda_devices(model: nn.Module, x: torch.Tensor) -> list[int]:

@@ -86,7 +86,10 @@ def token_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -
 
 
 def count_tokens(y: torch.Tensor) -> int:
-    """The number of non-padding targets (not :data:`IGNORE`)."""
+    """The number of non-padding targets (not :data:`IGNORE`) in integer targets."""
+    if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise ValueError(f"count_tokens needs integer class targets (int64, padding {IGNORE}), got "
+                         f"{y.dtype if isinstance(y, torch.Tensor) else type(y).__name__}.")
     return int((y != IGNORE).sum())
 
 
@@ -245,7 +248,9 @@ def lr_trajectory(optimizer_steps: int, k: int, warmup: int, per_micro: bool,
                   lr: float = 1.0) -> tuple[list[float], list[str]]:
     """The learning rate each *optimizer step* uses under a linear warmup of ``warmup`` steps
     (``LambdaLR``), when ``scheduler.step()`` is called per optimizer step or, wrongly, per micro-batch; and the
-    warnings PyTorch raised along the way."""
+    warnings PyTorch raised along the way. The per-micro-batch loop it models makes the window's K scheduler steps
+    before its optimizer step (one step ahead of the right loop even at K = 1); a loop that steps the scheduler
+    after each micro-batch's backward, with the optimizer step on the last one, is K − 1 steps ahead instead."""
 
     require_k(k)
     require_count(optimizer_steps, "optimizer_steps")

@@ -664,7 +664,8 @@ def grade_partial_scale(answer: object, present: int = 3, k: int = 16) -> Feedba
                           "fraction that remains."),
             (1.0, "the last window holds fewer than K micro-batches but is still divided by K."),
             ((k - present) / k, "that is the share that is *missing*; the question asks for the factor that remains."),
-        ],
+        ] + ([(present / 8, f"that is {present}/8, the chapter's study (K = 8); here K = {k}.")]
+             if k != 8 and present / 8 < 1 else []),
         hint="Sum of `present` terms, each divided by K, against the mean of those terms.",
     )
 
