@@ -541,3 +541,25 @@ def test_every_tool_runs_the_model_in_the_mode_it_is_in():
     assert agreement(ref, window.update).rel_error < 0.02
     grads = precision.scaled_window_grads(model, loss_fn, x, y, 4, 2.0**10) / 2.0**10
     assert agreement(ref, grads).rel_error < 0.02
+
+
+def test_sixth_review_a_layer_run_twice_and_an_overflow_that_does_not_happen_are_refused():
+    """A shared layer's two fp16 weight gradients are added in fp16 (a part can overflow where the total fits: the
+    prediction was up to 5 powers of two too high), and an input normalization removes overflow_micro's 10^6."""
+    from gradaccum import precision
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.lin(x) - 0.9 * self.lin(x))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    with pytest.raises(ValueError, match="more than once per forward pass"):
+        precision.kernel_gradients(Twice(), nn.CrossEntropyLoss(), x, y, 4)
+    normed = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match="did not overflow fp16"):
+        precision.amp_window(normed, nn.CrossEntropyLoss(), x, y, k=4, overflow_micro=1)

@@ -476,3 +476,19 @@ def test_review_switch_aux_loss_takes_a_low_precision_softmax(dtype):
     assert torch.isfinite(coupled.switch_aux_loss(probs))
     with pytest.raises(ValueError, match="off by"):
         coupled.switch_aux_loss(logits.to(dtype))
+
+
+def test_grad_cache_refuses_an_encoder_that_scales_its_input_in_place():
+    """Sixth review: x.div_(4) in forward scaled the input twice (step 1 and the replay): 56% off, silently."""
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 4).double()
+
+        def forward(self, x):
+            return self.lin(x.div_(4.0))
+
+    torch.manual_seed(0)
+    xq, xk = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match="returned another embedding"):
+        coupled.grad_cache_backward([Scale(), Scale()], [xq, xk], 4)

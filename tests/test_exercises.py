@@ -101,6 +101,7 @@ def test_right_answers_pass(checker, right):
         (ex.grade_allreduce_calls, 21, "how many no_sync saves"),  # (K − 1) · 3
         (ex.grade_ring_bytes, 1.75, "the factor 2(p − 1)/p alone"),
         (ex.grade_partial_scale, 0.375, "the chapter's study (K = 8)"),
+        (ex.grade_switch_aux, 1.09, "is not right"),  # sixth review: not "cuts the answer off" (1.1 was 1.0999…)
         (ex.grade_ring_bytes, 200, "almost 2n"),  # the large-p limit 2n, not 2(p − 1)/p · n
         (ex.grade_nosync_saving, 0.1225, "in seconds"),  # 122.5 ms written in seconds
         (ex.grade_accelerate_warmup_end, 600, "num_processes"),

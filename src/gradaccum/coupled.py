@@ -256,7 +256,7 @@ def _scalar(loss: object) -> torch.Tensor:
 def _replay(enc: nn.Module, x: torch.Tensor, state: tuple[torch.Tensor, list[torch.Tensor]], devices: list[int],
             cached: torch.Tensor) -> torch.Tensor:
     """``enc(x)`` again, with a graph, under the random state saved before its first run (the same dropout masks);
-    refused unless it has the cached embedding's shape."""
+    refused unless it is the cached embedding (its shape, and its values to a thousand rounding steps)."""
     with torch.random.fork_rng(devices=devices):
         cpu, cuda = state
         torch.set_rng_state(cpu)
@@ -267,6 +267,15 @@ def _replay(enc: nn.Module, x: torch.Tensor, state: tuple[torch.Tensor, list[tor
         raise ValueError(f"{type(enc).__name__} returned {tuple(z.shape)} when embedding a micro-batch again, "
                          f"{tuple(cached.shape)} the first time: GradCache needs a forward pass that repeats "
                          "itself; .grad now holds a partial gradient (zero it).")
+    if z.is_floating_point():
+        eps = torch.finfo(z.dtype).eps
+        gap = float((z.detach() - cached).double().norm())
+        if not gap <= 1e3 * eps * float(cached.double().norm()) + 1e-30:
+            raise ValueError(f"{type(enc).__name__} returned another embedding when embedding a micro-batch again "
+                             f"(relative difference {gap / max(float(cached.double().norm()), 1e-300):.2g}): its "
+                             "forward pass changed something it reads (an input scaled in place, x.div_(255), an "
+                             "attribute, a parameter), so GradCache's replay runs another network; .grad now holds "
+                             "a partial gradient (zero it).")
     return z
 
 
@@ -283,9 +292,10 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
 
     Refuses (``ValueError``) a BatchNorm that normalizes with batch statistics, and an encoder whose forward pass
     changes a buffer, in place or by replacing it (an InstanceNorm's running statistics, spectral norm's power
-    iteration): step 3 would run another network than step 1 (the buffers are put back). Not seen, and as wrong:
-    state changed elsewhere (a parameter, a plain attribute, a change made only in step 3) and any coupling of the
-    samples inside an encoder; GradCache is exact for couplings that sit in ``loss_fn``. Under DDP, each
+    iteration): step 3 would run another network than step 1 (the buffers are put back); so is a re-embedding
+    that differs from step 1's by more than rounding (an input scaled in place, a parameter or attribute the
+    forward changes). Not seen, and as wrong: a change made only in step 3, and any coupling of the samples inside
+    an encoder; GradCache is exact for couplings that sit in ``loss_fn``. Under DDP, each
     re-embedding backward pass all-reduces unless all but the last run in ``no_sync()``. A shared trunk before the
     encoders gets its gradient in one backward pass at the end (:func:`_cut`, :func:`_join`). An encoder may return
     any number of rows per micro-batch (one per token, say): ``loss_fn`` sees each encoder's rows concatenated in

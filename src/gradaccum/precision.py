@@ -201,7 +201,9 @@ def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     whose CPU kernel computes its weight gradients in fp16 under fp16 autocast — as one flat vector. BatchNorm,
     GroupNorm and InstanceNorm parameters are left out: autocast gives their gradients in fp32, so they cannot
     overflow fp16. A model with parameters elsewhere (``nn.MultiheadAttention``'s ``in_proj_weight``, a layer of
-    one's own calling ``F.linear``) is refused: whether their gradients pass through fp16 is not known here.
+    one's own calling ``F.linear``) is refused: whether their gradients pass through fp16 is not known here; so is
+    a layer run more than once per forward pass (each call's fp16 gradient is added in fp16, and a part can
+    overflow where the total fits).
     The edge they predict assumes a loss that leaves autocast in fp32 (chapter 4's conditions)."""
     require_k(k)
     if not any(p.requires_grad for p in model.parameters()):
@@ -219,11 +221,25 @@ def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
                          "would leave them out; measure the edge with amp_window instead.")
     if not params:
         raise ValueError("the model has no linear or convolution layer: no parameter gradient is written in fp16.")
+    calls: dict[str, int] = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+             for name, m in work.named_modules() if isinstance(m, kernels)]
     out = []
-    for xb, yb in split_batch(x, y, k):
-        work.zero_grad(set_to_none=True)
-        loss_fn(work(xb), yb).backward()
-        out += [p.grad.detach().reshape(-1) for p in params if p.grad is not None]
+    try:
+        for xb, yb in split_batch(x, y, k):
+            work.zero_grad(set_to_none=True)
+            calls.clear()
+            loss_fn(work(xb), yb).backward()
+            twice = sorted(name for name, n in calls.items() if n > 1)
+            if twice:  # each call writes its own fp16 gradient; their fp16 sum can overflow where the total fits
+                raise ValueError(f"layer(s) {twice[:3]} run more than once per forward pass: autocast writes an "
+                                 "fp16 weight gradient for each call and adds them in fp16, so a part can overflow "
+                                 "where the summed gradient fits and the prediction would be too high; measure the "
+                                 "edge with amp_window instead.")
+            out += [p.grad.detach().reshape(-1) for p in params if p.grad is not None]
+    finally:
+        for hook in hooks:
+            hook.remove()
     return torch.cat(out)
 
 
@@ -317,7 +333,8 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     * ``no_scaler``: autocast only, loss / K (right for bf16; for fp16 small gradients underflow).
 
     ``overflow_micro`` makes that micro-batch overflow in fp16 (its inputs are multiplied by 10⁶; a ValueError
-    with bf16, whose range that does not reach). The copy runs in the mode ``model`` is in, as every tool here
+    with bf16, whose range that does not reach, and where that micro-batch's gradients come out finite). The copy
+    runs in the mode ``model`` is in, as every tool here
     (``model.train()`` for a training step; a model with dropout draws other masks at every call, so compare runs
     with dropout off).
 
@@ -375,6 +392,12 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
             result.scales.append(float(torch.tensor(scaler.get_scale(), dtype=torch.float32)) if scaler.is_enabled()
                                  else 1.0)
             scaler.scale(loss).backward()
+            if i == overflow_micro and all(bool(torch.isfinite(p.grad).all()) for p in work.parameters()
+                                           if p.grad is not None):
+                raise ValueError(f"overflow_micro={i}: that micro-batch's inputs times 10^6 did not overflow fp16 "
+                                 "(a normalization at the model's input, say, removes the scale), so the window "
+                                 "would not show an overflow; choose a model whose first layer is linear or "
+                                 "convolutional.")
             if pattern == "unscale_per_micro":
                 _scaler(scaler.unscale_, opt)
             elif pattern == "unscale_update_per_micro":

@@ -827,8 +827,9 @@ def grade_switch_aux(answer: object, fractions: tuple[float, ...] = (0.75, 0.25)
             raise ValueError(f"{name} must be finite non-negative numbers summing to 1, got {tuple(values)}.")
     fractions, probs = tuple(float(v) for v in fractions), tuple(float(v) for v in probs)
     n = len(fractions)
-    value = n * sum(f * p for f, p in zip(fractions, probs))
-    swapped = n * sum(f * p for f, p in zip(fractions, reversed(probs)))
+    # 12 significant digits: binary noise (1.0999999999999999 for 1.1) would make 1.09 read as a truncation
+    value = float(f"{n * math.fsum(f * p for f, p in zip(fractions, probs)):.12g}")
+    swapped = float(f"{n * math.fsum(f * p for f, p in zip(fractions, reversed(probs))):.12g}")
     return grade_number(
         answer,
         value,
