@@ -249,8 +249,9 @@ def lr_trajectory(optimizer_steps: int, k: int, warmup: int, per_micro: bool,
     """The learning rate each *optimizer step* uses under a linear warmup of ``warmup`` steps
     (``LambdaLR``), when ``scheduler.step()`` is called per optimizer step or, wrongly, per micro-batch; and the
     warnings PyTorch raised along the way. The per-micro-batch loop it models makes the window's K scheduler steps
-    before its optimizer step (one step ahead of the right loop even at K = 1); a loop that steps the scheduler
-    after each micro-batch's backward, with the optimizer step on the last one, is K − 1 steps ahead instead."""
+    before its optimizer step (one step ahead of the right loop even at K = 1); in a loop that steps the scheduler
+    after each micro-batch's backward, with the optimizer step on the last one, the first optimizer step uses the
+    rate after K − 1 scheduler steps instead of K (the same as the right loop at K = 1), and each later one K more."""
 
     require_k(k)
     require_count(optimizer_steps, "optimizer_steps")
