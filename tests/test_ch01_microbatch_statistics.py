@@ -84,10 +84,22 @@ def test_micro_batch_weights_match_pytorch():
     assert torch.allclose(layer.running_mean, predicted, atol=1e-14)
 
 
-@pytest.mark.parametrize("m", [0.0, -0.1, 1.5, float("nan"), "0.1", True])
+@pytest.mark.parametrize("m", [-0.1, 1.5, float("nan"), "0.1", True, None])
 def test_bad_momentum(m):
     with pytest.raises(ValueError, match="momentum"):
         bn_statistics.effective_momentum(m, 2)
+
+
+def test_momentum_zero_is_a_legal_frozen_average():
+    """nn.BatchNorm accepts momentum=0 (the running statistics never move): the formulas give exactly 0, and
+    set_bn_momentum sets it, as a layer run K times shows."""
+    assert bn_statistics.effective_momentum(0.0, 8) == 0.0 and bn_statistics.corrected_momentum(0, 8) == 0.0
+    assert bn_statistics.micro_batch_weights(0.0, 3) == [0.0, 0.0, 0.0]
+    layer = torch.nn.BatchNorm1d(2).double()
+    assert bn_statistics.set_bn_momentum(layer, 0.0) == 1 and layer.momentum == 0.0
+    for _ in range(3):
+        layer(torch.randn(4, 2, dtype=torch.float64) + 5)
+    assert torch.equal(layer.running_mean, torch.zeros(2, dtype=torch.float64))
 
 
 def test_set_bn_momentum():
@@ -185,6 +197,10 @@ def test_error_grid_on_other_initializations(digits):
         falls.append((grid[:, 0] / grid[:, -1]).min())
         moves.append((grid.max(axis=0) / grid.min(axis=0)).max())
     assert 10 < min(falls) < 11 and round(max(moves), 1) == 2.7, (falls, moves)
+    # review 7: the next initializations break it; the chapter says so for seed 7
+    grid = ch1.bn_error_grid((2, 4, 8, 16), (2, 4, 8, 16, 32, 64), digits.x_train, digits.y_train, seed=7)
+    assert grid[0, 1] > grid[0, 0], grid  # K = 2: larger at b = 4 than at b = 2
+    assert round(float((grid[:, 0] / grid[:, -1]).min()), 1) == 6.8, grid
 
 
 def test_microbatch_effect(digits):
@@ -475,3 +491,43 @@ def test_review_tools_refuse_frozen_models_arrays_and_integer_gradients():
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def test_review_seven_conv_batchnorm_variance_factor(digits):
+    """Chapter 1: a convolutional BatchNorm's expected biased variance is 1 − Var(m_i)/(b σ²) of σ² (m_i an image's
+    mean over its positions; here with the finite-population factor of drawing images without replacement):
+    never below (b − 1)/b. Checked on the SmallCNN's first BatchNorm2d, by simulation."""
+    model = make_cnn("batch", seed=0)
+    f = bn_statistics.layer_inputs(model, digits.x_train, "features.1").double().flatten(2)  # (n, C, P)
+    n, c = f.shape[0], f.shape[1]
+    sigma2 = f.transpose(0, 1).reshape(c, -1).var(1, correction=0)
+    var_m = f.mean(2).var(0, correction=0)
+    gen = torch.Generator().manual_seed(1)
+    for b in (2, 4):
+        predicted = 1 - var_m / sigma2 * (1 - (b - 1) * n / (b * (n - 1)))
+        picked = torch.rand(5000, n, generator=gen).topk(b).indices
+        biased = f[picked].transpose(1, 2).reshape(5000, c, -1).var(2, correction=0)
+        measured = biased.mean(0) / sigma2
+        assert float((measured - predicted).abs().max()) < 0.005, (measured, predicted)
+        assert bool((predicted >= (b - 1) / b).all()) and float(predicted.min()) > 0.98
+
+
+def test_review_seven_tools_refuse_or_convert_what_they_were_given(digits):
+    """predicted_mean_variance wrapped n − b in a uint8 tensor (300 − 2 = 42) and overflowed in a NumPy int8
+    array; microbatch_effect took NumPy arrays and float labels to torch's own errors; train() trained with a NaN
+    learning rate or momentum 1.5."""
+    right = 0.5 * 298 / 299
+    got = bn_statistics.predicted_mean_variance(1.0, torch.tensor([2, 64], dtype=torch.uint8), 300)
+    assert float(got[0]) == pytest.approx(right)
+    got = bn_statistics.predicted_mean_variance(1.0, np.array([2, 64], dtype=np.int8), 1221)
+    assert float(got[0]) == pytest.approx(0.5 * 1219 / 1220)
+    with pytest.raises(ValueError, match="torch.as_tensor"):
+        ch1.microbatch_effect(2, 8, digits.x_train.numpy(), digits.y_train.numpy())
+    with pytest.raises(ValueError, match="y.long"):
+        ch1.microbatch_effect(2, 8, digits.x_train, digits.y_train.double())
+    model = make_cnn("group", seed=0)
+    for kwargs, match in ((dict(lr=float("nan")), "lr"), (dict(momentum=1.5), "momentum"),
+                          (dict(momentum=-0.1), "momentum")):
+        with pytest.raises(ValueError, match=match):
+            accumulate.train(model, digits.x_train, digits.y_train, digits.x_val, digits.y_val, batch_size=64, k=2,
+                             epochs=1, **kwargs)

@@ -481,3 +481,40 @@ def test_torch_clip_ratio_refuses_what_has_no_ratio():
                           (([[1.0, 0.0], [-1.0, 0.0]], 0.5, "raw_micro", 2), "cancel")):
         with pytest.raises(ValueError, match=message):
             ch3.torch_clip_ratio(*args)
+
+
+# ------------------------------------------------------------------ seventh review
+
+
+def test_review_seven_a_scale_whose_inverse_is_infinite_is_refused():
+    """GradScaler unscales by 1/S rounded to float32: infinite below about 2.94e-39. clip_with_scaler said "use a
+    smaller init_scale" there (the opposite of the fix) and scaler_clip_norm returned NaN; both refuse now, and
+    the edge itself still works."""
+    assert clipping.scaler_clip_norm(4, 1, 3e-39) == pytest.approx(1.0, abs=1e-6)
+    for scale in (2.9e-39, 1e-40, 1e-300):
+        with pytest.raises(ValueError, match="infinite"):
+            clipping.scaler_clip_norm(4, 1, scale)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with pytest.raises(ValueError, match="at least 2.94e-39"):
+        clipping.clip_with_scaler(model, nn.CrossEntropyLoss(), x, y, 2, 0.1, init_scale=1e-40)
+    with pytest.raises(ValueError, match="finite number"):
+        clipping.raw_micro_all_clipped(0.5, 4, float("inf"))
+
+
+def test_review_seven_sweep_tools_refuse_what_they_cannot_tabulate(digits):
+    with pytest.raises(ValueError, match="BatchNorm"):
+        ch3.table_sweep(digits, setups=(("batch", 0.3),), seeds=(0,), ks=(1, 2))
+    with pytest.raises(ValueError, match="seeds below"):
+        ch3.table_sweep(digits, setups=(("group", 0.3),), seeds=(50,), ks=(1, 2))
+    with pytest.raises(ValueError, match="batch_size"):
+        ch3.table_sweep(digits, setups=(("group", 0.3),), seeds=(0,), ks=(1, 2), batch_size=0)
+    tables = ch3.table_sweep(digits, setups=(("group", 0.3),), seeds=(0,), ks=(1,))
+    with pytest.raises(ValueError, match="K > 1"):
+        ch3.format_table_sweep(tables)
+    with pytest.raises(ValueError, match="seed"):
+        ch3.synthetic_micro_gradients(4, 0.5, seed="a")
+    model = make_cnn("group", seed=0)
+    with pytest.raises(ValueError, match="ks is empty"):
+        ch3.placement_table(model, nn.CrossEntropyLoss(), digits.x_train[:8], digits.y_train[:8], (), 0.3)

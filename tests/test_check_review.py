@@ -952,3 +952,22 @@ def test_a_models_own_generator_is_no_reseeding_and_a_no_grad_forward_is_no_micr
     model, loss_fn, x, y = make()
     report = C.check(model, loss_fn, x, y, K, step=lambda *a: _plain(*a, after=accuracy))
     assert report.ok and report.findings == [], report
+
+
+@pytest.mark.parametrize("dtype, scale, ok", [(torch.float32, 1e-42, False), (torch.float32, 1e-30, True),
+                                               (torch.float64, 1e200, False), (torch.float64, 1e150, True),
+                                               (torch.float64, 1e-312, False), (torch.float64, 1e-300, True)])
+def test_gradients_out_of_range_are_inconclusive(dtype, scale, ok):
+    """Review 7: a float32 loss times 1e-42 (subnormal gradients) was named loss_couples_samples, and a float64
+    loss times 1e200 ended with NaN weights and no finding. Both are out of the range the comparison measures:
+    inconclusive, with the magnitude in the evidence; a correct loop at 1e-30 (float32) or 1e150 (float64) still
+    passes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1)).to(dtype)
+    x, y = torch.randn(16, 5, dtype=dtype), torch.randn(16, 1, dtype=dtype)
+    report = C.check(model, lambda out, t: F.mse_loss(out, t) * scale, x, y, 4)
+    if ok:
+        assert report.ok and report.findings == [], report
+    else:
+        assert report.codes == ["gradient_out_of_range"] and not report.ok, report
+        assert report.findings[0].severity == "inconclusive" and "gradient" in report.findings[0].evidence

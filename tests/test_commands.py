@@ -234,6 +234,9 @@ MAKE_TARGETS = {
     "student": "tests/test_course.py writes the student edition and builds its site; the CLI runs here",
     "nbgrader": "tests/test_nbgrader.py writes the course with the same CLI and runs nbgrader on it end to end "
     "(validate, generate_assignment, autograde, generate_feedback) with the kernel installed as `make kernel` does",
+    "install": "the set-up every other target's recipe starts with: CI's fresh clone runs it inside `make test` "
+    "(.ci/run), and tests/test_core_torch_only.py installs the package into a fresh environment",
+    "clean": "test_make_clean_removes_only_build runs it on a copy of the Makefile",
     "kernel": "tests/test_nbgrader.py installs the same kernelspec (ipykernel install --name gradaccum) into a "
     "temporary prefix instead of the environment, and grades every chapter with it",
 }
@@ -417,3 +420,16 @@ def test_make_help_describes_every_target():
     described = dict(re.findall(r"^\s+make (\S+)\s+(.+)$", out, flags=re.M))
     assert sorted(described) == sorted(phony), (sorted(described), sorted(phony))
     assert all(len(text.split()) >= 2 for text in described.values())
+
+
+def test_make_clean_removes_only_build(tmp_path):
+    """`make clean` (README) removes _build and leaves the environment and the sources alone."""
+    (tmp_path / "Makefile").write_text((ROOT / "Makefile").read_text())
+    (tmp_path / "_build" / "html").mkdir(parents=True)
+    (tmp_path / "_build" / "html" / "index.html").write_text("x")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / ".installed").write_text("")
+    (tmp_path / "intro.md").write_text("x")
+    subprocess.run(["make", "-s", "clean"], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    assert not (tmp_path / "_build").exists()
+    assert (tmp_path / ".venv" / ".installed").exists() and (tmp_path / "intro.md").exists()

@@ -360,9 +360,10 @@ def test_coupled_tools_refuse_what_they_cannot_compute():
             coupled.switch_aux_loss(probs, fractions)
     with pytest.raises(ValueError, match="softmax"):
         coupled.switch_aux_loss(torch.randn(6, 4))
-    for kwargs in (dict(reruns=-1), dict(reruns=0.5), dict(m=True), dict(m=None)):
+    for kwargs in (dict(reruns=-1), dict(reruns=0.5), dict(m=True), dict(m=None), dict(m=-0.1)):
         with pytest.raises(ValueError):
             coupled.recompute_momentum(**(dict(m=0.1, k=2) | kwargs))
+    assert coupled.recompute_momentum(0.0, 4) == 0.0  # momentum 0 is legal: frozen running statistics
     with pytest.raises(ValueError, match="nn.Module"):
         coupled.checkpoint_keeping_bn_stats(lambda t: enc(t), x)
 

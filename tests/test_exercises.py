@@ -139,7 +139,7 @@ def test_unrecognized_wrong_answer_gets_a_hint():
     "answer, phrase",
     [
         (None, "no answer yet"),
-        ("0.265", "expected a number"),
+        ("0.265", "without quotes"),
         (float("nan"), "not a finite"),
         (True, "expected a number"),
     ],
@@ -287,3 +287,12 @@ def test_a_fractional_count_is_told_so_before_a_near_slip():
     """Review of chapter 6: 125.5 for the warmup's end got the explanation of the slip 126; a count is whole."""
     assert "not a whole number" in ex.grade_warmup_end(125.5).message
     assert "first optimizer step that *uses*" in ex.grade_warmup_end(126).message
+
+
+def test_review_seven_layer_names_with_their_module_and_a_dict():
+    """grade_batch_coupled called "nn.BatchNorm2d" an unknown name and accepted a dict's keys as a set."""
+    assert ex.grade_batch_coupled({"nn.BatchNorm2d"}) and ex.grade_batch_coupled(["torch.nn.BatchNorm2d"])
+    assert not ex.grade_batch_coupled({"BatchNorm2d": 1})
+    assert "LayerNorm" in ex.grade_batch_coupled({"nn.BatchNorm2d", "nn.LayerNorm"}).message
+    fb = ex.grade_clip_raw_micro(2)
+    assert not fb and "neither clipped nor averaged" in fb.message

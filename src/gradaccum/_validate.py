@@ -25,13 +25,17 @@ def require_k(k: int) -> int:
     return k
 
 
-def require_momentum(m: float) -> float:
-    """Validate a BatchNorm momentum m ∈ (0, 1]."""
+def require_momentum(m: float, allow_zero: bool = False) -> float:
+    """Validate a BatchNorm momentum m ∈ (0, 1], or m ∈ [0, 1] with ``allow_zero`` (momentum 0 is legal in
+    ``nn.BatchNorm``: the running statistics never move; a formula for them is then exact and trivial)."""
+    span = "[0, 1]" if allow_zero else "(0, 1]"
     if m is None:
-        raise ValueError("momentum=None is BatchNorm's cumulative average, not a momentum; pass a number in (0, 1] "
+        raise ValueError(f"momentum=None is BatchNorm's cumulative average, not a momentum; pass a number in {span} "
                          "(PyTorch's default is 0.1).")
-    if not isinstance(m, numbers.Real) or isinstance(m, bool) or not 0.0 < float(m) <= 1.0 or math.isnan(m):
-        raise ValueError(f"momentum must be a number in (0, 1], got {m!r}; PyTorch's default is 0.1.")
+    low_ok = (lambda v: v >= 0.0) if allow_zero else (lambda v: v > 0.0)
+    if not isinstance(m, numbers.Real) or isinstance(m, bool) or math.isnan(m) or not low_ok(float(m)) \
+            or float(m) > 1.0:
+        raise ValueError(f"momentum must be a number in {span}, got {m!r}; PyTorch's default is 0.1.")
     return float(m)
 
 

@@ -18,13 +18,14 @@ BatchNorm in training mode breaks exactly that proviso (chapter 1).
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ._validate import require_count, require_k, require_tensor
+from ._validate import require_count, require_k, require_nonnegative, require_tensor
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: Produces one optimizer step's gradient in ``model``'s ``.grad`` from a batch cut into K parts; returns the loss.
@@ -242,6 +243,10 @@ def train(
     require_count(batch_size, "batch_size")
     require_count(epochs, "epochs (whole passes over the data)")
     require_count(seed, "seed", 0)
+    require_nonnegative(lr, "lr (the learning rate)")
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum (SGD's) must be a number in [0, 1), got {momentum!r}; 0.9 is the usual value, 0 "
+                         "is plain SGD.")
     if batch_size % k:
         raise ValueError(f"batch_size ({batch_size}) must be a positive multiple of K ({k}).")
     b = batch_size // k

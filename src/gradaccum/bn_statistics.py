@@ -81,6 +81,10 @@ def predicted_mean_variance(sigma2: Any, b: Any, n: int) -> Any:
     sizes = sizes.to(torch.float64)  # small integer types (NumPy int8, uint8) would wrap in the comparisons
     if isinstance(b, numbers.Integral):
         b = int(b)  # and in the formula below
+    elif isinstance(b, torch.Tensor):
+        b = b.to(torch.float64)  # a uint8 tensor wraps n - b (300 - 2 = 42)
+    elif hasattr(b, "astype") and getattr(getattr(b, "dtype", None), "kind", "f") in "iub":
+        b = b.astype("float64")  # NumPy integer arrays: int8 cannot even hold n
     if bool((sizes < 1).any()) or bool((sizes > n).any()):
         raise ValueError(f"need 1 <= b <= n, got b={b}, n={n}.")
     if not bool(torch.isfinite(variances).all()) or bool((variances < 0).any()):
@@ -161,7 +165,7 @@ def effective_momentum(m: float, k: int) -> float:
     After K updates the old value keeps weight :math:`(1-m)^K`, so per optimizer step the running
     statistics move with momentum :math:`1-(1-m)^K` (0.57 for m = 0.1, K = 8), not m.
     """
-    m = require_momentum(m)
+    m = require_momentum(m, allow_zero=True)
     require_k(k)
     return -math.expm1(k * math.log1p(-m)) if m < 1 else 1.0  # 1 − (1 − m)^K without cancellation
 
@@ -169,7 +173,7 @@ def effective_momentum(m: float, k: int) -> float:
 def corrected_momentum(m: float, k: int) -> float:
     r"""Per-micro-batch momentum :math:`m' = 1-(1-m)^{1/K}` whose K updates decay the old value as one update
     with momentum m does (about m/K for small m)."""
-    m = require_momentum(m)
+    m = require_momentum(m, allow_zero=True)
     require_k(k)
     return -math.expm1(math.log1p(-m) / k) if m < 1 else 1.0  # 1 − (1 − m)^(1/K) without cancellation
 
@@ -180,7 +184,7 @@ def micro_batch_weights(m: float, k: int) -> list[float]:
     Starting from :math:`\bar\mu_0`, K updates with momentum m give
     :math:`\bar\mu_K = (1-m)^K\bar\mu_0 + \sum_j m(1-m)^{K-1-j}\hat\mu_j`: later micro-batches weigh more.
     """
-    m = require_momentum(m)  # a Python float, also for NumPy scalars
+    m = require_momentum(m, allow_zero=True)  # a Python float, also for NumPy scalars
     require_k(k)
     return [m * (1.0 - m) ** (k - 1 - j) for j in range(k)]
 
@@ -196,7 +200,7 @@ def set_bn_momentum(model: nn.Module, m: float) -> int:
     variance is not: the full batch's variance also counts how far the micro-batch means lie apart). It is refused,
     so that a correction meant for an exponential average does not silently turn it into one.
     """
-    m = require_momentum(m)  # stored as a Python float, also for NumPy scalars
+    m = require_momentum(m, allow_zero=True)  # stored as a Python float, also for NumPy scalars
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module (its normalization layers are set), got {type(model).__name__}.")
     layers = [mod for mod in model.modules()

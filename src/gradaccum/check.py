@@ -607,6 +607,23 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
         restore()
 
 
+def _out_of_range(basis: torch.Tensor, model: nn.Module, k: int) -> str | None:
+    """Why the micro-batch gradients (``basis``, float64, one row each) cannot be compared, or None: every entry
+    below the parameters' smallest normal number (subnormal: fewer significant bits than the format, so a
+    loss times 1e-42 in float32 reads as a pattern of weights), or squared norms of the K-term sums that
+    overflow float64 (inner products and norms turn into inf and NaN)."""
+    largest = float(basis.abs().max()) if basis.numel() else 0.0
+    tiny = min(torch.finfo(p.dtype).tiny for p in _trainable(model))
+    if 0.0 < largest < tiny:
+        return (f"the largest micro-batch gradient entry is {largest:.3g}, below the smallest normal number of the "
+                f"parameters' format ({tiny:.3g}): every entry is subnormal and rounded to fewer significant bits")
+    norm = float(basis.norm(dim=1).max()) if basis.numel() else 0.0
+    if not math.isfinite(norm * norm * k * k):
+        return (f"a micro-batch gradient's norm ({norm:.3g}) squared, over K = {k} micro-batches, overflows "
+                "float64, the format the check compares in")
+    return None
+
+
 def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None,
            clip: float | None, tol: float, wtol: float, seed: int, partial: bool, n: int, b: int,
            switched: bool = False, fixed_tol: bool = False) -> Report:
@@ -645,6 +662,13 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
                                                      plans=refs.plans))
         if unpreserved is not None:
             report.findings.insert(0, unpreserved)
+        return report
+    reach = _out_of_range(refs.basis, model, k)
+    if reach is not None:
+        report.findings.append(Finding(
+            "gradient_out_of_range", "the gradients lie outside the range the comparison can measure", reach,
+            "check with the loss at ordinary magnitudes (leave out a constant factor such as a loss scale): the "
+            "loop's structure, which the check names, does not depend on it", 1, "inconclusive"))
         return report
     # rounding grows with the terms summed, not with their sum: where the micro-batch gradients cancel (near an
     # optimum) the full batch's gradient is far shorter than they are, and the default tolerance is widened by

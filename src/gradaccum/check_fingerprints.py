@@ -196,6 +196,7 @@ CODES: dict[str, str] = {
     "randomness_not_replayed": "(inconclusive) random draws the checker could not give each sample in every pass",
     "autocast_precision": "(inconclusive) a small difference from a step run under torch.autocast",
     "gradient_cancels": "(inconclusive) the micro-batch gradients cancel: the full batch's is too small to compare",
+    "gradient_out_of_range": "(inconclusive) gradients all subnormal, or too large to square in float64",
     "unexplained": "a difference none of the fingerprints explains",
 }
 

@@ -350,6 +350,21 @@ def _running_pass(micro_grads: Sequence[torch.Tensor], c: float) -> list[tuple[f
     return steps
 
 
+def _require_scaler_scale(scale: float, name: str) -> None:
+    """A loss scale GradScaler can hold and invert: it keeps S in float32 and unscales by 1/S computed in float64
+    and rounded to float32, which is infinite below about 2.94e-39 (every gradient would turn into inf or NaN)."""
+    require_positive(scale, name)
+    top = torch.finfo(torch.float32).max
+    if scale > top:
+        raise ValueError(f"GradScaler keeps its scale in float32, whose largest value is {top:g}; got {name} "
+                         f"{scale:g}.")
+    held = torch.tensor(float(scale), dtype=torch.float32)
+    if float(held) == 0.0 or not math.isfinite(float(held.double().reciprocal().float())):
+        raise ValueError(f"GradScaler unscales by 1/S in float32, which is infinite for S = {scale:g} (below "
+                         f"{1 / top:.3g}): every gradient would become inf or NaN. Use a scale of at least "
+                         f"{1 / top:.3g}.")
+
+
 def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, c: float,
                      unscale_first: bool = True, init_scale: float = 2.0**16) -> torch.Tensor:
     """The gradient an optimizer would receive from the torch.amp recipe with accumulation and clipping:
@@ -358,10 +373,7 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
 
     _require_threshold(c)
     require_flag(unscale_first, "unscale_first", "True: unscale_ then clip, the right order")
-    require_positive(init_scale, "init_scale")
-    if init_scale > torch.finfo(torch.float32).max:
-        raise ValueError(f"GradScaler keeps its scale in float32, whose largest value is "
-                         f"{torch.finfo(torch.float32).max:g}; got init_scale {init_scale:g}.")
+    _require_scaler_scale(init_scale, "init_scale")
     if any(p.dtype == torch.float16 for p in model.parameters()):
         raise ValueError("the model has float16 parameters, whose gradients GradScaler refuses to unscale (torch: "
                          "'Attempting to unscale FP16 gradients'); keep the parameters in float32 and run the forward "
@@ -383,8 +395,8 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     grad = flat_grad(work).detach()
     if not bool(torch.isfinite(grad).all()):
         raise ValueError("the gradient is not finite (inf or NaN, from the data or an overflow at this loss scale): "
-                         "GradScaler.step would skip this step, so no optimizer receives a gradient; check the inputs "
-                         "or use a smaller init_scale.")
+                         "GradScaler.step would skip this step, so no optimizer receives a gradient; check the inputs, "
+                         f"or, if S = {init_scale:g} times the gradients overflowed, use a smaller init_scale.")
     return grad
 
 
@@ -405,8 +417,8 @@ def raw_micro_all_clipped(agreement: float, k: int, smallest_over_c: float) -> f
     (:math:`1/\sqrt K` for unrelated micro-gradients)."""
     require_k(k)
     for name, value in (("agreement", agreement), ("smallest_over_c", smallest_over_c)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-            raise ValueError(f"{name} must be a number, got {value!r}.")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}.")
     low = -1.0 / (k - 1 if k > 1 else 1)
     if low - 1e-12 <= agreement <= 1.0 + 1e-12:  # a cosine computed in floating point may step out by an ulp
         agreement = min(1.0, max(low, float(agreement)))
@@ -428,10 +440,7 @@ def scaler_clip_norm(grad_norm: float, c: float, scale: float = 2.0**16, unscale
     _require_threshold(c)
     require_flag(unscale_first, "unscale_first", "True: unscale_ then clip, the right order")
     require_positive(grad_norm, "grad_norm")
-    require_positive(scale, "the loss scale")
-    if scale > torch.finfo(torch.float32).max:
-        raise ValueError(f"GradScaler keeps its scale in float32, whose largest value is "
-                         f"{torch.finfo(torch.float32).max:g}; got scale {scale:g}.")
+    _require_scaler_scale(scale, "the loss scale")
     if grad_norm * scale > torch.finfo(torch.float64).max / 4:
         raise ValueError(f"grad_norm · scale = {grad_norm * scale:g} overflows float64; give a smaller scale.")
     p = nn.Parameter(torch.zeros(2, dtype=torch.float64))

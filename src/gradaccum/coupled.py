@@ -414,7 +414,7 @@ def recompute_momentum(m: float, k: int, reruns: int = 1) -> float:
     if m is None:
         raise ValueError("momentum=None is BatchNorm's cumulative average: reruns add more batches to the average "
                          "instead of moving it by a momentum, so this formula does not apply.")
-    m = float(require_momentum(m))
+    m = float(require_momentum(m, allow_zero=True))
     require_count(reruns, "reruns", minimum=0)
     return 1 - (1 - m) ** ((1 + reruns) * k)
 

@@ -193,6 +193,11 @@ def microbatch_effect(
     """
     require_k(k)
     require_micro_batch(b, batch_norm="batch" in norms)
+    require_tensor(x, "x")
+    require_tensor(y, "y")
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise ValueError(f"y holds class labels for the cross-entropy: an integer tensor, got {y.dtype}; convert "
+                         "it with y.long().")
     n = k * b
     if n > x.shape[0]:
         raise ValueError(f"K·b = {k}·{b} = {n} exceeds the {x.shape[0]} images available; lower K or b.")

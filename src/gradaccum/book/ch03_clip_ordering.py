@@ -116,6 +116,7 @@ def synthetic_micro_gradients(k: int, alignment: float, norm: float = 1.0, dim: 
             f"alignment must lie in [0, 1] (0: unrelated micro-gradients, 1: identical), got {alignment}.")
     require_positive(norm, "norm")
     require_count(dim, "dim")
+    require_count(seed, "seed", minimum=0)
     gen = torch.Generator().manual_seed(seed)
     u = torch.randn(dim, generator=gen, dtype=torch.float64)
     u /= torch.linalg.vector_norm(u)
@@ -158,6 +159,8 @@ def placement_table(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
     shortest and longest micro-gradient (``"smallest"``, ``"largest"``) and, for ``mode="norm"``, the norm of
     placement (b)'s buffer before its last clip (``"buffer"``, :func:`running_buffer_norms`; NaN by value).
     """
+    if not ks:
+        raise ValueError("ks is empty: pass the numbers of micro-batches to tabulate, e.g. ks=(1, 2, 4, 8).")
     table: dict[int, dict[str, tuple[float, float]]] = {}
     nan = float("nan")
     for k in ks:
@@ -245,6 +248,15 @@ def table_sweep(split: DigitsSplit, setups: Sequence[tuple[Literal["group", "lay
                 ) -> dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]]:
     """:func:`placement_table` for every set-up and seed: seed s takes a fresh SmallCNN initialized with seed s
     and the training batch of ``batch_size`` images number s."""
+    for norm, c in setups:
+        _check_setup(c, norm, ())
+    require_count(batch_size, "batch_size")
+    for s in seeds:
+        require_count(s, "seed", minimum=0)
+        if (s + 1) * batch_size > len(split.x_train):
+            raise ValueError(f"seed {s} takes training images {s * batch_size} to {(s + 1) * batch_size - 1}, but "
+                             f"the split has {len(split.x_train)}: use seeds below "
+                             f"{len(split.x_train) // batch_size}, or a smaller batch_size.")
     loss_fn = nn.CrossEntropyLoss()
     out: dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]] = {}
     for norm, c in setups:
@@ -277,8 +289,13 @@ def train_sweep(split: DigitsSplit, k: int = 8, epochs: int = 2,
 def format_table_sweep(tables: dict[tuple[str, float, int], dict[int, dict[str, tuple[float, float]]]]) -> Table:
     """One row per (normalization, c, seed): the unclipped ‖g‖/c, (a1) and (a2) as ‖step‖/c and (b)'s cosine to
     the correct step, at the smallest and the largest K > 1 of the tables."""
+    if not tables:
+        raise ValueError("no tables: pass what table_sweep returns.")
     first = next(iter(tables.values()))
     ks = [k for k in first if k > 1]
+    if not ks:
+        raise ValueError(f"the tables hold K = {sorted(first)} only: the sweep compares placements at K > 1 "
+                         "(at K = 1 every placement clips once); run table_sweep with ks including some K > 1.")
     lo, hi = ks[0], ks[-1]
     rows = [[norm, f"{c:g}", s, f"{tab[lo]['full'][0]:.2f}",
              f"{tab[lo]['scaled_micro'][0]:.2f}", f"{tab[hi]['scaled_micro'][0]:.2f}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
@@ -114,7 +114,10 @@ def grade_number(
         return Feedback(False, "recorded")
     if answer is None:
         return Feedback(False, NO_ANSWER)
-    if isinstance(answer, (bool, str)) or not hasattr(answer, "__float__"):
+    if isinstance(answer, str):
+        return Feedback(False, f"expected a number, got the text {answer!r}: write the number without quotes "
+                               "(a result you computed can be passed as it is).")
+    if isinstance(answer, bool) or not hasattr(answer, "__float__"):
         return Feedback(False, f"expected a number, got {type(answer).__name__} {answer!r}.")
     try:  # one-element tensors and arrays alike (float() of a one-element NumPy array is deprecated)
         item = getattr(answer, "item", None)
@@ -276,12 +279,15 @@ def grade_batch_coupled(answer: object) -> Feedback:
     """Exercise: which of :data:`LAYER_FACTS`' layers make an accumulated gradient differ from the full batch."""
     if answer is None:
         return Feedback(False, NO_ANSWER)
-    if isinstance(answer, str) or not isinstance(answer, Iterable):
+    if isinstance(answer, (str, Mapping)) or not isinstance(answer, Iterable):
         return Feedback(False, "give a set of layer names, e.g. {'Linear'}.")
     try:
         chosen = set(answer)
     except TypeError:  # unhashable items, e.g. a nested list
         return Feedback(False, "give a flat set of layer names, e.g. {'Linear'}, not a nested list.")
+    # "nn.BatchNorm2d" and "torch.nn.BatchNorm2d" name the same class
+    chosen = {c.rsplit(".", 1)[-1] if isinstance(c, str) and c.startswith(("nn.", "torch.nn.")) else c
+              for c in chosen}
     unknown = chosen - LAYER_FACTS.keys()
     if unknown:
         classes = [u.__name__ for u in unknown if isinstance(u, type)]
@@ -381,7 +387,8 @@ def grade_clip_raw_micro(answer: object) -> Feedback:
         mistakes=[
             (1.0, "1 is the correct step: the average (1, 0) has norm 1 and is not clipped. Under (a2) g_1 is "
                   "clipped to (1, 0) *before* averaging, and then it cancels g_2."),
-            (2.0, "average after clipping: ((1, 0) + (−1, 0)) / 2."),
+            (2.0, "2 is ‖g_1 + g_2‖ = ‖(2, 0)‖: the raw micro-gradients summed, neither clipped nor averaged. "
+                  "Under (a2) each is clipped first, to (1, 0) and (−1, 0), and then averaged."),
             (0.5, "(1, 0)/2 leaves g_2 out: g_2 = (−1, 0) has norm 1 = c, so it is not clipped (beyond "
                   "clip_grad_norm_'s factor 1/(1 + 1e-6)), but it still enters the average."),
         ],
