@@ -358,7 +358,8 @@ def test_agreement_is_exact_for_tiny_gradients_and_refuses_what_it_cannot_compar
     tiny = torch.randn(50) * 1e-30  # float32: the squared norm underflows without scaling
     assert agreement(tiny, 2 * tiny).cosine == pytest.approx(1.0) and agreement(tiny, 2 * tiny).rel_error == 1.0
     assert agreement(torch.ones(3), torch.zeros(3)).cosine == 0.0
-    for bad, message in ((torch.ones(2, 3), "flat"), (torch.tensor([1.0, float("nan")]), "NaN")):
+    for bad, message in ((torch.ones(2, 3), "flat"), (torch.tensor([1.0, float("nan")]), "NaN"),
+                         (torch.tensor([1.0, float("inf")]), "inf")):
         with pytest.raises(ValueError, match=message):
             agreement(bad, bad)
     with pytest.raises(ValueError, match="zero"):

@@ -256,3 +256,9 @@ def test_the_nanogpt_loop_refuses_what_it_does_not_do(digits):
     frozen = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
         fw.run("timm", frozen, nn.CrossEntropyLoss(), micro, 4)
+
+
+def test_review_seven_loss_type_is_refused_when_not_a_name():
+    with pytest.raises(ValueError, match="loss_type"):
+        ch7.builtin_lm_step("gpt2", torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long),
+                            None, loss_type=1)  # type: ignore[arg-type]

@@ -232,11 +232,19 @@ def _builtin_step(run: fw.Run, full: torch.Tensor) -> BuiltinStep:
     return BuiltinStep(fw.relative_error(run.grads[0], full), fw.step_factor(run.grads[0], full))
 
 
-def builtin_lm_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K) -> BuiltinStep:
+def builtin_lm_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K,
+                    loss_type: str | None = None) -> BuiltinStep:
     """The Trainer on a one-layer ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` built from a config, padded lines,
-    ``k`` micro-batches: what its ``num_items_in_batch`` makes of the model's own (shifted) token loss."""
+    ``k`` micro-batches: what its ``num_items_in_batch`` makes of the model's own (shifted) token loss.
+    ``loss_type`` (e.g. ``"ForCausalLM"``) is set on the model before the Trainer is built (the fix for a model
+    whose class name matches none of the library's losses)."""
+    if loss_type is not None and not isinstance(loss_type, str):
+        raise ValueError(f"loss_type must be None or the name of a Transformers loss such as 'ForCausalLM', got "
+                         f"{loss_type!r}.")
     labels = causal_lm_labels(lm_x, lm_y)
     model = fw.tiny_causal_lm(kind, vocab.size, lm_x.shape[1])
+    if loss_type is not None:
+        model.loss_type = loss_type
     return _builtin_step(*fw.trainer_on_causal_lm(model, lm_x, labels, k))
 
 
