@@ -327,8 +327,10 @@ def test_review_graders_name_k_and_read_array_parameters():
         with pytest.raises(ValueError, match="sequence of numbers"):
             ex.grade_switch_aux(1.1, fractions=bad)
     assert ex.grade_switch_aux(1.1, fractions=[torch.tensor(0.75), torch.tensor(0.25)]).correct
-    with pytest.raises(ValueError, match="must return a tensor"):
+    with pytest.raises(ValueError, match="torch.as_tensor"):  # review 7: refused before the router runs
         coupled.window_fractions(lambda t: t, [np.zeros((2, 4))], 4)
+    with pytest.raises(ValueError, match="must return a tensor"):
+        coupled.window_fractions(lambda t: t.tolist(), [torch.zeros(2, 4)], 4)
 
 
 def test_review_dropout_masks_at_fixed_k_times_b_on_the_cpu():
@@ -352,3 +354,9 @@ def test_review_dropout_masks_at_fixed_k_times_b_on_the_cpu():
             (torch.nn.functional.cross_entropy(net(xb), yb) / k).backward()
         nets.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
     assert float((nets[0] - nets[1]).norm() / nets[0].norm()) < 1e-12
+
+
+def test_review_seven_graders_keep_trailing_zeros_and_name_the_weight_kept():
+    assert ex.grade_switch_aux(1.1).message.startswith("correct: 1.10 ")
+    fb = ex.grade_recompute_momentum(0.817, m=0.02, k=5)  # 0.98^10: what the old statistics keep
+    assert not fb and "old statistics keep" in fb.message

@@ -138,6 +138,14 @@ def test_usage_errors_exit_2_with_a_message(cli):
 def test_a_file_path_target_works_from_anywhere(cli, folder, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli(f"{folder / 'loops.py'}:good")[0] == 0
+    # review 7: a file that imports its neighbour (the page's my_fixed_loop.py imports my_loop) failed to import
+    # from any other folder; its own folder now comes first, as with `python path/to/file.py`
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "neighbour_of_loops.py").write_text("from loops_copy import good, buggy  # noqa: F401\n")
+    (other / "loops_copy.py").write_text((folder / "loops.py").read_text())
+    assert cli(f"{other / 'neighbour_of_loops.py'}:good")[0] == 0
+    assert cli(f"{other / 'neighbour_of_loops.py'}:buggy")[0] == 1
 
 
 def test_clip_once_is_ok_with_or_without_clip_and_wrong_with_another_threshold(cli):

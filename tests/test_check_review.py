@@ -971,3 +971,55 @@ def test_gradients_out_of_range_are_inconclusive(dtype, scale, ok):
     else:
         assert report.codes == ["gradient_out_of_range"] and not report.ok, report
         assert report.findings[0].severity == "inconclusive" and "gradient" in report.findings[0].evidence
+
+
+def _per_sample_step(divide_by_window: bool):
+    from torch.func import functional_call, grad, vmap
+
+    def step(model, loss_fn, x, y, k):
+        params = {name: p.detach() for name, p in model.named_parameters()}
+
+        def one(p, xs, ys):
+            return loss_fn(functional_call(model, p, (xs.unsqueeze(0),)), ys.unsqueeze(0))
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            g = vmap(grad(one), in_dims=(None, 0, 0))(params, xb, yb)
+            for name, p in model.named_parameters():
+                s = g[name].sum(0) / x.shape[0] if divide_by_window else g[name].mean(0)
+                p.grad = s if p.grad is None else p.grad + s
+        opt.step()
+
+    return step
+
+
+def test_per_sample_gradients_with_torch_func_are_checked():
+    """Review 7: a correct DP-SGD-style loop (vmap(grad(...)) over functional_call) was reported as the step
+    raising, from the checker's own hook on a vmapped input, and its missing-1/K twin the same. The forward passes
+    inside torch.func are now counted apart, noted, and the gradient compared."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    x, y = torch.randn(32, 10, dtype=torch.float64), torch.randint(0, 4, (32,))
+    report = C.check(model, nn.CrossEntropyLoss(), x, y, 4, step=_per_sample_step(True))
+    assert report.ok and report.findings == [], report
+    assert any(n.startswith("torch.func:") for n in report.notes), report.notes
+    report = C.check(model, nn.CrossEntropyLoss(), x, y, 4, step=_per_sample_step(False))
+    assert report.codes == ["missing_1_over_k"], report
+
+
+def test_a_regularizer_from_the_given_model_is_told_to_stay_out_of_the_check():
+    """Review 7: the advice "compute such a term from the model your step is given" led to a [BUG] on a correct
+    loop (the reference is loss_fn on the batch: no term of the parameters alone). The advice now is to leave the
+    term out, and the finding it gets says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    x, y = torch.randn(32, 10, dtype=torch.float64), torch.randint(0, 4, (32,))
+
+    def step(model, loss_fn, x, y, k):
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            l2 = sum((p * p).sum() for p in model.parameters())
+            ((loss_fn(model(xb), yb) + 1e-2 * l2) / k).backward()
+
+    report = C.check(model, nn.CrossEntropyLoss(), x, y, 4, step=step)
+    assert report.codes == ["unexplained"] and "leave it out of the check" in report.findings[0].evidence, report

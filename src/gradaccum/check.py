@@ -150,6 +150,12 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def _transformed(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a torch.func wrapper (inside ``vmap`` or ``grad``)."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check(t)) if check is not None else False
+
+
 class _ForwardScope:
     """Forward hooks on a model copy: each forward pass learns which samples of the window it holds (by value,
     so copies and moved tensors are recognized), and the per-sample RNG is active inside it."""
@@ -163,6 +169,7 @@ class _ForwardScope:
         self.unlocated = 0  # forward passes whose input is not a run of consecutive rows of x
         self.expect: int | None = None
         self.forwards: list[tuple[int, int]] = []
+        self.transformed = 0  # forward passes inside torch.func transforms
         self.depth = 0
         self.handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
                         model.register_forward_hook(self._post, always_call=True)]
@@ -188,6 +195,11 @@ class _ForwardScope:
         inp = first_tensor(args)
         if inp is None:
             inp = first_tensor(kwargs)
+        if inp is not None and _transformed(inp):
+            # a forward inside torch.func (vmap, grad: per-sample gradients): its input is a wrapper whose values
+            # the checker cannot read, and one sample at a time; counted, and the check says so
+            self.transformed += 1
+            return
         n = int(inp.shape[0]) if inp is not None and inp.dim() else 0
         offset = self._locate(inp, n)
         self.seen = offset + n
@@ -201,6 +213,9 @@ class _ForwardScope:
         self.depth += 1
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        inp = first_tensor(args)
+        if inp is not None and _transformed(inp):
+            return
         if self.depth > 0:
             self.depth -= 1
             if self.depth == 0:
@@ -232,6 +247,7 @@ class _Run:
     modes: list[bool] | None = None
     unlocated: int = 0
     unpreserved_draws: int = 0  # random draws in recomputations of functions checkpointed without their RNG state
+    transformed: int = 0  # forward passes inside torch.func transforms
 
 
 def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step, seed: int,
@@ -275,7 +291,8 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
                 rng.replayed, rng.unreplayed, rng.draws, recorder.errors,
                 outside.draws if isinstance(outside, OutsideDraws) else [], rerun_counts,
                 scope.modes if scope else None, scope.unlocated if scope else 0,
-                rng.unpreserved_draws + (outside.unpreserved_draws if isinstance(outside, OutsideDraws) else 0))
+                rng.unpreserved_draws + (outside.unpreserved_draws if isinstance(outside, OutsideDraws) else 0),
+                scope.transformed if scope else 0)
 
 
 class _BatchNormReruns:
@@ -599,9 +616,11 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
                 raise ValueError(
                     "your loss_fn or step wrote gradients into the model you passed to check: the checker runs your "
                     "step, and the full batch, on copies of it, so a term computed from that model's own parameters "
-                    "(a regularizer written over it in a closure, say) lands in a gradient nobody compares. Compute "
-                    "such a term from the model your step is given, or leave it out of the check (weight decay "
-                    "belongs in the optimizer).")
+                    "(a regularizer written over it in a closure, say) lands in a gradient nobody compares. Leave "
+                    "such a term out of the check: the reference is loss_fn on the batch, so a term of the "
+                    "parameters alone is not in it even when computed from the model your step is given, and the "
+                    "loop's structure, which the check tests, does not depend on it (weight decay belongs in the "
+                    "optimizer).")
             return report
     finally:
         restore()
@@ -689,6 +708,10 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
                             f"full batch's (they cancel, as near an optimum), so rounding is relative to them: the "
                             f"tolerance is widened to {tol:.2g}")
     run = _run_step(model, loss_fn, x, y, k, step or accumulate_backward, seed, plans=refs.plans)
+    if run.transformed:
+        report.notes.append(f"torch.func: {run.transformed} forward pass(es) of your step ran inside torch.func "
+                            "transforms (vmap, grad); the gradient they produce is compared, but their random draws "
+                            "(dropout) are not replayed per sample, and they are not counted as micro-batches")
     given_modes = [m_.training for m_ in model.modules()]
     if run.modes is not None and run.modes != given_modes and not switched:
         # the step switched modes (model.train() on a model handed over in eval mode, as from_pretrained returns
@@ -968,6 +991,8 @@ def _load_target(target: str) -> Callable[[], Any]:
             if spec is None or spec.loader is None:  # not for a .py path; caught below as "cannot import"
                 raise ImportError(f"no module spec for {path}")
             module = importlib.util.module_from_spec(spec)
+            # as `python path/to/file.py` would: the file's own folder first, so that it imports its neighbours
+            sys.path.insert(0, os.path.dirname(path))
             spec.loader.exec_module(module)
         else:
             sys.path.insert(0, os.getcwd())

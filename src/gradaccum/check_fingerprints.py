@@ -756,7 +756,8 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         else:
             out.add("unexplained", "your step's gradient is not a combination of the micro-batch gradients",
                     f"relative residual {num(residual)} after fitting it with the K micro-batch gradients of loss_fn; "
-                    "does your step use loss_fn, and change nothing but .grad?",
+                    "does your step use loss_fn, and change nothing but .grad? (A term computed from the "
+                    "parameters alone, such as a regularizer, is not in the reference: leave it out of the check.)",
                     CORRECT_LOOP, 6)
         return
     _backward_weight_findings(m, out, loop_error, cosine(clipped, m.applied))

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradaccum._validate import require_count, require_k, require_momentum
+from gradaccum._validate import require_count, require_k, require_momentum, require_tensor
 
 __all__ = ["info_nce", "micro_batch_info_nce", "plain_accumulation_backward", "grad_cache_backward",
            "expert_fractions", "switch_aux_loss", "window_fractions", "checkpoint_keeping_bn_stats",
@@ -389,6 +389,8 @@ def window_fractions(router: Callable[[torch.Tensor], torch.Tensor], micro_batch
     require_count(n_experts, "n_experts")
     if len(micro_batches) == 0:
         raise ValueError("no micro-batches: pass the window's K micro-batches.")
+    for x in micro_batches:
+        require_tensor(x, "each micro-batch")
     with torch.no_grad():
         scores = [router(x) for x in micro_batches]
     if not all(isinstance(sc, torch.Tensor) for sc in scores):

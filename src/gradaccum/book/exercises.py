@@ -90,6 +90,13 @@ def agrees(value: float, target: float, digits: int, atol: float = 1e-12) -> boo
 _RECORD: list[tuple[float, int, list[tuple[float, str]]]] | None = None
 
 
+def _digits(x: float, digits: int) -> str:
+    """``x`` written with ``digits`` significant digits, trailing zeros kept (1.1 to three digits is "1.10")."""
+    text = f"{x:#.{digits}g}"
+    mantissa, _, exponent = text.partition("e")
+    return mantissa.rstrip(".") + ("e" + exponent if exponent else "")
+
+
 def grade_number(
     answer: object,
     expected: float,
@@ -139,9 +146,9 @@ def grade_number(
         up = _rounded_half_up(expected, digits)
         if up != shown:  # a tie: Python rounds it to even, most people up, and either is right
             return Feedback(True, f"correct: exactly {expected:.6g}, a tie at {digits} significant digits "
-                                  f"({shown:.{digits}g} and {up:.{digits}g} both count).")
+                                  f"({_digits(shown, digits)} and {_digits(up, digits)} both count).")
         exactly = "" if shown == expected else f"; exactly {expected:.6g}"
-        return Feedback(True, f"correct: {shown:.{digits}g} (to {digits} significant digits{exactly}).")
+        return Feedback(True, f"correct: {_digits(shown, digits)} (to {digits} significant digits{exactly}).")
     mistakes = list(mistakes)
     # a count is whole: say so before a slip whose value is whole (125.5 is not the slip 126), not before a
     # slip that is itself a fraction (the answer a misplaced division gives)
@@ -805,6 +812,8 @@ def grade_recompute_momentum(answer: object, m: float = 0.02, k: int = 5) -> Fee
             (1 - (1 - m) ** k, "that is accumulation without checkpointing: the rerun updates the statistics again."),
             (1 - (1 - m) ** 2, "that is per micro-batch; an optimizer step has K of them."),
             (2 * k * m, "that is the first-order approximation; compound the 2K updates: 1 − (1 − m)^(2K)."),
+            ((1 - m) ** (2 * k), "that is the weight the old statistics keep after the 2K updates; the new ones get "
+                                 "1 minus that."),
             (m, "the momentum applies per forward pass, and there are 2K of them per step."),
         ],
         hint="Each forward in training mode multiplies the old value's weight by (1 − m). How many per step?",
