@@ -4,12 +4,14 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradaccum import windows
 from gradaccum.accumulate import agreement
 from gradaccum.book import ch06_loss_normalization_and_friends as ch6
 from gradaccum.book import data as book_data
+from gradaccum.book import exercises as ex
 from gradaccum.book import models as book_models
 
 
@@ -426,3 +428,26 @@ def test_count_tokens_refuses_float_targets():
     assert count_tokens(torch.tensor([-100, 3, 4])) == 2
     with pytest.raises(ValueError, match="integer class targets"):
         count_tokens(torch.tensor([-100.0, -100.5]))
+
+
+def test_review_seven_counts_are_exact_and_weighted_probability_targets_divide_by_samples():
+    """Review 7: a count grader accepted anything within half a unit of the third significant digit (999 and 1001
+    for 1000); a count now matches exactly, and the round-down slip is named. Chapter 6's weighted-loss rule is for
+    class-index targets: with probability targets PyTorch's weighted mean divides by the number of samples."""
+    for wrong in (999, 1001):
+        assert not ex.grade_warmup_end(wrong, warmup=16000, k=16)
+    assert ex.grade_warmup_end(1000, warmup=16000, k=16)
+    assert "round up" in ex.grade_warmup_end(3333, warmup=10000, k=3).message
+    assert not ex.grade_accelerate_warmup_end(999, warmup=8000, processes=8, k=4)
+    assert "sum of the micro-batch means" in ex.grade_window_token_loss(1.3).message
+    torch.manual_seed(0)
+    logits, labels = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 1, 1])
+    w = torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64)
+    total = F.cross_entropy(logits, labels, weight=w, reduction="sum")
+    assert torch.allclose(F.cross_entropy(logits, labels, weight=w), total / w[labels].sum())
+    soft = F.one_hot(labels, 4).double()
+    total = F.cross_entropy(logits, soft, weight=w, reduction="sum")
+    assert torch.allclose(F.cross_entropy(logits, soft, weight=w), total / 6)
+    with pytest.raises(ValueError, match="seed"):
+        windows.partial_step_ratio(nn.Linear(3, 2), nn.CrossEntropyLoss(), torch.randn(8, 3), torch.zeros(8).long(),
+                                   4, 3, 2, "sgd", 0.1, seed=-1)

@@ -46,19 +46,29 @@ PARAMS = {
 }
 
 
+#: Graders of a count: the answer is matched exactly (999 is not 1000), so no rounded form of it, or of a slip, is
+#: the same answer.
+COUNTS = {ex.grade_ghost_virtual_size, ex.grade_exact_sweeps, ex.grade_backoff_steps, ex.grade_allreduce_calls,
+          ex.grade_warmup_end, ex.grade_accelerate_warmup_end, ex.grade_negatives_per_sample}
+
+
 @pytest.mark.parametrize("grader", list(PARAMS), ids=lambda g: g.__name__)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_rounded_right_answers_pass_and_every_mistake_is_named(grader, data):
     kwargs = {name: data.draw(strategy, label=name) for name, strategy in PARAMS[grader].items()}
     expected, digits, mistakes = ex.grading_plan(grader, **kwargs)
-    for right in (expected, ex.round_significant(expected, digits), np.float64(expected),
-                  torch.tensor(expected, dtype=torch.float64), np.float32(ex.round_significant(expected, digits))):
+    count = grader in COUNTS
+    shown = expected if count else ex.round_significant(expected, digits)
+    for right in (expected, shown, np.float64(expected), torch.tensor(expected, dtype=torch.float64),
+                  np.float32(shown)):
         fb = grader(right, **kwargs)
         assert fb, (right, kwargs, fb)
+    if count and expected >= 100:  # a count is exact: its neighbour is wrong even where 3 digits cannot tell
+        assert not grader(expected + 1, **kwargs) and not grader(expected - 1, **kwargs), (expected, kwargs)
     seen = [expected]
     for wrong, why in mistakes:
-        given = (wrong, ex.round_significant(wrong, digits))
+        given = (wrong,) if count else (wrong, ex.round_significant(wrong, digits))
         if any(ex.agrees(g, s, digits) or ex.agrees(s, g, digits) or
                ex.round_significant(g, 2) == ex.round_significant(s, 2) for g in given for s in seen):
             continue  # for these parameters the slip gives a value another case already claims

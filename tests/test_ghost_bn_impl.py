@@ -1,6 +1,7 @@
 """Every GhostBatchNorm implementation (forced with ``impl=``) against a float64 reference written out plainly;
 the benchmark that chooses between them writes its JSON."""
 
+import copy
 import json
 import runpy
 from pathlib import Path
@@ -335,3 +336,39 @@ def test_zero_eps_is_refused_and_an_empty_map_leaves_the_statistics(impl):
     layer = GhostBatchNorm(3, 4, impl=impl)
     assert layer(torch.randn(8, 3, 0, 5)).shape == (8, 3, 0, 5)
     assert torch.equal(layer.running_var, torch.ones(3)) and torch.equal(layer.running_mean, torch.zeros(3))
+
+
+def test_review_seven_ghostify_keeps_tied_parameters_tied():
+    """Review 7: two BatchNorm layers sharing their weight got two independent copies from ghostify, so the
+    gradient was no longer plain accumulation's (0.12 off) and the weights drifted apart; the ghosts now hold the
+    layers' own parameters."""
+    from gradaccum.accumulate import accumulated_gradient
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6), nn.BatchNorm1d(6),
+                          nn.Linear(6, 3)).double()
+    model[4].weight = model[1].weight
+    model.scale = model[1].bias  # used elsewhere too
+    ghost = ghostify(model, 4)
+    assert ghost[1].weight is ghost[4].weight and ghost.scale is ghost[1].bias
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
+    plain = accumulated_gradient(copy.deepcopy(model), nn.CrossEntropyLoss(), x, y, 4)
+    nn.CrossEntropyLoss()(ghost(x), y).backward()
+    assert torch.allclose(torch.cat([p.grad.flatten() for p in ghost.parameters()]), plain, atol=1e-14)
+
+
+def test_review_seven_far_channels_in_float32_group_shifts_loop_and_fold_inherit_batchnorm():
+    """Chapter 2: "in float32, for a channel whose mean is far larger than its spread, the loop and the fold inherit
+    BatchNorm's own kernel error, which the group avoids by shifting such channels first"."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    x64 = 1e4 + 1e-2 * torch.randn(16, 3, 4, 4, dtype=torch.float64)
+    x = x64.float()
+    reference = torch.cat([F.batch_norm(c.double(), None, None, training=True) for c in x.split(4)])
+    errors = {}
+    for impl in ("group", "loop", "fold"):
+        layer = GhostBatchNorm(3, 4, impl=impl)
+        with torch.no_grad():
+            errors[impl] = float((layer(x).double() - reference).abs().max())
+    assert errors["group"] < 1e-5 and errors["loop"] > 1e-3 and errors["fold"] > 1e-3, errors

@@ -404,7 +404,8 @@ def ghostify(model: nn.Module, virtual_batch_size: int, impl: str = "auto") -> n
     running statistics, and implementation ``impl``.
 
     Supported: ``nn.BatchNorm1d`` on (N, C) inputs and ``nn.BatchNorm2d``, with running statistics; a layer used
-    in several places stays one layer, and frozen parameters stay frozen. Refused with a ``ValueError`` naming the
+    in several places stays one layer, parameters tied to other layers stay tied (the ghost holds the layer's own
+    parameters and running statistics), and frozen parameters stay frozen. Refused with a ``ValueError`` naming the
     layer, before anything is copied: ``BatchNorm3d``, ``SyncBatchNorm``, other subclasses,
     ``track_running_stats=False``, a layer with hooks, and a model that is itself a BatchNorm layer (wrap it in a
     container). A ``BatchNorm1d`` applied to (N, C, L) inputs is refused at its first forward pass.
@@ -435,10 +436,14 @@ def ghostify(model: nn.Module, virtual_batch_size: int, impl: str = "auto") -> n
                     dims = 1 if isinstance(child, nn.BatchNorm1d) else 2
                     ghost = GhostBatchNorm(child.num_features, virtual_batch_size, dims=dims, eps=child.eps,
                                            momentum=child.momentum, affine=child.affine, impl=impl)
-                    ghost.load_state_dict(child.state_dict())
-                    ghost.to(next(child.buffers()).device, next(child.buffers()).dtype)
-                    for p_new, p_old in zip(ghost.parameters(), child.parameters()):
-                        p_new.requires_grad_(p_old.requires_grad)  # frozen stays frozen
+                    # the layer's own tensors, not copies: a parameter tied to another layer (or used elsewhere
+                    # in the model) stays tied, and frozen stays frozen
+                    for key, param in child._parameters.items():
+                        if param is not None:
+                            setattr(ghost, key, param)
+                    for key, buf in child._buffers.items():
+                        if buf is not None and key in ghost._buffers:
+                            ghost._buffers[key] = buf
                     ghosts[id(child)] = ghost.train(child.training)
                 setattr(module, child_name, ghost)
     if not ghosts:

@@ -401,6 +401,7 @@ def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
     require_micro_batch(b, batch_norm=False)
     require_positive(lr, "the learning rate lr")
     require_count(warm_windows, "warm_windows", minimum=0)
+    require_count(seed, "seed", minimum=0)
     if b * k > x.shape[0]:
         raise ValueError(f"a full window needs K·b = {k * b} samples, but only {x.shape[0]} were given.")
     work = copy.deepcopy(model)

@@ -139,7 +139,12 @@ def grade_number(
         (n for n in range(digits - 1, 0, -1) if expected != 0 and _is_rounded(value, expected, n)), None)
     too_few = (f"{value:g} agrees with the answer to {fewer} significant digit{'s' if fewer and fewer > 1 else ''}; "
                f"the exercise asks for {digits}: keep more digits (and do not round intermediate results).")
-    if agrees(value, expected, digits, atol) and not fractional:
+    whole = count and float(expected).is_integer()
+
+    def same(a: float, b: float) -> bool:  # a count matches exactly (999 is not 1000); other answers to `digits`
+        return abs(a - b) <= 1e-9 * max(1.0, abs(b)) if whole and float(b).is_integer() else agrees(a, b, digits, atol)
+
+    if same(value, expected) and not fractional:
         if float(expected).is_integer() and abs(expected) < 1e15:
             return Feedback(True, f"correct: {int(expected)}.")
         shown = round_significant(expected, digits)
@@ -156,10 +161,12 @@ def grade_number(
                               for m in mistakes):
         return Feedback(False, f"{value!r} is not a whole number: the answer counts something; give the count.")
     for wrong, why, *own_rtol in mistakes:
-        if agrees(wrong, expected, digits, atol):
+        if same(wrong, expected):
             continue  # a "mistake" that equals the answer cannot be one
         if own_rtol:
             hit = math.isclose(value, wrong, rel_tol=own_rtol[0], abs_tol=atol)
+        elif whole and float(wrong).is_integer():
+            hit = same(value, wrong)
         else:
             hit = agrees(value, wrong, digits, atol) or (wrong != 0 and any(
                 _is_rounded(value, wrong, n) for n in range(2, max(digits, 3))))
@@ -356,6 +363,10 @@ def grade_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
     normalization changes by ``delta`` and the mean is recomputed, x̂ = u + b − E[u + b]."""
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not math.isfinite(delta) or delta == 0:
         raise ValueError(f"delta (the bias change) must be a finite nonzero number, got {delta!r}.")
+    # the answer 0 is checked to an absolute 1e-12: the slip ±delta must lie far outside it to be told apart
+    if abs(delta) < 1e-9:
+        raise ValueError(f"delta = {delta!r} is too small to tell the slip (a change of delta) from the answer (0) "
+                         "at the grader's absolute tolerance of 1e-12; pick |delta| >= 1e-9.")
     return grade_number(
         answer,
         0.0,
@@ -638,6 +649,9 @@ def grade_window_token_loss(answer: object, sums: tuple[float, ...] = (30.0, 10.
             (mean_of_means, f"that is the mean of the micro-batch means: {weights}"),
             (sum(sums), "divide by the number of tokens."),
             (sum(sums) / len(sums), "divide by tokens, not by micro-batches."),
+            (mean_of_means * len(sums), "that is the sum of the micro-batch means (each divided by its own tokens, "
+                                        "never by K); the window's loss divides the total by the window's "
+                                        "tokens."),
         ],
         hint="Total loss over total tokens.",
     )
@@ -660,7 +674,7 @@ def grade_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback
         mistakes.append((float(end + 1), f"{end + 1} can be the first optimizer step that *uses* the full rate "
                                          "(depending on the schedule's convention and on the order of the window's "
                                          f"optimizer and scheduler steps); the schedule has *counted* its {warmup} "
-                                         f"steps after {end}."))
+                                         f"step{'s' if warmup != 1 else ''} after {end}."))
     return grade_number(answer, float(end), mistakes=mistakes,
                         hint="Each optimizer step advances the schedule by K; count whole optimizer steps.",
                         count=True)
