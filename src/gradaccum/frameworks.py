@@ -913,10 +913,19 @@ def rank_task(rank: int, world_size: int, x: torch.Tensor, y: torch.Tensor, k: i
 
 
 def tiny_causal_lm(kind: str, vocab: int, positions: int, seed: int = 0) -> nn.Module:
-    """A one-layer Transformers causal LM built from a config (no download): ``"gpt2"`` (``GPT2LMHeadModel``) or
-    ``"llama"`` (``LlamaForCausalLM``), float32, dropout off."""
+    """A one-layer Transformers language model built from a config (no download): ``"gpt2"``
+    (``GPT2LMHeadModel``) or ``"llama"`` (``LlamaForCausalLM``), or the encoder-decoder ``"t5"``
+    (``T5ForConditionalGeneration``: the labels are its targets, its decoder's inputs the labels shifted right),
+    float32, dropout off."""
     _import("trainer")
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     with _quiet(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -927,7 +936,12 @@ def tiny_causal_lm(kind: str, vocab: int, positions: int, seed: int = 0) -> nn.M
             return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32,
                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                                                 max_position_embeddings=positions))
-    raise ValueError(f"kind must be 'gpt2' or 'llama', got {kind!r}.")
+        if kind == "t5":
+            config = T5Config(vocab_size=vocab, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+                              num_heads=2, dropout_rate=0.0, pad_token_id=0)
+            setattr(config, "decoder_start_token_id", 0)  # noqa: B010  (its labels shifted right start with 0)
+            return T5ForConditionalGeneration(config)
+    raise ValueError(f"kind must be 'gpt2', 'llama' or 't5', got {kind!r}.")
 
 
 #: The Transformers heads :func:`tiny_classifier` builds: a label per sequence, or per token (``-100`` skipped).

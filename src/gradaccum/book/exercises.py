@@ -550,6 +550,9 @@ def grade_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedb
     """Exercise: all-reduce calls per optimizer step under naive accumulation (DDP, ``buckets`` buckets)."""
     require_k(k)
     require_count(buckets, "buckets")
+    if isinstance(answer, (tuple, list)) and len(answer) == 2:
+        return Feedback(False, f"give one number, the count without no_sync(), not {answer!r}: the count with "
+                               "no_sync() is the second question, for you to check against the solution.")
     return grade_number(
         answer,
         float(k * buckets),
@@ -565,6 +568,9 @@ def grade_allreduce_calls(answer: object, k: int = 8, buckets: int = 3) -> Feedb
                                        "counts gradient all-reduces, one per bucket."),
             (float((k - 1) * buckets), "that is how many no_sync saves; without it each of the K backward passes "
                                        "all-reduces every bucket."),
+            (float(2 + (k - 2) * buckets), "that is the very first step with static_graph=True, whose first two "
+                                           "synchronized backward passes use one bucket; from the second step on "
+                                           "every synchronized backward all-reduces each bucket."),
         ],
         hint="Count synchronized backward passes per step, and messages per backward pass.",
         count=True,
