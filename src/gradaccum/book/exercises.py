@@ -534,8 +534,12 @@ def grade_backoff_steps(answer: object, k: int = 8) -> Feedback:
         0.0,
         mistakes=[
             (float(k - 1), "that is a loop that steps per micro-batch; the recipe steps once per window, and "
-                           "scaler.step skips that step when the accumulated gradient holds an inf."),
+                           "scaler.step skips that step when the accumulated gradient holds an inf."
+                           + (" (Or, if you counted the window's one step: scaler.step finds the inf in the "
+                              "accumulated gradient and skips it.)" if k == 2 else "")),
             (1.0, "scaler.step finds the inf in the accumulated gradient and skips the window's only step."),
+            (float(k), "that is a step per micro-batch with none skipped; the recipe steps once per window, and "
+                       "scaler.step skips that step when the accumulated gradient holds an inf."),
         ],
         atol=0.0,
         hint="How many times does scaler.step run per window, and what does it do after an overflow?",
