@@ -32,9 +32,8 @@ def require_momentum(m: float, allow_zero: bool = False) -> float:
     if m is None:
         raise ValueError(f"momentum=None is BatchNorm's cumulative average, not a momentum; pass a number in {span} "
                          "(PyTorch's default is 0.1).")
-    low_ok = (lambda v: v >= 0.0) if allow_zero else (lambda v: v > 0.0)
-    if not isinstance(m, numbers.Real) or isinstance(m, bool) or math.isnan(m) or not low_ok(float(m)) \
-            or float(m) > 1.0:
+    value = float(m) if isinstance(m, numbers.Real) and not isinstance(m, bool) else math.nan
+    if not 0.0 <= value <= 1.0 or (value == 0.0 and not allow_zero):  # NaN fails the first test
         raise ValueError(f"momentum must be a number in {span}, got {m!r}; PyTorch's default is 0.1.")
     return float(m)
 
