@@ -53,10 +53,8 @@ book: $(SITE_STAMP) ## build the site from the stored outputs into _build/html (
 # in one kernel, and the timing asserts are the ones `make nbval-loaded` checks under load (chapter 5's timing cell
 # never runs beside an eight-process job: conftest.py). Lint runs beside the tests instead of before them (mypy
 # alone takes 1.5 min with no cache).
-# The chapters first: xdist hands out whole files in collection order, so the long notebooks start early and the
-# short unit-test files fill in at the end instead of one worker waiting on a notebook begun last.
 test: $(STAMP) ## every test: lint + types, unit, commands, fresh install, site + browser, strict nbval
-	$(PY) -m pytest chapters tests --nbval --nbval-current-env \
+	$(PY) -m pytest tests chapters --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n 2 --dist loadfile
 
 # The package's tests only: no notebook, no site build, no shown command, no new virtual environment.
