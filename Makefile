@@ -15,7 +15,7 @@ SITE_STAMP := $(VENV)/.site-installed
 # test file) are skipped quietly, as pip skips them.
 COMPILE = -$(PY) -m compileall -q -q -j 0 src $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-.PHONY: help install book test unit lint nbval nbval-loaded outputs budgets gpu-check binder-check student kernel nbgrader clean
+.PHONY: help install book test unit lint nbval nbval-loaded portability outputs budgets gpu-check binder-check student kernel nbgrader clean
 
 # `make help` prints every target with the text after its `##`.
 help: ## this list
@@ -73,6 +73,11 @@ nbval: $(STAMP) ## strict nbval on every chapter only
 # Strict nbval on every chapter with both cores kept busy, three runs in a row: timing asserts must survive load.
 nbval-loaded: $(STAMP) ## strict nbval three times with every core kept busy
 	PY=$(PY) bash scripts/loaded_nbval.sh 3
+
+# Strict nbval on every chapter under two other CPU kernel paths (ATen's generic kernels; an AVX2 processor's
+# ATen, oneDNN and MKL paths): every stored output and assert must hold on them too. .ci/run runs it after make test.
+portability: $(STAMP) ## strict nbval on every chapter under two other CPU kernel paths (generic, AVX2)
+	PY=$(PY) bash scripts/portability.sh
 
 # The only way stored outputs are regenerated: headless execution in place, widget state stored.
 outputs: $(STAMP) ## re-execute every chapter in place and store its outputs

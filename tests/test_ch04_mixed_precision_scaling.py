@@ -500,10 +500,14 @@ def test_review_third_round_scales_in_float32_and_complex_refused():
 def test_the_edge_prediction_is_exact_for_groupnorm_and_an_upper_bound_for_batchnorm(digits):
     """Review: on the CPU an fp16 convolution sums its weight gradient in fp16, so with BatchNorm (whose backward
     brings large terms of opposite sign together) a partial sum overflows where the total fits; the prediction is
-    then one power of two above the measured edge, never below. With GroupNorm it is exact in every run."""
+    then one power of two above the measured edge, never below. With GroupNorm it is exact in every run.
+    PyTorch's own kernel (oneDNN off) sums in fp16 on every CPU; oneDNN's fp16 path, where the processor has one
+    (AVX512-FP16, AMX), may sum in fp32, and then the prediction can be exact in every run: never below, either way."""
     assert ch4.edge_prediction_gaps(digits, "group", seeds=range(4)) == [0] * 12
-    gaps = ch4.edge_prediction_gaps(digits, "batch", seeds=range(4))
+    with torch.backends.mkldnn.flags(enabled=False, allow_tf32=None):
+        gaps = ch4.edge_prediction_gaps(digits, "batch", seeds=range(4))
     assert set(gaps) <= {0, 1} and gaps.count(1) >= 4
+    assert set(ch4.edge_prediction_gaps(digits, "batch", seeds=range(2))) <= {0, 1}
     with pytest.raises(ValueError, match="power of two"):
         ch4.edge_prediction_gaps(digits, "group", seeds=[0], k=3)
 

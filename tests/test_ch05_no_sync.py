@@ -1,6 +1,7 @@
 import multiprocessing
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -262,6 +263,24 @@ def test_launcher_reports_the_root_cause_first(world_size):
     with pytest.raises(ch5.WorkerFailed) as info:
         ch5.launch("crash", world_size=world_size, crash_rank=1, how="exit")
     assert str(info.value).splitlines()[1] == "rank 1: process exited with exit code 3"
+
+
+def test_the_raising_rank_is_reported_first_while_both_cores_are_busy():
+    """Chapter 5 prints the report's first two lines. A raising rank used to destroy its process group before its
+    error was written, so under load the peer's lost connection could come first (and torch then stopped the
+    raising rank before it wrote anything): the stored output must not depend on which process reports first."""
+    parallel.shutdown()
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for _ in range(3):
+            with pytest.raises(ch5.WorkerFailed) as info:
+                ch5.launch("crash", world_size=2, crash_rank=1, how="raise")
+            assert str(info.value).splitlines()[1] == "rank 1: RuntimeError: rank 1 failed on purpose"
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert not multiprocessing.active_children()
 
 
 def test_launcher_reports_a_bad_shard_first(digits):

@@ -176,9 +176,9 @@ RUNS = {
         "on a one-cell notebook in a temporary folder (make outputs / make budgets run it on every chapter)",
     ),
     "gpu-check": Run(
-        ("GRADACCUM_DEVICE=cuda python scripts/gpu_check.py [NOTEBOOK ...]",),
-        ("{py}", "scripts/gpu_check.py", "{tmp}/tiny.ipynb"),
-        r"tiny\.ipynb\s+pass",
+        ("GRADACCUM_DEVICE=cuda python scripts/gpu_check.py [--show-diffs] [NOTEBOOK ...]",),
+        ("{py}", "scripts/gpu_check.py", "--show-diffs", "{tmp}/tiny.ipynb"),
+        r"tiny\.ipynb\s+pass\s+[\d.]+\s+1\s+0\s+0",
         "on a one-cell notebook; without CUDA, GRADACCUM_DEVICE=cpu (the script keeps a value that is set)",
         env={"GRADACCUM_DEVICE": "{device}"},
     ),
@@ -226,6 +226,8 @@ MAKE_TARGETS = {
     "nbval": "the strict-nbval half of `make test`",
     "nbval-loaded": "strict nbval (part of `make test`) three times over with both cores kept busy: a stress run "
     "of existing tests, not a behaviour of its own",
+    "portability": "strict nbval (part of `make test`) again under two other CPU kernel paths; .ci/run runs it "
+    "after `make test`, and the kernel paths it chooses are environment variables read at process start",
     "outputs": "scripts/execute_notebooks.py over every chapter: the script runs here (execute-notebooks); every "
     "chapter's execution is what strict nbval checks",
     "budgets": "scripts/execute_notebooks.py --check (execute-notebooks without writing) over every chapter",
@@ -256,6 +258,7 @@ NOT_RUN = {
     "make binder-check": "creates a fresh virtual environment and downloads torch from PyPI into it (network, "
     "minutes): run by hand before publishing the Binder link",
     "bash scripts/loaded_nbval.sh [RUNS] [NOTEBOOK ...]": "what `make nbval-loaded` runs (see MAKE_TARGETS)",
+    "bash scripts/portability.sh [NOTEBOOK ...]": "what `make portability` runs (see MAKE_TARGETS)",
 }
 
 
@@ -299,15 +302,17 @@ def test_coverage_lists_are_not_stale():
                                              or whole or command in templates), test
 
 
-def _tiny_notebook(path: Path) -> None:
+def _tiny_notebook(path: Path, stored: str | None = None) -> None:
+    """One code cell, ``x = 6 * 7; x``; with ``stored``, that text is its stored output (as after one run)."""
+    outputs = [{"output_type": "execute_result", "execution_count": 1, "metadata": {}, "data": {"text/plain": stored}}]
     nb = {
         "cells": [
             {
                 "cell_type": "code",
-                "execution_count": None,
+                "execution_count": 1 if stored is not None else None,
                 "id": "c0",
                 "metadata": {},
-                "outputs": [],
+                "outputs": outputs if stored is not None else [],
                 "source": ["x = 6 * 7\n", "x"],
             }
         ],
@@ -333,7 +338,8 @@ def test_shown_command_runs(name, tmp_path):
         "def make():\n    d = load_digits_split()\n"
         "    return make_cnn('group'), torch.nn.CrossEntropyLoss(), d.x_train[:32], d.y_train[:32]\n"
     )
-    _tiny_notebook(tmp_path / "tiny.ipynb")
+    # gpu_check compares with the stored output: the notebook holds the one a run stores
+    _tiny_notebook(tmp_path / "tiny.ipynb", stored="42" if name == "gpu-check" else None)
     import torch
 
     fill = {

@@ -160,3 +160,10 @@ def plot_accumulation_error(ks: Sequence[int], errors: dict[str, Sequence[float]
     decorate(ax, "micro-batches K", "relative error of the sum", "Summing bf16 micro-gradients",
              xscale="log", yscale="log", xticks=ks)
     return fig
+
+
+def rounded_error(error: float) -> str:
+    """A relative error as the chapter prints it: one significant digit below 1% (there the CPU's own fp16 or bf16
+    kernels move the second digit: another summation order rounds differently), two decimals from 1% up (the size
+    of a mistake, which no kernel moves)."""
+    return f"{error:.0e}" if error < 0.01 else f"{error:.2f}"

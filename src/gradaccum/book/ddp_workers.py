@@ -63,12 +63,13 @@ def _entry(rank: int, world_size: int, port: int, task: str, kwargs: dict[str, A
     backend = "nccl" if kwargs.get("backend") == "nccl" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=kwargs.get("pg_timeout", 30)))
-    try:
-        task_kwargs = {k: v for k, v in kwargs.items() if k not in ("backend", "pg_timeout")}
-        result = TASKS[task](rank, world_size, **task_kwargs)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    task_kwargs = {k: v for k, v in kwargs.items() if k not in ("backend", "pg_timeout")}
+    # No `finally`: a rank that raises keeps its connections open until its error is written and the process
+    # exits, so its peers lose the connection only after the root cause is on record (destroying the group first
+    # let a peer's "connection reset" arrive, and the launcher stop the failing rank, before its own report).
+    result = TASKS[task](rank, world_size, **task_kwargs)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
 
 
 def start_method() -> str:
