@@ -26,7 +26,11 @@ const tooWide = [...document.querySelectorAll('main *')].filter(e => {
     return r.width > 0 && r.right > document.documentElement.clientWidth + 1 && !e.closest('.highlight, pre, '
         + '.table-wrapper, .pst-scrollable-table-container, .output, .cell_output, mjx-container, .MathJax');
 }).map(e => e.tagName + '.' + [...e.classList].join('.') + ': ' + (e.textContent || '').slice(0, 60));
+// printed output must wrap inside the column (a cut-off line is unreadable on the static page)
+const cutOutput = [...document.querySelectorAll('.cell_output .output pre')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => (e.textContent || '').slice(0, 60));
 return {
+    cutOutput: cutOutput.slice(0, 5),
     text: document.body.innerText,
     widgets: widgets.map(w => w.getBoundingClientRect().height),
     widgetErrors: [...document.querySelectorAll('.jupyter-widgets-error, .widget-error')].length,
@@ -50,6 +54,7 @@ class PageReport:
     formulas: int = 0
     overflow_px: int = 0
     too_wide: list[str] = field(default_factory=list)
+    cut_output: list[str] = field(default_factory=list)  # printed output wider than its box (it must wrap)
     links: list[str] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
     explorers: list[dict] = field(default_factory=list)
@@ -148,6 +153,7 @@ def inspect_page(driver, url: str, path: str, screenshot: Path | None = None) ->
     report.formulas = data["mathjax"]
     report.overflow_px = max(0, data["scrollWidth"] - data["clientWidth"])
     report.too_wide = data["tooWide"]
+    report.cut_output = data["cutOutput"]
     report.links = data["links"]
     report.ids = data["ids"]
     report.explorers = move_every_control(driver)

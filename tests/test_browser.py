@@ -88,6 +88,13 @@ def test_nothing_is_wider_than_the_screen(reports):
     assert not wide, f"{width}: the page scrolls sideways: {wide}"
 
 
+def test_printed_output_wraps_inside_the_column(reports):
+    """A checker's evidence line or a wide printout wraps; it is not cut off at the edge of its box."""
+    width, out, _ = reports
+    cut = {p: r.cut_output[:3] for p, r in out.items() if r.cut_output}
+    assert not cut, f"{width}: printed output wider than the column: {cut}"
+
+
 def test_internal_links_and_anchors_resolve(reports):
     _, out, base = reports
     ids = {p: set(r.ids) for p, r in out.items()}

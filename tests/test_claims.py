@@ -1,5 +1,6 @@
 """How the book makes claims (issue: errata): every number an exercise solution states is recomputed by a named
-unit test; no assert compares a thing with itself; the errata page lists every correction and stays."""
+unit test; no assert compares a thing with itself; the Corrections page (errata.md) gives every correction in one
+line, and the full record of how each was found stays in CHANGELOG.md, outside the site."""
 
 import ast
 import re
@@ -81,12 +82,63 @@ def test_no_assert_compares_a_thing_with_itself(stem):
             )
 
 
-def test_errata_page_lists_the_corrections():
+#: The reader's Corrections page: at most this many words (counted as below).
+CORRECTIONS_MAX_WORDS = 2000
+
+#: Review-round bookkeeping that belongs in CHANGELOG.md, not on the reader's page.
+_BOOKKEEPING = re.compile(
+    r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(?:st|nd|rd|th))"
+    r"\s+(?:reviews?|rounds?)\b"
+    r"|\breview\s+rounds?\b|\brounds?\s+of\s+reviews?\b|\bentr(?:y|ies)\s+\d",
+    re.I,
+)
+
+
+def _sections(text: str) -> dict[str, str]:
+    """The page's ``## `` groups: heading → body."""
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def _items(text: str) -> list[str]:
+    """Each top-level bullet with its indented continuation lines, joined."""
+    found = re.findall(r"^- .*(?:\n  .*)*", text, flags=re.M)
+    return [" ".join(line.strip() for line in item.splitlines()) for item in found]
+
+
+def test_errata_page_is_a_readers_corrections_page():
+    """errata.md is the reader's Corrections page: short, one line per correction (what was said → what is true),
+    grouped by chapter; no test names and no review rounds (those are in CHANGELOG.md, which the site leaves out)."""
     text = (ROOT / "errata.md").read_text()
-    entries = re.findall(r"^### ", text, flags=re.M)
-    assert len(entries) >= 17
-    for heading in ("## Wrong", "## Misleading"):
-        assert heading in text
-    assert text.count("**Said") >= 15 and text.count("**True") >= 15, "each entry: what was said, what is true"
-    assert "errata" in (ROOT / "_toc.yml").read_text()
+    assert text.startswith("# Corrections\n")
+    words = len(re.findall(r"[A-Za-z0-9']+", text))
+    assert words <= CORRECTIONS_MAX_WORDS, f"the Corrections page has {words} words (at most {CORRECTIONS_MAX_WORDS})"
+    sections = _sections(text)
+    for n in range(1, 9):
+        heading = f"Chapter {n}"
+        assert heading in sections, f"no '## {heading}' group"
+        assert _items(sections[heading]), f"'## {heading}' lists no correction"
+        assert f"{{doc}}`chapters/0{n}_" in sections[heading], f"'## {heading}' does not link its chapter"
+    items = _items(text)
+    assert len(items) >= 8 * 3, "one line per correction: far fewer than the corrections made"
+    for item in items:
+        assert "→" in item, f"a correction line says what was said → what is true: {item[:80]}"
+    assert "test_" not in text, "the reader's page names no test (CHANGELOG.md has them)"
+    found = _BOOKKEEPING.search(text)
+    assert found is None, f"review-round bookkeeping on the reader's page: {found.group(0)!r}"
     assert not re.search(r"HELPER_|NITS\b|EXACT_DETAILS", text), "unfinished placeholders"
+    toc = (ROOT / "_toc.yml").read_text()
+    assert re.search(r"^\s*- file: errata\s*$", toc, flags=re.M) and "CHANGELOG" not in toc
+
+
+def test_changelog_keeps_the_full_record_outside_the_site():
+    changelog = ROOT / "CHANGELOG.md"
+    assert changelog.exists(), "the full record of how each correction was found"
+    record = changelog.read_text()
+    assert "How each correction was found" in record and record.count("**Said") >= 15
+    config = (ROOT / "_config.yml").read_text()
+    patterns = re.search(r"^exclude_patterns:\s*\[(.*)\]\s*$", config, flags=re.M)
+    assert patterns is not None, "_config.yml has no one-line exclude_patterns list"
+    assert "CHANGELOG.md" in [p.strip().strip("\"'") for p in patterns.group(1).split(",")], (
+        "the site must not build CHANGELOG.md: add it to exclude_patterns"
+    )

@@ -171,8 +171,8 @@ def effective_momentum(m: float, k: int) -> float:
 
 
 def corrected_momentum(m: float, k: int) -> float:
-    r"""Per-micro-batch momentum :math:`m' = 1-(1-m)^{1/K}` whose K updates decay the old value as one update
-    with momentum m does (about m/K for small m)."""
+    """Per-micro-batch momentum m' = 1 − (1 − m)^(1/K), whose K updates decay the old value as one update with
+    momentum m does (about m/K for small m)."""
     m = require_momentum(m, allow_zero=True)
     require_k(k)
     return -math.expm1(math.log1p(-m) / k) if m < 1 else 1.0  # 1 − (1 − m)^(1/K) without cancellation

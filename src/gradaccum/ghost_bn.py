@@ -85,12 +85,11 @@ def _fold(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
 
 def _group(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor, v: int,
            eps: float) -> _Result:
-    r"""Ghost batch :math:`g`'s channel :math:`c` made one group of torch's GroupNorm kernel: the input copied
-    to the (G, C, v·P) layout (P positions per channel), one ``native_group_norm`` call with C groups of one
-    channel each (its per-channel affine is BatchNorm's), the output copied back. The kernel returns each group's
-    mean and :math:`r = 1/\sqrt{\hat\sigma^2+\epsilon}`; the variance is :math:`r^{-2}-\epsilon` (exact to the
-    rounding of :math:`\hat\sigma^2+\epsilon`, what evaluation uses), times m/(m−1), m = v·P. Groups far
-    from zero are shifted first (:data:`_FAR`)."""
+    """Ghost batch g's channel c made one group of torch's GroupNorm kernel: the input copied to the (G, C, v·P)
+    layout (P positions per channel), one ``native_group_norm`` call with C groups of one channel each (its
+    per-channel affine is BatchNorm's), the output copied back. The kernel returns each group's mean and
+    r = 1/√(σ̂² + ε); the variance is r⁻² − ε (exact to the rounding of σ̂² + ε, what evaluation uses), times
+    m/(m − 1), m = v·P. Groups far from zero are shifted first (``_FAR``)."""
     g, c = x.shape[0] // v, x.shape[1]
     if weight is None and x.dtype != stats_like.dtype:  # float32 parameters: GroupNorm's statistics in float32
         weight, bias = stats_like.new_ones(c), stats_like.new_zeros(c)

@@ -514,9 +514,9 @@ def scaled_window_grads(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
     ``scaler.scale(loss)`` does), before any unscaling; on a copy of ``model`` (float32 parameters).
 
     The copy runs in the mode ``model`` is in. ``divide="loss"``: each micro-batch's backward pass starts from
-    :math:`\tfrac{S}{K}L`; ``"grads"``: from :math:`S\,L`. Since multiplying by a power of two is exact until
-    something overflows or underflows, ``divide="loss"`` at :math:`S` gives bitwise the same ``.grad`` as
-    ``divide="grads"`` at :math:`S/K` when K is a power of two: only :math:`S/K` reaches the backward pass.
+    (S/K)·L; ``"grads"``: from S·L. Since multiplying by a power of two is exact until something overflows or
+    underflows, ``divide="loss"`` at S gives bitwise the same ``.grad`` as ``divide="grads"`` at S/K when K is a
+    power of two: only S/K reaches the backward pass.
     """
     require_k(k)
     _require_scale(scale)

@@ -186,7 +186,7 @@ def format_placement_table(table: dict[int, dict[str, tuple[float, float]]], siz
     rows = [[k, f"{row['agreement'][0]:.3f}"] + [f"{row[p][i]:.3f}" for p in PLACEMENTS for i in (0, 1)]
             for k, row in table.items()]
     return Table(["K", "agreement"] + [f"{size}/c", "cos"] * len(PLACEMENTS), rows,
-                 groups=[("", 2)] + [(p, 2) for p in PLACEMENTS])
+                 groups=[("", 2)] + [(LABELS[p].split(" ")[0], 2) for p in PLACEMENTS])  # (c), (a1), (a2), (b)
 
 
 @dataclass(frozen=True)

@@ -182,14 +182,17 @@ def plot_prediction(params_millions: float, k: int, p: int, preset: str, micro_c
         raise ValueError(f"NVLink connects the GPUs of one node (up to 8 here); {p} GPUs span several nodes and "
                          "talk over the network: pick p ≤ 8, or InfiniBand or Ethernet.")
     pred = predict_step(int(params_millions * 1e6), k, p, PRESETS[preset], micro_compute_ms / 1e3, bytes_per_param=4)
-    fig, (ax,) = figure(1, 7.2, 2.8)
+    fig, (ax,) = figure(1, 7.2, 3.2)
     names = ["all-reduce every micro-batch", "no_sync (one all-reduce)"]
     comm = [pred.with_sync - pred.compute, pred.with_no_sync - pred.compute]
     ax.barh(names, [1e3 * pred.compute] * 2, color=PALETTE["sky"], label="compute")
     ax.barh(names, [1e3 * c for c in comm], left=[1e3 * pred.compute] * 2, color=PALETTE["vermillion"],
             label="communication")
+    # the title on two lines (one did not fit the figure), the legend below the axes (it covered the bars)
     decorate(ax, "predicted time per optimizer step (ms)", "",
-             f"{params_millions:g}M fp32 gradients, {p} GPUs, {preset}: saves {pred.saving / pred.with_sync:.0%}")
+             f"{params_millions:g}M fp32 gradients, {p} GPUs, {preset}\n"
+             f"no_sync saves {pred.saving / pred.with_sync:.0%} of the step", legend=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
     return fig
 
 

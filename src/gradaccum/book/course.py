@@ -34,8 +34,8 @@ BOOK_FILES = ("_config.yml", "_toc.yml", "intro.md", "references.md", "reference
 #: Pages of the book that would give away exercise answers, replaced by a short note in the student edition
 #: (every other page in the table of contents is copied as it is).
 STUDENT_STUBS: dict[str, str] = {
-    "errata": "# Errata\n\nThe book's corrections are listed in the full edition: several of them concern exercise "
-              "solutions, so they are published together with the solutions.\n",
+    "errata": "# Corrections\n\nThe book's corrections are listed in the full edition: several of them concern "
+              "exercise solutions, so they are published together with the solutions.\n",
 }
 
 

@@ -43,7 +43,10 @@ class Feedback:
     __repr__ = __str__
 
 
-NO_ANSWER = "no answer yet: assign your answer to `answer` and run this cell again."
+#: What a checker says before an answer is given: the same words on the static page (where a reader opens a running
+#: copy with the rocket button) and in a notebook.
+NO_ANSWER = ("no answer yet: in a running notebook (the rocket button above opens one), assign your answer to "
+             "`answer` and run this cell.")
 
 
 def round_significant(x: float, digits: int) -> float:

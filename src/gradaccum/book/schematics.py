@@ -1,0 +1,229 @@
+"""Each chapter's opening picture: *when* things happen across the K micro-batches of one optimizer step.
+
+A schematic is a table of lanes. Each lane is one way to run the step (a wrong one, the right one), read left to
+right as time: a forward (``F``) and a backward (``B``) box per micro-batch, and between them the events the chapter
+is about (where BatchNorm takes its statistics, where the clip, ``unscale_``, the scaler's update, the all-reduce
+and the optimizer step fall). A new chapter or case is a new row in :data:`SCHEMATICS`, not new drawing code.
+
+Tokens of a lane, separated by spaces:
+
+``F3`` / ``B3``
+    forward / backward of micro-batch 3;
+``P:one~pass~over~all~K``
+    a pass over the whole batch (``~`` is a space);
+``!label`` / ``+label`` / ``.label``
+    an event: wrong here / right here / neutral (``~`` is a space);
+``S``
+    the optimizer step.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from dataclasses import dataclass
+from typing import Literal
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyBboxPatch
+
+from gradaccum.book.plotting import PALETTE
+
+Verdict = Literal["wrong", "right", ""]
+
+_TITLE_SPACE = 7.0  # x units left of time 0 for the lanes' titles
+_WIDTH = {"F": 1.0, "B": 1.4, "S": 1.0, "event": 0.5}
+_EVENT_COLOR = {"!": PALETTE["vermillion"], "+": PALETTE["green"], ".": PALETTE["blue"]}
+_TOKEN = re.compile(r"^(?:[FB]\d+|P:\S+|[!+.]\S+|S)$")
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One way to run the step: a title, whether it is wrong or right, and its tokens (see the module)."""
+
+    title: str
+    verdict: Verdict
+    tokens: str
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.tokens.split() if not _TOKEN.match(t)]
+        if bad:
+            raise ValueError(
+                f"lane {self.title!r}: unknown tokens {bad}; use F<k>, B<k>, P:<label>, !<label>, "
+                f"+<label>, .<label> or S."
+            )
+        if self.verdict not in ("wrong", "right", ""):
+            raise ValueError(f"verdict must be 'wrong', 'right' or '', got {self.verdict!r}.")
+
+
+@dataclass(frozen=True)
+class Schematic:
+    """A chapter's picture: its title, K, and its lanes (top to bottom)."""
+
+    title: str
+    lanes: tuple[Lane, ...]
+
+
+def _window(k: int, between: str = "", last: str = "", after_forward: str = "") -> str:
+    """The tokens of K micro-batches: ``F k [after_forward] B k [between]`` for each, ``last`` after the K-th."""
+    parts = []
+    for i in range(1, k + 1):
+        parts += [f"F{i}", after_forward, f"B{i}", between if i < k else last]
+    return " ".join(p for p in parts if p)
+
+
+#: Every chapter's schematic, K = 4 micro-batches.
+SCHEMATICS: dict[str, Schematic] = {
+    "01_microbatch_statistics": Schematic(
+        "BatchNorm's statistics: from each micro-batch, or from the whole batch",
+        (
+            Lane("accumulate K micro-batches", "wrong", _window(4, after_forward="!stats~of~b", last="S")),
+            Lane("one pass over the batch", "right", "P:forward~of~K·b +stats~of~K·b P:backward S"),
+        ),
+    ),
+    "02_ghost_batchnorm": Schematic(
+        "Full-batch statistics inside an accumulated step",
+        (
+            Lane("plain accumulation (Ghost BN, v = b)", "", _window(4, after_forward=".stats~of~b", last="S")),
+            Lane(
+                "full-batch statistics as constants",
+                "wrong",
+                "P:statistics~pass " + _window(4, after_forward="!held~constant", last="S"),
+            ),
+            Lane("exact scheme", "right", "P:statistics~pass " + _window(4, last="P:gradient~corrections S")),
+            Lane("PreciseBN, after training", "", "P:recompute~running~statistics~once"),
+        ),
+    ),
+    "03_clip_ordering": Schematic(
+        "Where the clip goes",
+        (
+            Lane("clip inside the loop", "wrong", _window(4, between="!clip", last="!clip S")),
+            Lane("clip once", "right", _window(4, last="+clip S")),
+        ),
+    ),
+    "04_mixed_precision_scaling": Schematic(
+        "One loss scale S per window; unscale_, clip, step and update once",
+        (
+            Lane("update per micro-batch", "wrong", _window(4, between="!unscale_,~update", last="S")),
+            Lane("the recipe", "right", _window(4, last="+unscale_ .clip S +update")),
+        ),
+    ),
+    "05_no_sync": Schematic(
+        "Communicate once per optimizer step",
+        (
+            Lane(
+                "without no_sync(): right, K all-reduces", "", _window(4, between=".all-reduce", last=".all-reduce S")
+            ),
+            Lane("K-th forward inside no_sync()", "wrong", _window(4, last="!no~all-reduce S")),
+            Lane("no_sync() for the first K − 1", "right", _window(4, last="+all-reduce S")),
+        ),
+    ),
+    "06_loss_normalization_and_friends": Schematic(
+        "Divide by what the whole window holds; count steps in windows",
+        (
+            Lane(
+                "mean per micro-batch, scheduler per micro-batch",
+                "wrong",
+                _window(4, after_forward="!÷~own~tokens", between="!sched.step", last="S !sched.step"),
+            ),
+            Lane(
+                "sum ÷ tokens in the window", "right", _window(4, after_forward="+÷~N~(window)", last="S +sched.step")
+            ),
+        ),
+    ),
+    "07_frameworks": Schematic(
+        "What a framework's accumulation must do, and where it can differ",
+        (
+            Lane("hand loop, step every micro-batch", "wrong", _window(4, between="!step", last="S")),
+            Lane("framework: loss ÷ K, sync and step at the boundary", "right", _window(4, last="+sync S .scheduler")),
+        ),
+    ),
+    "08_beyond_batchnorm": Schematic(
+        "Losses that couple samples: in-batch negatives",
+        (
+            Lane("plain accumulation", "wrong", _window(4, after_forward="!negatives~of~b", last="S")),
+            Lane("GradCache", "right", "P:embed~all~K·b~(no~grad) +loss~over~K·b " + _window(4, last="S")),
+        ),
+    ),
+}
+
+
+def _box(ax, x: float, y: float, w: float, label: str, color: str, text_color: str = "black") -> None:
+    ax.add_patch(
+        FancyBboxPatch(
+            (x + 0.04, y - 0.28),
+            w - 0.08,
+            0.56,
+            boxstyle="round,pad=0,rounding_size=0.08",
+            facecolor=color,
+            edgecolor="black",
+            linewidth=0.6,
+        )
+    )
+    ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=8, color=text_color)
+
+
+def layout(lane: Lane) -> list[tuple[str, float, float, str]]:
+    """Where each token of a lane goes: (kind, x, width, label), kind one of F, B, P, S, !, +, ."""
+    x, placed = 0.0, []
+    for token in lane.tokens.split():
+        if token[0] in "FB" and token[1:].isdigit():
+            kind, label, width = token[0], token, _WIDTH[token[0]]
+        elif token.startswith("P:"):
+            label = token[2:].replace("~", " ")
+            kind, width = "P", max(2.5, 0.15 * len(label))
+        elif token == "S":
+            kind, label, width = "S", "step", _WIDTH["S"]
+        else:
+            kind, label, width = token[0], token[1:].replace("~", " "), _WIDTH["event"]
+        placed.append((kind, x, width, label))
+        x += width
+    return placed
+
+
+def draw(chapter: str) -> Figure:
+    """The chapter's schematic as a figure (fixed size): one row per lane, time to the right."""
+    if chapter not in SCHEMATICS:
+        raise ValueError(f"no schematic for {chapter!r}; choose one of {sorted(SCHEMATICS)}.")
+    spec = SCHEMATICS[chapter]
+    rows = len(spec.lanes)
+    fig, ax = plt.subplots(figsize=(11.0, 0.5 + 1.25 * rows), layout="constrained")
+    longest = 0.0
+    for r, lane in enumerate(spec.lanes):
+        y = -1.25 * r
+        mark = {"wrong": "✗ ", "right": "✓ ", "": ""}[lane.verdict]
+        color = {"wrong": PALETTE["vermillion"], "right": PALETTE["green"], "": "black"}[lane.verdict]
+        title = "\n".join(textwrap.wrap(mark + lane.title, 38))
+        ax.text(-0.3, y, title, ha="right", va="center", fontsize=9, color=color)
+        high = False
+        for kind, x, w, label in layout(lane):
+            if kind == "F":
+                _box(ax, x, y, w, label, "#DDEEFF")
+            elif kind == "B":
+                _box(ax, x, y, w, label, "#A9CCE3")
+            elif kind == "P":
+                _box(ax, x, y, w, label, "#EEEEEE")
+            elif kind == "S":
+                _box(ax, x, y, w, label, PALETTE["black"], "white")
+            else:
+                ev = _EVENT_COLOR[kind]
+                ax.plot([x + w / 2] * 2, [y - 0.34, y + 0.34], color=ev, linewidth=2.2)
+                ax.plot(x + w / 2, y + 0.34, marker="v", color=ev, markersize=6)
+                ax.text(
+                    x + w / 2, y + (0.62 if high else 0.45), label, ha="center", va="bottom", fontsize=7.5, color=ev
+                )
+                high = not high
+            longest = max(longest, x + w)
+    ax.annotate(
+        "",
+        xy=(longest, -1.25 * rows + 0.55),
+        xytext=(0, -1.25 * rows + 0.55),
+        arrowprops=dict(arrowstyle="->", color="grey"),
+    )
+    ax.text(longest, -1.25 * rows + 0.45, "time, one optimizer step", ha="right", va="top", fontsize=8, color="grey")
+    ax.set_xlim(-_TITLE_SPACE, longest + 0.2)
+    ax.set_ylim(-1.25 * rows + 0.3, 1.0)
+    ax.set_axis_off()
+    ax.set_title(spec.title, fontsize=10, loc="left")
+    return fig
