@@ -11,11 +11,14 @@ from gradaccum.book import schematics
 matplotlib.use("Agg")
 
 
-def test_every_chapter_has_a_schematic_with_a_wrong_and_a_right_way():
+def test_every_chapter_has_a_schematic_that_contrasts_ways_to_run_the_step():
+    """Two lanes at least; a lane marked wrong comes with one marked right (chapter 1 contrasts two runs, neither a
+    bug: accumulation with BatchNorm trains at batch size b, one pass at K·b)."""
     assert set(schematics.SCHEMATICS) == set(CHAPTERS)
     for stem, spec in schematics.SCHEMATICS.items():
         verdicts = [lane.verdict for lane in spec.lanes]
-        assert "wrong" in verdicts and "right" in verdicts, stem
+        assert len(spec.lanes) >= 2 and len({lane.tokens for lane in spec.lanes}) == len(spec.lanes), stem
+        assert "right" in verdicts or "wrong" not in verdicts, stem
 
 
 @pytest.mark.parametrize("stem", sorted(schematics.SCHEMATICS))

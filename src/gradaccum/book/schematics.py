@@ -14,7 +14,9 @@ Tokens of a lane, separated by spaces:
 ``!label`` / ``+label`` / ``.label``
     an event: wrong here / right here / neutral (``~`` is a space);
 ``S``
-    the optimizer step.
+    the optimizer step;
+``[label`` … ``]``
+    a span of the lane shaded and labelled below (for example what runs inside ``no_sync()``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ Verdict = Literal["wrong", "right", ""]
 _TITLE_SPACE = 7.0  # x units left of time 0 for the lanes' titles
 _WIDTH = {"F": 1.0, "B": 1.4, "S": 1.0, "event": 0.5}
 _EVENT_COLOR = {"!": PALETTE["vermillion"], "+": PALETTE["green"], ".": PALETTE["blue"]}
-_TOKEN = re.compile(r"^(?:[FB]\d+|P:\S+|[!+.]\S+|S)$")
+_TOKEN = re.compile(r"^(?:[FB]\d+|P:\S+|[!+.]\S+|S|\[\S+|\])$")
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,16 @@ SCHEMATICS: dict[str, Schematic] = {
     "01_microbatch_statistics": Schematic(
         "BatchNorm's statistics: from each micro-batch, or from the whole batch",
         (
-            Lane("accumulate K micro-batches", "wrong", _window(4, after_forward="!stats~of~b", last="S")),
-            Lane("one pass over the batch", "right", "P:forward~of~K·b +stats~of~K·b P:backward S"),
+            Lane(
+                "accumulate K micro-batches: trains at batch size b",
+                "",
+                _window(4, after_forward=".stats~of~b,~running~update", last="S"),
+            ),
+            Lane(
+                "one pass: trains at batch size K·b",
+                "",
+                "P:forward~of~K·b .stats~of~K·b,~one~running~update P:backward S",
+            ),
         ),
     ),
     "02_ghost_batchnorm": Schematic(
@@ -91,7 +101,11 @@ SCHEMATICS: dict[str, Schematic] = {
                 "wrong",
                 "P:statistics~pass " + _window(4, after_forward="!held~constant", last="S"),
             ),
-            Lane("exact scheme", "right", "P:statistics~pass " + _window(4, last="P:gradient~corrections S")),
+            Lane(
+                "exact scheme",
+                "right",
+                "P:statistics~pass,~layer~by~layer " + _window(4, last="P:L~correction~sweeps S"),
+            ),
             Lane("PreciseBN, after training", "", "P:recompute~running~statistics~once"),
         ),
     ),
@@ -105,7 +119,9 @@ SCHEMATICS: dict[str, Schematic] = {
     "04_mixed_precision_scaling": Schematic(
         "One loss scale S per window; unscale_, clip, step and update once",
         (
-            Lane("update per micro-batch", "wrong", _window(4, between="!unscale_,~update", last="S")),
+            Lane(
+                "update per micro-batch", "wrong", _window(4, between="!unscale_,~update", last="!unscale_,~update S")
+            ),
             Lane("the recipe", "right", _window(4, last="+unscale_ .clip S +update")),
         ),
     ),
@@ -113,10 +129,14 @@ SCHEMATICS: dict[str, Schematic] = {
         "Communicate once per optimizer step",
         (
             Lane(
-                "without no_sync(): right, K all-reduces", "", _window(4, between=".all-reduce", last=".all-reduce S")
+                "without no_sync(): K all-reduces (right, slow)",
+                "",
+                _window(4, between=".all-reduce", last=".all-reduce S"),
             ),
-            Lane("K-th forward inside no_sync()", "wrong", _window(4, last="!no~all-reduce S")),
-            Lane("no_sync() for the first K − 1", "right", _window(4, last="+all-reduce S")),
+            Lane(
+                "K-th forward inside no_sync()", "wrong", "[inside~no_sync() F1 B1 F2 B2 F3 B3 F4 ] B4 !no~all-reduce S"
+            ),
+            Lane("no_sync() for the first K − 1", "right", "[inside~no_sync() F1 B1 F2 B2 F3 B3 ] F4 B4 +all-reduce S"),
         ),
     ),
     "06_loss_normalization_and_friends": Schematic(
@@ -125,7 +145,7 @@ SCHEMATICS: dict[str, Schematic] = {
             Lane(
                 "mean per micro-batch, scheduler per micro-batch",
                 "wrong",
-                _window(4, after_forward="!÷~own~tokens", between="!sched.step", last="S !sched.step"),
+                _window(4, after_forward="!÷~own~tokens~and~K", between="!sched.step", last="S !sched.step"),
             ),
             Lane(
                 "sum ÷ tokens in the window", "right", _window(4, after_forward="+÷~N~(window)", last="S +sched.step")
@@ -133,10 +153,14 @@ SCHEMATICS: dict[str, Schematic] = {
         ),
     ),
     "07_frameworks": Schematic(
-        "What a framework's accumulation must do, and where it can differ",
+        "What every framework's accumulation does at its core",
         (
-            Lane("hand loop, step every micro-batch", "wrong", _window(4, between="!step", last="S")),
-            Lane("framework: loss ÷ K, sync and step at the boundary", "right", _window(4, last="+sync S .scheduler")),
+            Lane("optimizer step after every micro-batch", "wrong", _window(4, between="!step", last="S")),
+            Lane(
+                "the frameworks: loss ÷ K, one sync and one step per window",
+                "right",
+                _window(4, last="+sync S .scheduler"),
+            ),
         ),
     ),
     "08_beyond_batchnorm": Schematic(
@@ -161,7 +185,7 @@ def _box(ax, x: float, y: float, w: float, label: str, color: str, text_color: s
             linewidth=0.6,
         )
     )
-    ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=8, color=text_color)
+    ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=9, color=text_color)
 
 
 def layout(lane: Lane) -> list[tuple[str, float, float, str]]:
@@ -175,6 +199,10 @@ def layout(lane: Lane) -> list[tuple[str, float, float, str]]:
             kind, width = "P", max(2.5, 0.15 * len(label))
         elif token == "S":
             kind, label, width = "S", "step", _WIDTH["S"]
+        elif token.startswith("["):
+            kind, label, width = "[", token[1:].replace("~", " "), 0.0
+        elif token == "]":
+            kind, label, width = "]", "", 0.0
         else:
             kind, label, width = token[0], token[1:].replace("~", " "), _WIDTH["event"]
         placed.append((kind, x, width, label))
@@ -197,8 +225,27 @@ def draw(chapter: str) -> Figure:
         title = "\n".join(textwrap.wrap(mark + lane.title, 38))
         ax.text(-0.3, y, title, ha="right", va="center", fontsize=9, color=color)
         high = False
+        opened: tuple[float, str] | None = None
         for kind, x, w, label in layout(lane):
-            if kind == "F":
+            if kind == "[":
+                opened = (x, label)
+            elif kind == "]" and opened is not None:
+                start, name = opened
+                ax.add_patch(
+                    FancyBboxPatch(
+                        (start, y - 0.42),
+                        x - start,
+                        0.84,
+                        boxstyle="round,pad=0,rounding_size=0.1",
+                        facecolor=PALETTE["yellow"],
+                        alpha=0.35,
+                        edgecolor="none",
+                        zorder=0,
+                    )
+                )
+                ax.text((start + x) / 2, y - 0.47, name, ha="center", va="top", fontsize=7.5, color="#555555")
+                opened = None
+            elif kind == "F":
                 _box(ax, x, y, w, label, "#DDEEFF")
             elif kind == "B":
                 _box(ax, x, y, w, label, "#A9CCE3")
@@ -211,7 +258,7 @@ def draw(chapter: str) -> Figure:
                 ax.plot([x + w / 2] * 2, [y - 0.34, y + 0.34], color=ev, linewidth=2.2)
                 ax.plot(x + w / 2, y + 0.34, marker="v", color=ev, markersize=6)
                 ax.text(
-                    x + w / 2, y + (0.62 if high else 0.45), label, ha="center", va="bottom", fontsize=7.5, color=ev
+                    x + w / 2, y + (0.62 if high else 0.45), label, ha="center", va="bottom", fontsize=8.5, color=ev
                 )
                 high = not high
             longest = max(longest, x + w)
