@@ -140,27 +140,27 @@ SCHEMATICS: dict[str, Schematic] = {
         ),
     ),
     "06_loss_normalization_and_friends": Schematic(
-        "Divide by what the whole window holds; count steps in windows",
+        "One window must compute what one full batch would",
         (
             Lane(
                 "mean per micro-batch, scheduler per micro-batch",
                 "wrong",
                 _window(4, after_forward="!÷~own~tokens~and~K", between="!sched.step", last="S !sched.step"),
             ),
+            Lane("seed re-set before each micro-batch", "wrong", _window(4, between="!same~dropout~masks", last="S")),
             Lane(
-                "sum ÷ tokens in the window", "right", _window(4, after_forward="+÷~N~(window)", last="S +sched.step")
+                "sum ÷ tokens in the window, fresh masks",
+                "right",
+                _window(4, after_forward="+÷~N~(window)", last="S +sched.step"),
             ),
         ),
     ),
     "07_frameworks": Schematic(
-        "What every framework's accumulation does at its core",
+        "Every framework gets the core right; check what is around it",
         (
-            Lane("optimizer step after every micro-batch", "wrong", _window(4, between="!step", last="S")),
-            Lane(
-                "the frameworks: loss ÷ K, one sync and one step per window",
-                "right",
-                _window(4, last="+sync S .scheduler"),
-            ),
+            Lane("the core, every framework", "right", _window(4, last="+sync S")),
+            Lane("Accelerate on p processes", "wrong", _window(4, last="+sync S !scheduler~×~p")),
+            Lane("a last window of k′ < K micro-batches", "wrong", _window(2, last="+sync S !weight~k′/K")),
         ),
     ),
     "08_beyond_batchnorm": Schematic(
@@ -196,7 +196,7 @@ def layout(lane: Lane) -> list[tuple[str, float, float, str]]:
             kind, label, width = token[0], token, _WIDTH[token[0]]
         elif token.startswith("P:"):
             label = token[2:].replace("~", " ")
-            kind, width = "P", max(2.5, 0.15 * len(label))
+            kind, width = "P", max(2.5, 0.17 * len(label))
         elif token == "S":
             kind, label, width = "S", "step", _WIDTH["S"]
         elif token.startswith("["):
