@@ -95,3 +95,15 @@ def test_the_measure_reads_folded_blocks_as_folded():
         layout.load = original
         globals()["load"] = original
     assert "hidden" not in text and "shown words" in text and "Main line" in text
+
+
+@pytest.mark.parametrize("stem", sorted(CHAPTERS))
+def test_every_fenced_directive_opens(stem):
+    """A backtick fence whose title holds a backtick is no fence in CommonMark: the page then shows the raw
+    ```{dropdown} line and leaves its fine print unfolded, without a build warning. Use :::{dropdown} for such
+    titles."""
+    for cell in load(stem)["cells"]:
+        if cell["cell_type"] == "markdown":
+            for line in source(cell).splitlines():
+                m = re.match(r"^\s*`{3,}(.*)$", line)
+                assert not (m and "`" in m.group(1)), f"a fence that will not open: {line[:80]!r}"
