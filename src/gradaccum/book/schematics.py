@@ -147,7 +147,9 @@ SCHEMATICS: dict[str, Schematic] = {
                 "wrong",
                 _window(4, after_forward="!÷~own~tokens~and~K", between="!sched.step", last="S !sched.step"),
             ),
-            Lane("seed re-set before each micro-batch", "wrong", _window(4, between="!same~dropout~masks", last="S")),
+            Lane(
+                "seed re-set before each micro-batch", "wrong", _window(4, between="!masks~repeat~every~step", last="S")
+            ),
             Lane(
                 "sum ÷ tokens in the window, fresh masks",
                 "right",
