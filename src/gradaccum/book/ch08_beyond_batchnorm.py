@@ -275,7 +275,9 @@ def plot_error_widget(x: torch.Tensor, k: int, b: int):
         raise ValueError("b must be at least 2: a micro-batch of one pair has no negative at all (its InfoNCE is 0).")
     plain, cache = accumulation_error(x, k, b)
     fig, (ax,) = figure(1, 6.4, 3.0)
-    ax.bar(["plain accumulation", "GradCache"], [plain, cache], color=[PALETTE["vermillion"], PALETTE["blue"]])
+    bars = ax.bar(["plain accumulation", "GradCache"], [plain, cache], color=[PALETTE["vermillion"], PALETTE["blue"]])
+    # a bar of height 0 (GradCache is exact) is invisible: every bar gets its value written on it
+    ax.bar_label(bars, labels=[f"{plain:.2f}", "0 (exact)" if cache < 1e-12 else f"{cache:.0e}"], padding=2)
     decorate(ax, "", "relative gradient error", f"K = {k}, b = {b}: {b - 1} vs {k * b - 1} negatives per sample")
     return fig
 

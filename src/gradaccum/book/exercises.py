@@ -362,8 +362,8 @@ def grade_exact_sweeps(answer: object, layers: int = 3) -> Feedback:
 
 
 def grade_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
-    """Exercise (Ioffe & Szegedy's example): how much the normalized output moves when a bias b before the
-    normalization changes by ``delta`` and the mean is recomputed, x̂ = u + b − E[u + b]."""
+    """Exercise (Ioffe & Szegedy's example): how much the normalized output moves when a bias c before the
+    normalization changes by ``delta`` and the mean is recomputed, x̂ = u + c − E[u + c]."""
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not math.isfinite(delta) or delta == 0:
         raise ValueError(f"delta (the bias change) must be a finite nonzero number, got {delta!r}.")
     # the answer 0 is checked to an absolute 1e-12: the slip ±delta must lie far outside it to be told apart
@@ -374,8 +374,8 @@ def grade_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
         answer,
         0.0,
         mistakes=[
-            (delta, "the mean E[u + b] moves by the same amount as b, so the two changes cancel."),
-            (-delta, "the mean moves with b, so the change cancels exactly; nothing is left over."),
+            (delta, "the mean E[u + c] moves by the same amount as c, so the two changes cancel."),
+            (-delta, "the mean moves with c, so the change cancels exactly; nothing is left over."),
         ],
         hint="Write x̂ after the update and subtract the old x̂.",
     )

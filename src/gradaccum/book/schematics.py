@@ -104,7 +104,7 @@ SCHEMATICS: dict[str, Schematic] = {
             Lane(
                 "exact scheme",
                 "right",
-                "P:statistics~pass,~layer~by~layer " + _window(4, last="P:L~correction~sweeps S"),
+                "P:statistics~pass,~layer~by~layer " + _window(4, last="P:L~sweeps~through~the~statistics S"),
             ),
             Lane("PreciseBN, after training", "", "P:recompute~running~statistics~once"),
         ),
@@ -148,7 +148,9 @@ SCHEMATICS: dict[str, Schematic] = {
                 _window(4, after_forward="!÷~own~tokens~and~K", between="!sched.step", last="S !sched.step"),
             ),
             Lane(
-                "seed re-set before each micro-batch", "wrong", _window(4, between="!masks~repeat~every~step", last="S")
+                "seed re-set before each micro-batch: the same masks every step",
+                "wrong",
+                " ".join(f"!re-seed F{i} B{i}" for i in range(1, 5)) + " S",
             ),
             Lane(
                 "sum ÷ tokens in the window, fresh masks",
@@ -166,10 +168,20 @@ SCHEMATICS: dict[str, Schematic] = {
         ),
     ),
     "08_beyond_batchnorm": Schematic(
-        "Losses that couple samples: in-batch negatives",
+        "Couplings over the window; state updated once per micro-batch",
         (
-            Lane("plain accumulation", "wrong", _window(4, after_forward="!negatives~of~b", last="S")),
+            Lane("in-batch negatives, plain", "wrong", _window(4, after_forward="!negatives~of~b", last="S")),
             Lane("GradCache", "right", "P:embed~all~K·b~(no~grad) +loss~over~K·b " + _window(4, last="S")),
+            Lane(
+                "checkpointed BatchNorm, plain",
+                "wrong",
+                _window(4, after_forward=".update", between="!rerun~updates~again", last="!rerun~updates~again S"),
+            ),
+            Lane(
+                "checkpointed BatchNorm, frozen on rerun",
+                "right",
+                _window(4, after_forward=".update", between="+rerun~frozen", last="+rerun~frozen S"),
+            ),
         ),
     ),
 }
