@@ -278,6 +278,7 @@ def plot_error_widget(x: torch.Tensor, k: int, b: int):
     bars = ax.bar(["plain accumulation", "GradCache"], [plain, cache], color=[PALETTE["vermillion"], PALETTE["blue"]])
     # a bar of height 0 (GradCache is exact) is invisible: every bar gets its value written on it
     ax.bar_label(bars, labels=[f"{plain:.2f}", "0 (exact)" if cache < 1e-12 else f"{cache:.0e}"], padding=2)
+    ax.margins(y=0.15)  # room above the tallest bar for its label, below the title
     decorate(ax, "", "relative gradient error", f"K = {k}, b = {b}: {b - 1} vs {k * b - 1} negatives per sample")
     return fig
 

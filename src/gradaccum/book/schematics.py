@@ -236,7 +236,7 @@ def draw(chapter: str) -> Figure:
         y = -1.25 * r
         mark = {"wrong": "✗ ", "right": "✓ ", "": ""}[lane.verdict]
         color = {"wrong": PALETTE["vermillion"], "right": PALETTE["green"], "": "black"}[lane.verdict]
-        title = "\n".join(textwrap.wrap(mark + lane.title, 38))
+        title = "\n".join(textwrap.wrap(mark + lane.title, 38, break_on_hyphens=False))
         ax.text(-0.3, y, title, ha="right", va="center", fontsize=9, color=color)
         high = False
         opened: tuple[float, str] | None = None
