@@ -121,7 +121,7 @@ def plot_loss_grid(grid: dict[str, np.ndarray], log2_scales: Sequence[int], ks: 
     for ax, (key, title) in zip(axes, (("lost", "lost to underflow or subnormals"), ("overflow", "overflowed"))):
         image = heatmap(ax, grid[key], [f"2^{s}" for s in log2_scales], ks, fmt="{:.3f}", vmin=0.0, vmax=1.0,
                         xlabel="K (micro-batch size fixed)", ylabel="loss scale S", title=f"fp16: fraction {title}")
-    fig.colorbar(image, ax=axes, shrink=0.9)
+    fig.colorbar(image, ax=axes, shrink=0.9, label="fraction of the gradients")
     return fig
 
 
@@ -157,6 +157,10 @@ def plot_accumulation_error(ks: Sequence[int], errors: dict[str, Sequence[float]
     fig, (ax,) = figure()
     for (name, errs), color, marker in zip(errors.items(), (PALETTE["vermillion"], PALETTE["blue"]), ("o", "s")):
         ax.plot(ks, [max(e, 1e-16) for e in errs], marker=marker, color=color, label=f"{name} accumulator")
+    # a log axis cannot show 0: an exact sum (K = 1, or fp32 here) is drawn at 1e-16, and says so
+    ax.axhline(1e-16, color="grey", linewidth=0.6, linestyle=":")
+    ax.annotate("exactly 0 is drawn here", (ks[0], 1e-16), xytext=(0, 4), textcoords="offset points", fontsize=7,
+                color="grey")
     decorate(ax, "micro-batches K", "relative error of the sum", "Summing bf16 micro-gradients",
              xscale="log", yscale="log", xticks=ks)
     return fig
