@@ -265,7 +265,7 @@ def _draw_lane(ax: Axes, lane: Lane, y: float, longest: float) -> float:
         if kind == "[":
             opened = (x, label)
         elif kind == "]" and opened is not None:
-            _window(ax, opened[0], x, y, opened[1])
+            _shade(ax, opened[0], x, y, opened[1])
             opened = None
         elif kind in _BOX_COLOR:
             _box(ax, x, y, w, label, _BOX_COLOR[kind])
@@ -278,7 +278,7 @@ def _draw_lane(ax: Axes, lane: Lane, y: float, longest: float) -> float:
     return longest
 
 
-def _window(ax: Axes, start: float, x: float, y: float, name: str) -> None:
+def _shade(ax: Axes, start: float, x: float, y: float, name: str) -> None:
     """The shaded span of an accumulation window, from ``start`` to ``x``, named below."""
     ax.add_patch(
         FancyBboxPatch(
