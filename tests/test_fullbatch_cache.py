@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradaccum import fullbatch_bn
+from gradaccum import fullbatch_bn, fullbatch_trace
 from gradaccum.book.models import make_cnn
 
 LOSS = nn.CrossEntropyLoss()
@@ -128,8 +128,8 @@ def test_what_a_pre_hook_on_the_model_sees():
 def test_the_model_is_traced_at_every_call(monkeypatch):
     """A kept trace would bake in values the forward read (see the dict/global test below): one trace per call."""
     traces = []
-    trace = fullbatch_bn._trace
-    monkeypatch.setattr(fullbatch_bn, "_trace", lambda *a: traces.append(1) or trace(*a))
+    trace = fullbatch_trace._trace
+    monkeypatch.setattr(fullbatch_trace, "_trace", lambda *a: traces.append(1) or trace(*a))
     model, (x, y) = make_cnn("batch").train(), _digits()
     for _ in range(3):
         fullbatch_bn.full_batch_stats_backward(model, LOSS, x, y, 4, exact=True, cache=True)

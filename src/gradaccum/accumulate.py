@@ -239,30 +239,12 @@ def train(
     Validation accuracy is reported twice: in eval mode (running statistics, what a deployed model does) and
     in train mode on micro-batches of size b (what the network computed while it was trained).
     """
-    require_k(k)
-    require_count(batch_size, "batch_size")
-    require_count(epochs, "epochs (whole passes over the data)")
-    require_count(seed, "seed", 0)
-    require_nonnegative(lr, "lr (the learning rate)")
-    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum (SGD's) must be a number in [0, 1), got {momentum!r}; 0.9 is the usual value, 0 "
-                         "is plain SGD.")
-    if batch_size % k:
-        raise ValueError(f"batch_size ({batch_size}) must be a positive multiple of K ({k}).")
-    b = batch_size // k
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}.")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}.")
-    n = x.shape[0]
-    if batch_size > n:
-        raise ValueError(f"batch_size ({batch_size}) exceeds the {n} training samples.")
+    _check_train(x, batch_size=batch_size, k=k, epochs=epochs, lr=lr, momentum=momentum, seed=seed,
+                 schedule=schedule, optimizer=optimizer)
+    n, b = x.shape[0], batch_size // k
     backward = backward_fn or accumulate_backward
     loss_fn = nn.CrossEntropyLoss()
-    opt: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-                                  if optimizer == "SGD" else torch.optim.AdamW(model.parameters(), lr=lr))
-    total_steps = epochs * (n // batch_size)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total_steps) if schedule == "cosine" else None
+    opt, sched = _optimizer(model, optimizer, lr, momentum, schedule, epochs * (n // batch_size))
     gen = torch.Generator().manual_seed(seed)
     steps, losses = 0, []
     model.train()
@@ -279,3 +261,33 @@ def train(
     train_mode_acc = accuracy(copy.deepcopy(model).train(), x_val, y_val, batch_size=b)
     model.eval()
     return TrainResult(k, b, steps, accuracy(model, x_val, y_val), train_mode_acc, losses)
+
+
+def _check_train(x: torch.Tensor, *, batch_size: int, k: int, epochs: int, lr: float, momentum: float, seed: int,
+                 schedule: str, optimizer: str) -> None:
+    """:func:`train`'s arguments, refused with a ValueError that says what to pass."""
+    require_k(k)
+    require_count(batch_size, "batch_size")
+    require_count(epochs, "epochs (whole passes over the data)")
+    require_count(seed, "seed", 0)
+    require_nonnegative(lr, "lr (the learning rate)")
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum (SGD's) must be a number in [0, 1), got {momentum!r}; 0.9 is the usual value, 0 "
+                         "is plain SGD.")
+    if batch_size % k:
+        raise ValueError(f"batch_size ({batch_size}) must be a positive multiple of K ({k}).")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}.")
+    if batch_size > x.shape[0]:
+        raise ValueError(f"batch_size ({batch_size}) exceeds the {x.shape[0]} training samples.")
+
+
+def _optimizer(model: nn.Module, optimizer: str, lr: float, momentum: float, schedule: str,
+               total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
+    """:func:`train`'s optimizer and its learning-rate schedule (None: constant)."""
+    opt: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+                                  if optimizer == "SGD" else torch.optim.AdamW(model.parameters(), lr=lr))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total_steps) if schedule == "cosine" else None
+    return opt, sched

@@ -40,26 +40,9 @@ def auto_impl(x: torch.Tensor, virtual_batch_size: int) -> str:
     ``"loop"`` when a ghost batch holds at least :data:`LOOP_MIN_VALUES` values, else ``"fold"``. On every other
     device ``"fold"``.
 
-    Why, measured on the book's 2-core CPU (AMD EPYC, 32 MB L3 cache), one thread, forward + backward relative
-    to one ``nn.BatchNorm`` call on the whole batch (the recorded run is ``gradaccum/book/ghost_bn_cpu.json``,
-    written by ``benchmarks/ghost_bn.py``; the crossovers were measured on more shapes while choosing): every
-    eager implementation copies the input into a layout where each ghost batch's channel is one block (the fold,
-    the group), or calls BatchNorm once per ghost batch (the loop). GroupNorm's kernel on the (G, C, v·P) copy
-    ran at 0.83–1.11× BatchNorm on feature maps of 524,288 to 2,097,152 values (e.g. 128×16×16×16 with v=8,
-    0.86×, where the loop took 1.5×), and at 1.4–2.3× on maps of 65,536 values or fewer (64×16×8×8 with v=4:
-    1.5–1.7×, the fold about 2×, the loop 3–4×; the fold was slower than the group on every map measured),
-    where the copies, two each way, cost about as much as GroupNorm's own forward and backward (timed inside a
-    training loop on 64×16×8×8, the four copies and GroupNorm's two kernels alone took 0.85–0.98× BatchNorm's
-    whole forward and backward in three rounds, and one custom autograd function around them 1.3–1.4× before any
-    statistics, 1.6–1.7× with them, in two: these eager kernels do not reach 1.2× there). With 4,194,304
-    values (16 MB in float32) the group's time varied from run to run between 0.8× and 2.4×, the loop's stayed
-    within 0.9–1.3× (even with 256 ghost batches), so from there on "auto" takes the loop. On (N, C) features
-    the group's blocks are only v values long (3.8× on 4096×256 with v=32): the fold takes about 2.4×, the loop
-    about 4×. float16 and bfloat16 maps keep the rule for features (not measured). CUDA was not measured for this
-    edition (an earlier calibration on an H200 put the fold at 1.4×, against 2.7–4.4× for a loop of
-    ``nn.BatchNorm2d``), so every device but the CPU gets the fold. ``"compile"`` is never picked: it takes
-    seconds to compile every new input shape (6 to 18 s on this CPU with an empty compile cache) and needs a C++
-    compiler.
+    The thresholds come from forward + backward timings on the book's 2-core CPU, recorded in
+    ``gradaccum/book/ghost_bn_cpu.json`` by ``benchmarks/ghost_bn.py``; ``benchmarks/README.md`` gives the
+    measurements behind each crossover. ``"compile"`` is never picked.
     """
     if x.device.type != "cpu":
         return "fold"
@@ -413,18 +396,7 @@ def ghostify(model: nn.Module, virtual_batch_size: int, impl: str = "auto") -> n
         raise ValueError("the model is itself a BatchNorm layer: wrap it, e.g. nn.Sequential(layer), to ghostify it.")
     for name, layer in model.named_modules():
         if isinstance(layer, _BatchNorm) and not isinstance(layer, GhostBatchNorm):
-            if type(layer) not in (nn.BatchNorm1d, nn.BatchNorm2d):
-                raise ValueError(f"layer {name!r} is {type(layer).__name__}: GhostBatchNorm replaces nn.BatchNorm1d "
-                                 "and nn.BatchNorm2d only; keep this layer, or write its ghost version by hand.")
-            if not layer.track_running_stats:
-                raise ValueError(f"layer {name!r} keeps no running statistics (track_running_stats=False); "
-                                 "GhostBatchNorm needs them: construct the layer with track_running_stats=True.")
-            if layer.affine and (layer.weight is None or layer.bias is None):
-                raise ValueError(f"layer {name!r} is affine with only a scale or only a shift (bias=False); "
-                                 "GhostBatchNorm keeps both or neither: construct it with affine=False, or keep both.")
-            if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
-                raise ValueError(f"layer {name!r} has hooks, which a new GhostBatchNorm would not carry over; remove "
-                                 "them, ghostify, and register them on the new layer.")
+            _check_ghostable(name, layer)
     model = copy.deepcopy(model)
     ghosts: dict[int, GhostBatchNorm] = {}  # a layer used in two places stays one layer
     for _name, module in list(model.named_modules()):
@@ -432,19 +404,40 @@ def ghostify(model: nn.Module, virtual_batch_size: int, impl: str = "auto") -> n
             if isinstance(child, _BatchNorm) and not isinstance(child, GhostBatchNorm):
                 ghost = ghosts.get(id(child))
                 if ghost is None:
-                    dims = 1 if isinstance(child, nn.BatchNorm1d) else 2
-                    ghost = GhostBatchNorm(child.num_features, virtual_batch_size, dims=dims, eps=child.eps,
-                                           momentum=child.momentum, affine=child.affine, impl=impl)
-                    # the layer's own tensors, not copies: a parameter tied to another layer (or used elsewhere
-                    # in the model) stays tied, and frozen stays frozen
-                    for key, param in child._parameters.items():
-                        if param is not None:
-                            setattr(ghost, key, param)
-                    for key, buf in child._buffers.items():
-                        if buf is not None and key in ghost._buffers:
-                            ghost._buffers[key] = buf
-                    ghosts[id(child)] = ghost.train(child.training)
+                    ghost = ghosts[id(child)] = _ghost_of(child, virtual_batch_size, impl)
                 setattr(module, child_name, ghost)
     if not ghosts:
         raise ValueError("the model has no BatchNorm layer to turn into GhostBatchNorm.")
     return model
+
+
+def _check_ghostable(name: str, layer: _BatchNorm) -> None:
+    """Refuse, naming the layer, a BatchNorm that :func:`ghostify` cannot replace with the same computation."""
+    if type(layer) not in (nn.BatchNorm1d, nn.BatchNorm2d):
+        raise ValueError(f"layer {name!r} is {type(layer).__name__}: GhostBatchNorm replaces nn.BatchNorm1d "
+                         "and nn.BatchNorm2d only; keep this layer, or write its ghost version by hand.")
+    if not layer.track_running_stats:
+        raise ValueError(f"layer {name!r} keeps no running statistics (track_running_stats=False); "
+                         "GhostBatchNorm needs them: construct the layer with track_running_stats=True.")
+    if layer.affine and (layer.weight is None or layer.bias is None):
+        raise ValueError(f"layer {name!r} is affine with only a scale or only a shift (bias=False); "
+                         "GhostBatchNorm keeps both or neither: construct it with affine=False, or keep both.")
+    if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
+        raise ValueError(f"layer {name!r} has hooks, which a new GhostBatchNorm would not carry over; remove "
+                         "them, ghostify, and register them on the new layer.")
+
+
+def _ghost_of(child: _BatchNorm, virtual_batch_size: int, impl: str) -> GhostBatchNorm:
+    """The GhostBatchNorm holding ``child``'s own parameters and running statistics, in ``child``'s mode."""
+    dims = 1 if isinstance(child, nn.BatchNorm1d) else 2
+    ghost = GhostBatchNorm(child.num_features, virtual_batch_size, dims=dims, eps=child.eps,
+                           momentum=child.momentum, affine=child.affine, impl=impl)
+    # the layer's own tensors, not copies: a parameter tied to another layer (or used elsewhere
+    # in the model) stays tied, and frozen stays frozen
+    for key, param in child._parameters.items():
+        if param is not None:
+            setattr(ghost, key, param)
+    for key, buf in child._buffers.items():
+        if buf is not None and key in ghost._buffers:
+            ghost._buffers[key] = buf
+    return ghost.train(child.training)

@@ -34,20 +34,7 @@ def precise_bn(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
     if not layers:
         raise ValueError("the model has no BatchNorm layer; PreciseBN has nothing to recompute.")
-    for name, layer in layers:
-        if not layer.track_running_stats:
-            raise ValueError(f"BatchNorm layer {name or '(the model)'!r} keeps no running statistics "
-                             "(track_running_stats=False): there is nothing to recompute; remove it from the model "
-                             "passed to precise_bn or construct it with track_running_stats=True.")
-        if not layer.training and model.training:
-            raise ValueError(f"BatchNorm layer {name or '(the model)'!r} is in eval mode while the model trains "
-                             "(frozen statistics): PreciseBN would overwrite them. Recompute on a sub-module "
-                             "without it, or unfreeze it first.")
-    for name, layer in layers:
-        v = getattr(layer, "virtual_batch_size", None)
-        if v is not None and batch_size != v and batch_size % v:
-            raise ValueError(f"layer {name or '(the model)'!r} is a GhostBatchNorm with ghost batches of {v}: "
-                             f"batch_size {batch_size} must be {v} or a multiple of it.")
+    _check_layers(model, layers, batch_size)
     modes = {m: m.training for m in model.modules()}
     saved = {layer: (layer.momentum, {k: b.detach().clone() for k, b in layer.named_buffers(recurse=False)})
              for _, layer in layers}
@@ -66,3 +53,22 @@ def precise_bn(model: nn.Module, x: torch.Tensor, batch_size: int) -> None:
                     layer.momentum = momentum
                     for k, b in layer.named_buffers(recurse=False):
                         b.copy_(buffers[k])
+
+
+def _check_layers(model: nn.Module, layers: list[tuple[str, _BatchNorm]], batch_size: int) -> None:
+    """Refuse, naming the layer, what :func:`precise_bn` cannot recompute: no running statistics, frozen
+    statistics (an eval-mode layer in a training model), ghost batches that ``batch_size`` does not tile."""
+    for name, layer in layers:
+        if not layer.track_running_stats:
+            raise ValueError(f"BatchNorm layer {name or '(the model)'!r} keeps no running statistics "
+                             "(track_running_stats=False): there is nothing to recompute; remove it from the model "
+                             "passed to precise_bn or construct it with track_running_stats=True.")
+        if not layer.training and model.training:
+            raise ValueError(f"BatchNorm layer {name or '(the model)'!r} is in eval mode while the model trains "
+                             "(frozen statistics): PreciseBN would overwrite them. Recompute on a sub-module "
+                             "without it, or unfreeze it first.")
+    for name, layer in layers:
+        v = getattr(layer, "virtual_batch_size", None)
+        if v is not None and batch_size != v and batch_size % v:
+            raise ValueError(f"layer {name or '(the model)'!r} is a GhostBatchNorm with ghost batches of {v}: "
+                             f"batch_size {batch_size} must be {v} or a multiple of it.")

@@ -13,7 +13,6 @@ must see the accumulated gradient, and a skip must skip the whole effective step
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,118 +23,18 @@ from torch import nn
 
 from gradaccum._validate import require_count, require_k, require_positive, require_vectors
 from gradaccum.accumulate import LossFn, flat_grad, full_batch_gradient, split_batch
+from gradaccum.formats import LOW_PRECISION, _require_scale
+
+# formats and casts live in gradaccum.formats; chapter 4 reads them from here too
+from gradaccum.formats import CastReport as CastReport
+from gradaccum.formats import FormatInfo as FormatInfo
+from gradaccum.formats import accumulate_in as accumulate_in
+from gradaccum.formats import accumulation_error as accumulation_error
+from gradaccum.formats import cast_report as cast_report
+from gradaccum.formats import format_info as format_info
+from gradaccum.formats import largest_fitting_log2 as largest_fitting_log2
 
 _T = TypeVar("_T")
-
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class FormatInfo:
-    """Range and precision of a floating-point format, from ``torch.finfo``."""
-
-    name: str
-    max: float
-    smallest_normal: float
-    smallest_subnormal: float
-    eps: float
-    mantissa_bits: int
-
-
-def format_info(dtype: torch.dtype) -> FormatInfo:
-    """Max, smallest normal, smallest subnormal (= smallest normal · eps) and eps of ``dtype``.
-
-    The smallest subnormal is checked: it survives a cast to ``dtype``, half of it does not.
-    """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{dtype!r} is not a torch floating-point dtype; pass e.g. torch.float16.")
-    fi = torch.finfo(dtype)
-    sub = fi.smallest_normal * fi.eps
-    if float(torch.tensor(sub, dtype=dtype)) != sub or float(torch.tensor(sub / 2, dtype=dtype)) != 0.0:
-        raise ValueError(f"{dtype}: torch.finfo's smallest normal × eps is not this format's smallest positive "
-                         "number (a format without subnormals, or one whose finfo disagrees with its casts, like "
-                         "float8_e5m2fnuz); use float16, bfloat16, float32, float64, float8_e4m3fn or "
-                         "float8_e5m2.")
-    return FormatInfo(str(dtype).replace("torch.", ""), fi.max, fi.smallest_normal, sub, fi.eps,
-                      int(round(-math.log2(fi.eps))))
-
-
-@dataclass(frozen=True)
-class CastReport:
-    """Fractions of the nonzero values that a cast to a low-precision format would lose.
-
-    ``underflow``: become 0; ``subnormal``: land below the smallest normal (fewer significant bits);
-    ``overflow``: become ±inf.
-    """
-
-    underflow: float
-    subnormal: float
-    overflow: float
-
-
-def _require_scale(scale: float) -> float:
-    """A loss scale must be a positive number within float32's normal range, where GradScaler keeps it (its inverse
-    must be a float32 number too): from 2^-126 to about 3.4e38."""
-    info = torch.finfo(torch.float32)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) \
-            or not info.smallest_normal <= scale <= info.max:
-        raise ValueError(f"the loss scale must be a positive number in float32's normal range [2^-126, 3.4e38] "
-                         f"(GradScaler keeps it in float32; e.g. 2**16), got {scale!r}.")
-    return float(scale)
-
-
-def cast_report(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> CastReport:
-    """What casting ``values · scale`` (computed in fp64) to ``dtype`` would do to the nonzero values. Like torch's
-    own cast, the product is rounded to float32 on its way to ``dtype``: a float64 value within about 2^-24 of
-    its own size from a rounding boundary can round twice (65520 − 2^-30 counts as overflow)."""
-    _require_scale(scale)
-    if dtype not in LOW_PRECISION:
-        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
-    if not isinstance(values, torch.Tensor):
-        raise ValueError(f"values must be a tensor, got {type(values).__name__}.")
-    if values.is_complex():
-        raise ValueError("values are complex: fp16 and bf16 hold real numbers; report on the real and imaginary "
-                         "parts separately (values.real, values.imag).")
-    if not torch.isfinite(values).all():
-        raise ValueError("values contain inf or NaN: they have overflowed already; report on finite values (the "
-                         "gradients of a step that did not overflow).")
-    v = values[values != 0].double() * scale
-    if v.numel() == 0:
-        raise ValueError("no nonzero values to report on.")
-    low = v.to(dtype)
-    tiny = torch.finfo(dtype).smallest_normal
-    return CastReport(float((low == 0).double().mean()),
-                      float(((low.abs() < tiny) & (low != 0)).double().mean()),
-                      float(torch.isinf(low).double().mean()))
-
-
-def largest_fitting_log2(values: torch.Tensor, dtype: torch.dtype = torch.float16) -> int:
-    r"""The largest integer e for which :math:`2^e \max|v|` still rounds to a finite number in ``dtype``.
-
-    A value rounds to infinity at or above :math:`\text{max} + \tfrac12 u`, where u is the spacing of the
-    format's largest binade (for fp16, :math:`65504 + 16 = 65520`). A backward pass that writes ``values`` times
-    :math:`S/K` in ``dtype`` stays finite for every :math:`S/K \le 2^e` — provided the loss itself leaves autocast
-    in fp32 (a loss computed in fp16 is :math:`S/K` times the loss before any gradient, and overflows first).
-    """
-    if dtype not in LOW_PRECISION:
-        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
-    if not isinstance(values, torch.Tensor):
-        raise ValueError(f"values must be a tensor (torch.tensor(...) of the list), got {type(values).__name__}.")
-    if values.is_complex():
-        raise ValueError("values are complex: fp16 and bf16 hold real numbers; pass the real and imaginary parts "
-                         "(torch.view_as_real(values)).")
-    largest = float(values.detach().abs().max()) if values.numel() else 0.0
-    if not math.isfinite(largest) or largest == 0:
-        raise ValueError(f"need finite values with a nonzero entry, got max |v| = {largest}.")
-    info = torch.finfo(dtype)
-    top = info.max + 2.0 ** (math.floor(math.log2(info.max)) - round(-math.log2(info.eps)) - 1)
-    # logarithms of each (top / largest overflows for a subnormal largest); ldexp is exact
-    e = math.floor(math.log2(top) - math.log2(largest))
-    while math.ldexp(largest, e + 1) < top:  # guard the logarithm's rounding
-        e += 1
-    while math.ldexp(largest, e) >= top:
-        e -= 1
-    return e
 
 
 def _hooked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -326,23 +225,63 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
       ``step`` unscales once more), and an inf stays in ``.grad``, so every later ``update()`` backs off again.
     * ``scale_changes_in_window``: the scale is set by hand to twice its value after every micro-batch
       (``update(new_scale=2·S)``), so micro-gradients are summed at different scales and ``unscale_`` divides
-      them all by the scale in force at the boundary, :math:`2^K S`, which none of them used. (A dynamic scaler
-      never does this by itself: it grows only after ``growth_interval`` consecutive clean ``update()`` calls,
-      and a plain ``update()`` before any inf check raises.)
+      them all by the scale in force at the boundary, :math:`2^K S`, which none of them used (a dynamic scaler
+      grows only after ``growth_interval`` clean ``update()`` calls, never inside a window by itself).
     * ``step_per_micro``: ``step`` and ``update`` after every micro-batch: K small steps, not one.
     * ``no_scaler``: autocast only, loss / K (right for bf16; for fp16 small gradients underflow).
 
-    ``overflow_micro`` makes that micro-batch overflow in fp16 (its inputs are multiplied by 10⁶; a ValueError
-    with bf16, whose range that does not reach, and where that micro-batch's gradients come out finite). The copy
-    runs in the mode ``model`` is in, as every tool here
-    (``model.train()`` for a training step; a model with dropout draws other masks at every call, so compare runs
-    with dropout off).
+    ``overflow_micro`` makes that micro-batch overflow in fp16 (inputs × 10⁶; a ValueError with bf16, or where its
+    gradients come out finite). The copy runs in ``model``'s mode (compare runs with dropout off).
 
     ``divide``: where the 1/K goes. ``"loss"`` (the recipe): each micro-batch's loss is divided by K before
     ``backward``, so the backward pass holds :math:`\tfrac{S}{K}\,\nabla L`. ``"grads"``: the loss is only
     scaled by S, and the accumulated gradients are divided by K after ``unscale_``; the backward pass then holds
     :math:`S\,\nabla L`, K times larger, and overflows at a K times smaller S.
     """
+    _check_window(model, x, k, pattern, dtype, init_scale, overflow_micro, lr, divide)
+    work = copy.deepcopy(model)  # in the mode it is in, as the other tools here (a training step: model.train())
+    device_type = next(work.parameters()).device.type
+    _require_amp(device_type, dtype)
+    opt = torch.optim.SGD(work.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=pattern != "no_scaler")
+    result = WindowResult(update=torch.empty(0), steps=0)
+    applied, taken, handle = _record_steps(work, opt)
+    opt.zero_grad(set_to_none=True)
+    try:
+        for i, (xb, yb) in enumerate(split_batch(x, y, k)):
+            _micro_backward(work, loss_fn, xb * 1e6 if i == overflow_micro else xb, yb, k, i == overflow_micro, i,
+                            device_type, dtype, divide, scaler, result.scales)
+            _after_micro(pattern, scaler, opt)
+        if pattern != "step_per_micro":
+            _at_boundary(work, k, divide, scaler, opt)
+    except _ScalerRefused as err:  # only the GradScaler's own errors are the pattern's result
+        result.error = str(err)
+    handle.remove()
+    result.steps = len(taken)
+    result.final_scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
+    result.update = torch.cat([t.flatten() for t in applied])
+    return result
+
+
+def _record_steps(work: nn.Module, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[int], Any]:
+    """Sum, per parameter, the gradients the optimizer applies, read as it steps (GradScaler calls opt.step() only
+    for a step it does not skip): exact at any learning rate, where a weight difference read back in fp32 loses the
+    small updates. Returns (the sums, one entry per step taken, the hook's handle)."""
+    applied = [torch.zeros_like(p, dtype=torch.float32) for p in work.parameters()]
+    taken: list[int] = []
+
+    def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        taken.append(1)
+        for total, p in zip(applied, work.parameters()):
+            if p.grad is not None:
+                total.add_(p.grad.detach().float())
+
+    return applied, taken, opt.register_step_pre_hook(record)
+
+
+def _check_window(model: nn.Module, x: torch.Tensor, k: int, pattern: str, dtype: torch.dtype, init_scale: float,
+                  overflow_micro: int | None, lr: float, divide: str) -> None:
+    """:func:`amp_window`'s arguments, refused with a ValueError that says what to pass."""
     require_k(k)
     _require_scale(init_scale)
     if pattern not in PATTERNS:
@@ -360,68 +299,51 @@ def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     if overflow_micro is not None and dtype != torch.float16:
         raise ValueError(f"overflow_micro makes a micro-batch overflow fp16 (inputs times 10^6); {dtype} shares "
                          "float32's range and does not overflow that way: use dtype=torch.float16.")
-    work = copy.deepcopy(model)  # in the mode it is in, as the other tools here (a training step: model.train())
-    device_type = next(work.parameters()).device.type
-    _require_amp(device_type, dtype)
-    opt = torch.optim.SGD(work.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=pattern != "no_scaler")
-    result = WindowResult(update=torch.empty(0), steps=0)
-    # what the optimizer applies, read as it steps (GradScaler calls opt.step() only for a step it does not skip):
-    # exact at any learning rate, where a weight difference read back in fp32 loses the small updates
-    applied = [torch.zeros_like(p, dtype=torch.float32) for p in work.parameters()]
-    taken: list[int] = []
 
-    def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        taken.append(1)
-        for total, p in zip(applied, work.parameters()):
+
+def _micro_backward(work: nn.Module, loss_fn: LossFn, xb: torch.Tensor, yb: torch.Tensor, k: int, overflow: bool,
+                    i: int, device_type: str, dtype: torch.dtype, divide: str, scaler: torch.amp.GradScaler,
+                    scales: list[float]) -> None:
+    """One micro-batch under autocast: ``scaler.scale(loss [/ K]).backward()``, its scale appended to ``scales``;
+    ValueError when the micro-batch meant to overflow (``overflow``, number ``i``) did not."""
+    with torch.autocast(device_type, dtype=dtype):
+        loss = loss_fn(work(xb), yb)
+        if divide == "loss":
+            loss = loss / k
+    # the scale as the scaler holds it, in float32 (before its first use get_scale() returns the Python
+    # float it was given)
+    scales.append(float(torch.tensor(scaler.get_scale(), dtype=torch.float32)) if scaler.is_enabled() else 1.0)
+    scaler.scale(loss).backward()
+    if overflow and all(bool(torch.isfinite(p.grad).all()) for p in work.parameters() if p.grad is not None):
+        raise ValueError(f"overflow_micro={i}: that micro-batch's inputs times 10^6 did not overflow fp16 "
+                         "(a normalization at the model's input, say, removes the scale), so the window "
+                         "would not show an overflow; choose a model whose first layer is linear or "
+                         "convolutional.")
+
+
+def _after_micro(pattern: str, scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> None:
+    """What the pattern does after each micro-batch's backward (the recipe: nothing)."""
+    if pattern == "unscale_per_micro":
+        _scaler(scaler.unscale_, opt)
+    elif pattern == "unscale_update_per_micro":
+        _scaler(scaler.unscale_, opt)
+        _scaler(scaler.update)
+    elif pattern == "scale_changes_in_window":
+        _scaler(scaler.update, new_scale=2.0 * float(scaler.get_scale()))
+    elif pattern == "step_per_micro":
+        _scaler(_step, scaler, opt)
+        opt.zero_grad(set_to_none=True)
+
+
+def _at_boundary(work: nn.Module, k: int, divide: str, scaler: torch.amp.GradScaler,
+                 opt: torch.optim.Optimizer) -> None:
+    """The window's boundary: (``divide="grads"``: ``unscale_``, then .grad / K) ``step`` and ``update``."""
+    if divide == "grads":
+        _scaler(scaler.unscale_, opt)  # no-op when the scaler is disabled
+        for p in work.parameters():
             if p.grad is not None:
-                total.add_(p.grad.detach().float())
-
-    handle = opt.register_step_pre_hook(record)
-    opt.zero_grad(set_to_none=True)
-    try:
-        for i, (xb, yb) in enumerate(split_batch(x, y, k)):
-            if i == overflow_micro:
-                xb = xb * 1e6
-            with torch.autocast(device_type, dtype=dtype):
-                loss = loss_fn(work(xb), yb)
-                if divide == "loss":
-                    loss = loss / k
-            # the scale as the scaler holds it, in float32 (before its first use get_scale() returns the Python
-            # float it was given)
-            result.scales.append(float(torch.tensor(scaler.get_scale(), dtype=torch.float32)) if scaler.is_enabled()
-                                 else 1.0)
-            scaler.scale(loss).backward()
-            if i == overflow_micro and all(bool(torch.isfinite(p.grad).all()) for p in work.parameters()
-                                           if p.grad is not None):
-                raise ValueError(f"overflow_micro={i}: that micro-batch's inputs times 10^6 did not overflow fp16 "
-                                 "(a normalization at the model's input, say, removes the scale), so the window "
-                                 "would not show an overflow; choose a model whose first layer is linear or "
-                                 "convolutional.")
-            if pattern == "unscale_per_micro":
-                _scaler(scaler.unscale_, opt)
-            elif pattern == "unscale_update_per_micro":
-                _scaler(scaler.unscale_, opt)
-                _scaler(scaler.update)
-            elif pattern == "scale_changes_in_window":
-                _scaler(scaler.update, new_scale=2.0 * float(scaler.get_scale()))
-            elif pattern == "step_per_micro":
-                _scaler(_step, scaler, opt)
-                opt.zero_grad(set_to_none=True)
-        if pattern != "step_per_micro":
-            if divide == "grads":
-                _scaler(scaler.unscale_, opt)  # no-op when the scaler is disabled
-                for p in work.parameters():
-                    if p.grad is not None:
-                        p.grad /= k
-            _scaler(_step, scaler, opt)
-    except _ScalerRefused as err:  # only the GradScaler's own errors are the pattern's result
-        result.error = str(err)
-    handle.remove()
-    result.steps = len(taken)
-    result.final_scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
-    result.update = torch.cat([t.flatten() for t in applied])
-    return result
+                p.grad /= k
+    _scaler(_step, scaler, opt)
 
 
 class _ScalerRefused(Exception):
@@ -575,37 +497,3 @@ def largest_safe_log2_scale(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, 
     return lo
 
 
-def accumulate_in(micro_grads: Sequence[torch.Tensor], accumulator: torch.dtype,
-                  produced_in: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Sum K micro-gradients (each divided by K and rounded to ``produced_in``, as a low-precision backward
-    pass would hand them over) in an accumulator of type ``accumulator``, one addition at a time."""
-    micro_grads = require_vectors(micro_grads)
-    k = len(micro_grads)
-    for name, dtype in (("accumulator", accumulator), ("produced_in", produced_in)):
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point dtype such as torch.float32, got {dtype!r}.")
-    for i, g in enumerate(micro_grads):
-        if not bool(torch.isfinite((g / k).to(produced_in)).all()):
-            raise ValueError(f"micro_grads[{i}] / K overflows {produced_in} (largest |value| "
-                             f"{float((g / k).abs().max()):.3g}): a backward pass in that format would hold inf; "
-                             "scale the gradients down first (chapter 4's loss scale, the other way).")
-    acc = torch.zeros_like(micro_grads[0], dtype=accumulator)
-    for g in micro_grads:
-        acc = acc + (g / k).to(produced_in).to(accumulator)
-    return acc
-
-
-def accumulation_error(micro_grads: Sequence[torch.Tensor], accumulator: torch.dtype,
-                       produced_in: torch.dtype = torch.bfloat16) -> float:
-    """Relative error of :func:`accumulate_in` against the exact (fp64) sum of the same rounded inputs: the
-    error added by the accumulator alone."""
-    got = accumulate_in(micro_grads, accumulator, produced_in).double()
-    if not bool(torch.isfinite(got).all()):
-        raise ValueError(f"the running sum overflows the {accumulator} accumulator: its error is not a rounding "
-                         "error; accumulate in float32 (as autocast keeps .grad) or scale the gradients down.")
-    k = len(micro_grads)
-    exact = cast(torch.Tensor, sum((g / k).to(produced_in).double() for g in micro_grads))
-    if not torch.linalg.vector_norm(exact) > 0:
-        raise ValueError(f"the exact sum of the micro-gradients rounded to {produced_in} is zero: a relative "
-                         "error has no scale; pass gradients that do not cancel (or vanish in that format).")
-    return float(torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact))

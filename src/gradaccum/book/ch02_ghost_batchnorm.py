@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import torch
@@ -21,15 +18,20 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradaccum._validate import require_k, require_micro_batch
-from gradaccum.accumulate import (
-    accumulate_backward,
-    accumulated_gradient,
-    accuracy,
-    agreement,
-    full_batch_gradient,
-    train,
-)
+from gradaccum.accumulate import accumulated_gradient, accuracy, agreement, full_batch_gradient, train
 from gradaccum.bn_statistics import corrected_momentum, layer_inputs, set_bn_momentum
+from gradaccum.book.ch02_costs import STEP_METHODS as STEP_METHODS
+from gradaccum.book.ch02_costs import StepCost as StepCost
+from gradaccum.book.ch02_costs import benchmark_ratios as benchmark_ratios
+from gradaccum.book.ch02_costs import benchmark_table as benchmark_table
+from gradaccum.book.ch02_costs import load_benchmark as load_benchmark
+from gradaccum.book.ch02_costs import precise_bn_cost as precise_bn_cost
+from gradaccum.book.ch02_costs import step_costs as step_costs
+from gradaccum.book.ch02_costs import step_functions as step_functions
+from gradaccum.book.ch02_precise_bn import PreciseBNSizeEffect as PreciseBNSizeEffect
+from gradaccum.book.ch02_precise_bn import _running_stats
+from gradaccum.book.ch02_precise_bn import first_layer_variance_ratio as first_layer_variance_ratio
+from gradaccum.book.ch02_precise_bn import precise_bn_size_effect as precise_bn_size_effect
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import NormKind, make_cnn
 from gradaccum.book.parallel import run_jobs
@@ -43,86 +45,6 @@ from gradaccum.fullbatch_bn import (
 )
 from gradaccum.ghost_bn import ghostify
 from gradaccum.precise_bn import precise_bn
-from gradaccum.timing import interleaved_times
-
-
-@dataclass(frozen=True)
-class PreciseBNSizeEffect:
-    """How PreciseBN's statistics and accuracy change with the batch size of its pass, per BatchNorm layer
-    (in call order): ``var_ratio`` = (min, max) over channels of running_var(batches of ``small``) /
-    running_var(one batch of ``large``); ``mean_shift`` = max over channels of |Δ running_mean| / running_std;
-    ``acc`` = eval-mode validation accuracy after each pass."""
-
-    small: int
-    large: int
-    var_ratio: dict[str, tuple[float, float]]
-    mean_shift: dict[str, float]
-    acc_small: float
-    acc_large: float
-
-
-def _running_stats(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """A BatchNorm layer's running mean and variance (every BatchNorm layer of the chapter tracks them)."""
-    return cast(torch.Tensor, layer.running_mean), cast(torch.Tensor, layer.running_var)
-
-
-def precise_bn_size_effect(model: nn.Module, x: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
-                           small: int, large: int) -> PreciseBNSizeEffect:
-    """Run PreciseBN on two copies of ``model``, in batches of ``small`` and of ``large``, and compare.
-
-    ``update_bn`` averages what BatchNorm stores per batch — the mean and the *unbiased* variance — so at the
-    first BatchNorm layer both sizes estimate the same population values for independent values (features); for
-    feature maps Bessel's factor treats the b·H·W values of a batch as independent and can over-correct
-    (:func:`first_layer_variance_ratio`). At later layers the inputs themselves differ, because during the pass
-    every earlier layer normalizes each batch with that batch's statistics.
-    """
-
-    copies = {}
-    for size in (small, large):
-        copies[size] = copy.deepcopy(model)
-        precise_bn(copies[size], x, size)
-    ratios, shifts = {}, {}
-    for name, layer in copies[small].named_modules():
-        if isinstance(layer, _BatchNorm):
-            mean, var = _running_stats(layer)
-            ref_mean, ref_var = _running_stats(copies[large].get_submodule(name))
-            ratio = var / ref_var
-            ratios[name] = (float(ratio.min()), float(ratio.max()))
-            shifts[name] = float(((mean - ref_mean).abs() / ref_var.sqrt()).max())
-    accs = {size: accuracy(m.eval(), x_val, y_val) for size, m in copies.items()}
-    return PreciseBNSizeEffect(small, large, ratios, shifts, accs[small], accs[large])
-
-
-def first_layer_variance_ratio(model: nn.Module, x: torch.Tensor, small: int, large: int) -> tuple[float, float]:
-    r"""The range over channels of the predicted ratio of the first BatchNorm layer's PreciseBN running variance
-    with batches of ``small`` images to that with batches of ``large``, for 2-d feature maps.
-
-    A batch of b whole images has :math:`n = bHW` values; its biased variance has expectation
-    :math:`\sigma^2 - V_B/b`, with :math:`\sigma^2` the variance of all values and :math:`V_B` that of the
-    per-image means (the within-image spread is all there). BatchNorm stores it times :math:`n/(n-1)`, which is
-    right only for independent values (a shortfall of :math:`\sigma^2/n`), so the ratio is
-    :math:`\frac{n_s/(n_s-1)\,(1 - V_B/(b_s\sigma^2))}{n_l/(n_l-1)\,(1 - V_B/(b_l\sigma^2))}`; above 1 where
-    :math:`V_B < \sigma^2/(HW)`. Computed in float64 from the layer's input on ``x`` (the model is not changed)."""
-    work = copy.deepcopy(model).eval()  # eval: the forward leaves the running statistics alone
-    layer = next((m for m in work.modules() if isinstance(m, nn.BatchNorm2d)), None)
-    if layer is None:
-        raise ValueError("the model has no BatchNorm2d layer: the prediction is for feature maps.")
-    seen: list[torch.Tensor] = []
-    layer.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().double()))
-    with torch.no_grad():
-        work(x)
-    a = seen[0]
-    hw = a.shape[2] * a.shape[3]
-    v_b = a.mean((2, 3)).var(0, unbiased=False)
-    s2 = a.transpose(0, 1).reshape(a.shape[1], -1).var(1, unbiased=False)
-
-    def stored(b: int) -> torch.Tensor:
-        n = b * hw
-        return n / (n - 1) * (1 - v_b / (b * s2))
-
-    ratio = stored(small) / stored(large)
-    return float(ratio.min()), float(ratio.max())
-
 
 #: The methods chapter 2 compares, in the order of its table. "ghost BN, 1 update/step" is this book's
 #: one-pass GhostBatchNorm, which updates the running statistics once per step; Hoffer et al.'s reference code
@@ -468,98 +390,6 @@ def plot_study(runs: Sequence[MethodRun]):
     return fig
 
 
-@dataclass(frozen=True)
-class StepCost:
-    """What one optimizer step of a method costs on a batch of K·b images: the model's forward calls (each
-    micro-batch forward counts one, a forward stopped early by the statistics pass too) and time relative to
-    plain accumulation (:func:`step_costs` says how it is measured)."""
-
-    method: str
-    forward_calls: int
-    time_ratio: float
-
-
-#: The methods :func:`step_functions` can time, in the order of the cost table.
-STEP_METHODS = ("full batch", "plain accumulation", "ghost BN, 1 update/step", "full-batch stats",
-                "exact full-batch stats", "exact, cached")
-
-
-def step_functions(x: torch.Tensor, y: torch.Tensor, k: int, methods: Sequence[str] = STEP_METHODS,
-                   dtype: torch.dtype = torch.float64) -> tuple[dict[str, Callable[[], object]], dict[str, list[int]]]:
-    """One optimizer step's gradient of each method on the batch ``x, y`` (a fresh SmallCNN each, seed 0), as a
-    function of no arguments, and a counter of the model's forward calls per method (a forward pre-hook)."""
-    require_k(k)
-    batch_size = x.shape[0]
-    loss_fn = nn.CrossEntropyLoss()
-    counts: dict[str, list[int]] = {}
-    steps: dict[str, Callable[[], object]] = {}
-    for method in methods:
-        model: nn.Module = make_cnn("batch", seed=0, dtype=dtype, device=x.device).train()
-        steps_k, backward = k, accumulate_backward
-        if method == "full batch":
-            steps_k = 1
-        elif method == "ghost BN, 1 update/step":
-            model, steps_k = ghostify(model, batch_size // k), 1
-        elif method == "full-batch stats":
-            backward = full_batch_stats_backward
-        elif method == "exact full-batch stats":
-            backward = functools.partial(full_batch_stats_backward, exact=True)
-        elif method == "exact, cached":
-            backward = functools.partial(full_batch_stats_backward, exact=True, cache=True)
-        elif method != "plain accumulation":
-            raise ValueError(f"no step cost for {method!r}; choose among {list(STEP_METHODS)}.")
-        counter = counts.setdefault(method, [0])
-        model.register_forward_pre_hook(lambda *_, c=counter: c.__setitem__(0, c[0] + 1))
-
-        def step(m: nn.Module = model, kk: int = steps_k, fn=backward) -> None:
-            m.zero_grad(set_to_none=True)
-            fn(m, loss_fn, x, y, kk)
-
-        steps[method] = step
-    return steps, counts
-
-
-def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: int = 7,
-               methods: Sequence[str] = STEP_METHODS) -> list[StepCost]:
-    """Count the passes and time one optimizer step of each method on the same batch (SmallCNN, float64).
-    "exact, cached" is the exact scheme with ``cache=True``: its stages call the layers, not the model, which it
-    calls once (to learn whether the forward draws random numbers).
-
-    Timing is interleaved: each round runs every method once, in turn, so a machine that slows down or speeds
-    up during the measurement affects every method alike. Each method's time is its fastest of ``repeat``
-    rounds (after one untimed round), in CPU seconds of this process on the CPU (time spent waiting while
-    another process ran is not counted; :func:`gradaccum.timing.interleaved_times`) and wall seconds on CUDA.
-    """
-    steps, counts = step_functions(split.x_train[:batch_size], split.y_train[:batch_size], k, methods)
-    for method, step_fn in steps.items():  # one counted step per method
-        counts[method][0] = 0
-        step_fn()
-    calls = {m: c[0] for m, c in counts.items()}
-    device = split.x_train.device
-    times = interleaved_times(steps, device, repeat=repeat, warmup=1, clock="auto", statistic="min")
-    base = times.get("plain accumulation") or next(iter(times.values()))
-    return [StepCost(m, calls[m], times[m] / base) for m in methods]
-
-
-def precise_bn_cost(split: DigitsSplit, b: int = 4, k: int = 16, repeat: int = 5) -> float:
-    """Seconds of one PreciseBN pass (over the training set in batches of b) divided by the seconds of one
-    plain-accumulation step (K micro-batches of b), timed as :func:`step_costs` times."""
-
-    model = make_cnn("batch", seed=0, device=split.x_train.device).train()
-    x, y = split.x_train[: k * b], split.y_train[: k * b]
-    loss_fn = nn.CrossEntropyLoss()
-    recompute = copy.deepcopy(model)
-
-    def plain() -> None:
-        model.zero_grad(set_to_none=True)
-        accumulate_backward(model, loss_fn, x, y, k)
-
-    times = interleaved_times(
-        {"plain step": plain, "PreciseBN pass": lambda: precise_bn(recompute, split.x_train, b)},
-        x.device, repeat=repeat, warmup=1, clock="auto", statistic="min")
-    return times["PreciseBN pass"] / times["plain step"]
-
-
 def method_cosine_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
     """Gradient cosine to the full batch over a grid of K (rows) and b (columns), per method (v = b)."""
 
@@ -604,47 +434,3 @@ def plot_method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor
     ax2.set_yticks(range(len(names)), [""] * len(names))
     decorate(ax2, "cosine to the full-batch gradient", "", "Gradient agreement")
     return fig
-
-
-# ------------------------------------------------------------------------------------ the recorded benchmark
-
-
-def load_benchmark() -> dict[str, Any]:
-    """The run of ``benchmarks/ghost_bn.py --threads 1 --json ...`` recorded on the book's 2-core CPU (shipped
-    with the package as ``gradaccum/book/ghost_bn_cpu.json``, so that the chapter reads it anywhere)."""
-    text = resources.files("gradaccum.book").joinpath("ghost_bn_cpu.json").read_text(encoding="utf-8")
-    bench = json.loads(text)
-    if bench.get("quick"):
-        raise ValueError("the recorded benchmark is a --quick smoke run; record a full run for the chapter.")
-    return bench
-
-
-def benchmark_ratios(bench: dict[str, Any]) -> dict[tuple[str, str], float]:
-    """Ratio to each table's baseline, keyed by (table, row): tables named by their shape and v ("256×64×16×16,
-    v=32") or "step"; rows by the benchmark's names with the resolved implementation and K left out
-    ("GhostBatchNorm default", "exact, cached")."""
-    out = {}
-    for table in bench["tables"]:
-        key = "step" if "shape" not in table else "×".join(map(str, table["shape"])) + f", v={table['v']}"
-        for row in table["rows"]:
-            name = re.sub(r" \((auto: \w+|K=\d+)\)$", "", row["name"])
-            out[key, name] = float(row["ratio"])
-    return out
-
-
-def benchmark_table(bench: dict[str, Any]) -> Table:
-    """The layer tables side by side: one row per variant, one column per shape (ratio to one BatchNorm call)."""
-    ratios = benchmark_ratios(bench)
-    auto = {"×".join(map(str, t["shape"])) + f", v={t['v']}": t["auto_impl"] for t in bench["tables"] if "shape" in t}
-    shapes = list(dict.fromkeys(t for t, _ in ratios if t != "step"))
-    names = list(dict.fromkeys(n.replace("BatchNorm1d", "BatchNorm2d") for t, n in ratios if t != "step"))
-
-    def cell(shape: str, name: str) -> str:
-        ratio = ratios.get((shape, name), ratios.get((shape, name.replace("BatchNorm2d", "BatchNorm1d"))))
-        if ratio is None:
-            return "—"
-        return f"{ratio:.2f}× ({auto[shape]})" if name == "GhostBatchNorm default" else f"{ratio:.2f}×"
-
-    return Table(["forward + backward", *shapes], [[n.replace("BatchNorm2d", "BatchNorm"), *(cell(s, n)
-                                                                                           for s in shapes)]
-                                                   for n in names])

@@ -10,7 +10,6 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,17 @@ from torch.utils.checkpoint import checkpoint
 from gradaccum import coupled
 from gradaccum._validate import require_count, require_k
 from gradaccum.accumulate import flat_grad
-from gradaccum.book.models import make_cnn
+from gradaccum.book.ch08_scaling import BASE_LR as BASE_LR
+from gradaccum.book.ch08_scaling import SCALING_RUNS as SCALING_RUNS
+from gradaccum.book.ch08_scaling import Recipe as Recipe
+from gradaccum.book.ch08_scaling import accuracy as accuracy
+from gradaccum.book.ch08_scaling import max_parameter_difference as max_parameter_difference
+from gradaccum.book.ch08_scaling import optimizer_for as optimizer_for
+from gradaccum.book.ch08_scaling import plot_scaling as plot_scaling
+from gradaccum.book.ch08_scaling import plot_scaling_grid as plot_scaling_grid
+from gradaccum.book.ch08_scaling import scaling_run as scaling_run
+from gradaccum.book.ch08_scaling import scaling_study as scaling_study
+from gradaccum.book.ch08_scaling import train_classifier as train_classifier
 from gradaccum.book.parallel import run_jobs
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.timing import interleaved_medians
@@ -480,164 +489,4 @@ def plot_checkpoint_momentum(x: torch.Tensor, m: float, k: int, ks: Sequence[int
              f"BatchNorm momentum m = {m:g}", xscale="log", xticks=grid, legend=False)
     ax.set_ylim(0, 1.05)
     ax.legend(frameon=False, fontsize=7, loc="lower right")
-    return fig
-
-
-# ------------------------------------------------------------------------------------ when K changes
-
-
-#: The optimizers of the scaling study, with their base learning rate at batches of 16.
-BASE_LR = {"SGD": 0.02, "Adam": 0.006}
-
-
-@dataclass(frozen=True)
-class Recipe:
-    r"""One run of the scaling study: micro-batches of 16 accumulated over ``k`` (batch 16·k), the learning rate
-    multiplied by ``lr_factor``, a linear warmup over ``warmup`` optimizer steps, and for Adam the
-    square-root rule's :math:`\beta` and :math:`\epsilon` when ``adam_sde`` (Malladi et al. 2022: with the batch
-    grown κ times, :math:`1-\beta_i \mapsto \kappa(1-\beta_i)`, :math:`\epsilon \mapsto \epsilon/\sqrt\kappa`)."""
-
-    label: str
-    k: int
-    lr_factor: float
-    warmup: int = 0
-    adam_sde: bool = False
-
-
-#: The scaling study's runs per optimizer (micro-batches of 16; K = 4 grows the effective batch to 64).
-SCALING_RUNS: dict[str, tuple[Recipe, ...]] = {
-    "SGD": (Recipe("batch 16", 1, 1.0), Recipe("batch 64, same rate", 4, 1.0),
-            Recipe("batch 64, rate × 4, warmup", 4, 4.0, 20)),
-    "Adam": (Recipe("batch 16", 1, 1.0), Recipe("batch 64, same rate", 4, 1.0),
-             Recipe("batch 64, rate × 2 (√4), β, ε scaled", 4, 2.0, 0, True),
-             Recipe("batch 64, rate × 4", 4, 4.0)),
-}
-
-
-def optimizer_for(name: str, params, lr: float, kappa: float = 1.0, adam_sde: bool = False) -> torch.optim.Optimizer:
-    r"""SGD with momentum 0.9, or Adam (β = 0.9, 0.999, ε = 1e-8; with ``adam_sde`` the square-root rule's
-    :math:`1-\beta_i \mapsto \kappa(1-\beta_i)`, :math:`\epsilon \mapsto \epsilon/\sqrt\kappa`)."""
-    if name == "SGD":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "Adam":
-        if adam_sde and not kappa * 0.1 < 1:
-            raise ValueError(f"the square-root rule needs 1 - β1 = κ·0.1 < 1, i.e. a batch grown less than 10 times "
-                             f"(κ = {kappa:g}); grow it less, or start from a larger β1.")
-        if adam_sde:
-            return torch.optim.Adam(params, lr=lr, betas=(1 - kappa * 0.1, 1 - kappa * 0.001),
-                                    eps=1e-8 / math.sqrt(kappa))
-        return torch.optim.Adam(params, lr=lr)
-    raise ValueError(f"optimizer must be 'SGD' or 'Adam', got {name!r}.")
-
-
-def train_classifier(x: torch.Tensor, y: torch.Tensor, batch: int, k: int, lr: float, seed: int, schedule: str,
-                     epochs: int = 6, warmup: int = 0, optimizer: str = "SGD", norm: str = "group",
-                     adam_sde: bool = False) -> nn.Module:
-    """The digits CNN (:func:`gradaccum.book.models.make_cnn`, GroupNorm by default: nothing couples the
-    samples) trained on batches of ``batch`` images accumulated over ``k`` micro-batches (each micro-batch's mean
-    loss divided by K); a linear warmup over ``warmup`` optimizer steps, then a constant rate or a cosine decay to
-    0, counted in optimizer steps. The data order and the initial weights depend only on ``seed``."""
-    require_k(k)
-    if batch % k:
-        raise ValueError(f"K = {k} does not divide the batch of {batch}.")
-    if schedule not in ("constant", "cosine"):
-        raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}.")
-    model, ce = make_cnn(norm, seed=seed), nn.CrossEntropyLoss()  # type: ignore[arg-type]
-    opt = optimizer_for(optimizer, model.parameters(), lr, kappa=batch / 16, adam_sde=adam_sde)
-    g = torch.Generator().manual_seed(seed)
-    per_epoch = len(x) // batch
-    total, step = epochs * per_epoch, 0
-    for _ in range(epochs):
-        order = torch.randperm(len(x), generator=g)
-        for i in range(per_epoch):
-            idx = order[i * batch:(i + 1) * batch]
-            factor = min(1.0, (step + 1) / warmup) if warmup else 1.0
-            if schedule == "cosine":
-                factor *= (1 + math.cos(math.pi * step / total)) / 2
-            for group in opt.param_groups:
-                group["lr"] = lr * factor
-            opt.zero_grad()
-            for xb, yb in zip(x[idx].chunk(k), y[idx].chunk(k)):
-                (ce(model(xb), yb) / k).backward()
-            opt.step()
-            step += 1
-    return model
-
-
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Accuracy of ``model`` (in eval mode) on the images ``x``."""
-    model.eval()
-    with torch.no_grad():
-        return float((model(x).argmax(1) == y).double().mean())
-
-
-def max_parameter_difference(a: nn.Module, b: nn.Module) -> float:
-    with torch.no_grad():
-        return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
-
-
-def scaling_run(x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, optimizer: str,
-                recipe: Recipe, seed: int, schedule: str, epochs: int = 4, accumulate: bool = False) -> float:
-    """Validation accuracy of one recipe's run after ``epochs`` epochs (batches of 16·K; K micro-batches of 16
-    when ``accumulate``, else one pass)."""
-    return accuracy(train_classifier(x, y, 16 * recipe.k, recipe.k if accumulate else 1,
-                                     BASE_LR[optimizer] * recipe.lr_factor, seed, schedule, epochs, recipe.warmup,
-                                     optimizer, adam_sde=recipe.adam_sde), x_val, y_val)
-
-
-def scaling_study(x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
-                  seeds: Sequence[int] = (0, 1, 2), schedules: Sequence[str] = ("constant", "cosine"),
-                  epochs: int = 4, optimizers: Sequence[str] = ("SGD", "Adam"), accumulate: bool = False,
-                  workers: int = 1) -> dict[tuple[str, str, int, str], float]:
-    """Validation accuracy of every :data:`SCALING_RUNS` recipe after ``epochs`` epochs, keyed by
-    (optimizer, label, seed, schedule). The batch of 16·K is processed as K micro-batches of 16 when
-    ``accumulate``, else in one pass: the same run to rounding (GroupNorm couples no samples), K times fewer calls.
-    With ``workers > 1`` the runs go to that many spawned processes (:func:`gradaccum.book.parallel.run_jobs`:
-    every run seeds itself, the same results to the bit)."""
-    for opt in optimizers:
-        if opt not in SCALING_RUNS:
-            raise ValueError(f"optimizer must be one of {list(SCALING_RUNS)}, got {opt!r}.")
-    runs = [(opt, r, seed, schedule) for opt in optimizers for r in SCALING_RUNS[opt] for seed in seeds
-            for schedule in schedules]
-    jobs = [dict(x=x, y=y, x_val=x_val, y_val=y_val, optimizer=opt, recipe=r, seed=seed, schedule=schedule,
-                 epochs=epochs, accumulate=accumulate) for opt, r, seed, schedule in runs]
-    results = run_jobs(scaling_run, jobs, workers)
-    return {(opt, r.label, seed, schedule): acc for (opt, r, seed, schedule), acc in zip(runs, results)}
-
-
-def _scaling_panel(ax, study: dict[tuple[str, str, int, str], float], optimizer: str, schedule: str,
-                   fontsize: int = 7, ylim: tuple[float, float] | None = None) -> None:
-    if optimizer not in SCALING_RUNS:
-        raise ValueError(f"optimizer must be one of {list(SCALING_RUNS)}, got {optimizer!r}.")
-    recipes = SCALING_RUNS[optimizer]
-    seeds = sorted({key[2] for key in study if key[0] == optimizer and key[3] == schedule})
-    if not seeds:
-        raise ValueError(f"the study has no {optimizer} run with the {schedule!r} schedule.")
-    for i, r in enumerate(recipes):
-        accs = [study[optimizer, r.label, s, schedule] for s in seeds]
-        ax.plot([i - 0.25, i + 0.25], [sum(accs) / len(accs)] * 2, "-", color=PALETTE["blue"], linewidth=2.5)
-        ax.plot([i] * len(accs), accs, "o", color=PALETTE["black"], fillstyle="none")
-    ax.set_xticks(range(len(recipes)), [r.label.replace(", ", ",\n", 1) for r in recipes], fontsize=fontsize)
-    ax.set_xlim(-0.6, len(recipes) - 0.4)
-    if ylim is not None:
-        ax.set_ylim(*ylim)
-    decorate(ax, "", "validation accuracy",
-             f"{optimizer}, {schedule} rate: line = mean, circles = seeds {seeds[0]}–{seeds[-1]}", legend=False)
-
-
-def plot_scaling(study: dict[tuple[str, str, int, str], float], optimizer: str, schedule: str):
-    """The widget's picture: validation accuracy of each recipe of :data:`SCALING_RUNS` for one optimizer and
-    schedule, one circle per seed, the mean as a bar."""
-    fig, (ax,) = figure(1, 6.4, 3.4)
-    _scaling_panel(ax, study, optimizer, schedule, ylim=(min(study.values()) - 0.01, 1.0))
-    return fig
-
-
-def plot_scaling_grid(study: dict[tuple[str, str, int, str], float]):
-    """The static figure: :func:`plot_scaling` for every optimizer and schedule, side by side."""
-    fig, axes = plt.subplots(2, 2, figsize=(9.6, 6.0), layout="constrained")
-    low = min(study.values())
-    for row, optimizer in zip(axes, SCALING_RUNS):
-        for ax, schedule in zip(row, ("constant", "cosine")):
-            _scaling_panel(ax, study, optimizer, schedule, fontsize=6, ylim=(low - 0.01, 1.0))
     return fig

@@ -303,62 +303,71 @@ def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argu
     more than its checkers check (an argument, a prediction, an explanation) — a manually graded answer cell worth
     ``argument_points`` holding the book's model solution. The notebook names the book's kernel (:data:`KERNEL`)."""
     cells: list[dict[str, Any]] = []
-
-    def add(cell_type: str, text: str, meta: dict[str, Any] | None = None) -> None:
-        cell: dict[str, Any] = {"cell_type": cell_type, "id": f"cell-{len(cells)}", "metadata": {}, "source": text}
-        if meta is not None:
-            cell["metadata"]["nbgrader"] = {"schema_version": 3, **meta}
-        if cell_type == "code":
-            cell.update(execution_count=None, outputs=[])
-        cells.append(cell)
-
     setup = next(c for c in nb["cells"] if c["cell_type"] == "code")
     install = _source(setup).split("\nimport matplotlib")[0].split("\nimport gradaccum")[0].rstrip()
     heading = title or next((_source(c).splitlines()[0].lstrip("# ") for c in nb["cells"]
                              if c["cell_type"] == "markdown" and _source(c).startswith("# ")), "Exercises")
-    add("markdown", f"# Exercises: {heading}\n\nWork with the chapter open beside this notebook: where an exercise "
-                    "says *above*, it means the chapter. Run the set-up cell first. Put your answer where a cell says "
-                    "`YOUR ANSWER HERE` and run that cell: the checker call in it says whether the answer is right "
-                    "and, if not, what is wrong. The locked cells grade your answers.")
+    _add(cells, "markdown", f"# Exercises: {heading}\n\nWork with the chapter open beside this notebook: where an "
+                            "exercise says *above*, it means the chapter. Run the set-up cell first. Put your answer "
+                            "where a cell says `YOUR ANSWER HERE` and run that cell: the checker call in it says "
+                            "whether the answer is right and, if not, what is wrong. The locked cells grade your "
+                            "answers.")
     # the chapter's set-up without its data and models: the exercises need the checkers only (fast to grade)
-    add("code", f"{install}\n\nimport gradaccum\nfrom gradaccum.book import exercises\n\ngradaccum.setup(seed=0)")
+    _add(cells, "code", f"{install}\n\nimport gradaccum\nfrom gradaccum.book import exercises\n\n"
+                        "gradaccum.setup(seed=0)")
     solutions = {label: body.strip() for cell in nb["cells"] if cell["cell_type"] == "markdown"
                  for label, body in SOLUTION_FOR.findall(_source(cell))}
     number = 0
     for i, cell in enumerate(nb["cells"]):
         found = EXERCISE.search(_source(cell)) if cell["cell_type"] == "markdown" else None
-        if not found:
-            continue
-        number += 1
-        label = found.group(1)
-        body = re.sub(r"^```\{exercise\}[^\n]*\n(?::[^\n]*\n)*", "", _source(cell).strip()).removesuffix("```")
-        add("markdown", f"## Exercise {number} ({label})\n\n{_plain_markdown(inline_includes(body.strip()))}")
-        checks = []
-        for following in nb["cells"][i + 1:]:
-            if not is_exercise_cell(following):
-                break
-            checks.append(following)
-        n_calls = 0
-        for check in checks:
-            for name, kwargs in checker_calls(_source(check)):
-                n_calls += 1
-                expected, digits = exercises.expected_answer(getattr(exercises, name), **kwargs)
-                args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
-                add("code", f"{_answer_hint(_source(check))}\n### BEGIN SOLUTION\nanswer = {expected!r}\n"
-                            f"### END SOLUTION\nexercises.{name}(answer{args})",
-                    {"grade": False, "solution": True, "locked": False, "grade_id": f"{label}-answer-{n_calls}"})
-                add("code", f"feedback = exercises.{name}(answer{args})\nassert feedback, str(feedback)\n"
-                            f"{_hidden_test(expected, digits)}",
-                    {"grade": True, "solution": False, "locked": True, "points": points,
-                     "grade_id": f"{label}-test-{n_calls}"})
-        if n_calls == 0 or body.count("?") > n_calls:
-            model = _plain_markdown(inline_includes(solutions.get(label, "(see the book's solution)")))
-            part = "the parts the checker does not check" if n_calls else "graded by your instructor"
-            add("markdown", f"**Your argument** ({part}):\n\n### BEGIN SOLUTION\n{model}\n### END SOLUTION",
-                {"grade": True, "solution": True, "locked": False, "points": argument_points,
-                 "grade_id": f"{label}-argument"})
+        if found:
+            number += 1
+            _exercise_cells(cells, nb, i, found.group(1), number, solutions.get(found.group(1)),
+                            points, argument_points)
     return {"cells": cells, "metadata": {"kernelspec": dict(KERNEL), "language_info": {"name": "python"}},
             "nbformat": 4, "nbformat_minor": 5}
+
+
+def _add(cells: list[dict[str, Any]], cell_type: str, text: str, meta: dict[str, Any] | None = None) -> None:
+    """Append a cell (nbgrader metadata ``meta``, if given) to ``cells``."""
+    cell: dict[str, Any] = {"cell_type": cell_type, "id": f"cell-{len(cells)}", "metadata": {}, "source": text}
+    if meta is not None:
+        cell["metadata"]["nbgrader"] = {"schema_version": 3, **meta}
+    if cell_type == "code":
+        cell.update(execution_count=None, outputs=[])
+    cells.append(cell)
+
+
+def _exercise_cells(cells: list[dict[str, Any]], nb: dict[str, Any], i: int, label: str, number: int,
+                    solution: str | None, points: int, argument_points: int) -> None:
+    """Exercise ``label`` (cell ``i`` of the chapter): its text, an answer and a locked test cell per checker call in
+    the checker cells after it, and the manually graded argument cell where it asks for more than they check."""
+    body = re.sub(r"^```\{exercise\}[^\n]*\n(?::[^\n]*\n)*", "", _source(nb["cells"][i]).strip()).removesuffix("```")
+    _add(cells, "markdown", f"## Exercise {number} ({label})\n\n{_plain_markdown(inline_includes(body.strip()))}")
+    checks = []
+    for following in nb["cells"][i + 1:]:
+        if not is_exercise_cell(following):
+            break
+        checks.append(following)
+    n_calls = 0
+    for check in checks:
+        for name, kwargs in checker_calls(_source(check)):
+            n_calls += 1
+            expected, digits = exercises.expected_answer(getattr(exercises, name), **kwargs)
+            args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+            _add(cells, "code", f"{_answer_hint(_source(check))}\n### BEGIN SOLUTION\nanswer = {expected!r}\n"
+                                f"### END SOLUTION\nexercises.{name}(answer{args})",
+                 {"grade": False, "solution": True, "locked": False, "grade_id": f"{label}-answer-{n_calls}"})
+            _add(cells, "code", f"feedback = exercises.{name}(answer{args})\nassert feedback, str(feedback)\n"
+                                f"{_hidden_test(expected, digits)}",
+                 {"grade": True, "solution": False, "locked": True, "points": points,
+                  "grade_id": f"{label}-test-{n_calls}"})
+    if n_calls == 0 or body.count("?") > n_calls:
+        model = _plain_markdown(inline_includes(solution if solution is not None else "(see the book's solution)"))
+        part = "the parts the checker does not check" if n_calls else "graded by your instructor"
+        _add(cells, "markdown", f"**Your argument** ({part}):\n\n### BEGIN SOLUTION\n{model}\n### END SOLUTION",
+             {"grade": True, "solution": True, "locked": False, "points": argument_points,
+              "grade_id": f"{label}-argument"})
 
 
 def write_nbgrader(root: Path, out: Path) -> list[Path]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
@@ -233,49 +234,7 @@ def draw(chapter: str) -> Figure:
     fig, ax = plt.subplots(figsize=(11.0, 0.5 + 1.25 * rows), layout="constrained")
     longest = 0.0
     for r, lane in enumerate(spec.lanes):
-        y = -1.25 * r
-        mark = {"wrong": "✗ ", "right": "✓ ", "": ""}[lane.verdict]
-        color = {"wrong": PALETTE["vermillion"], "right": PALETTE["green"], "": "black"}[lane.verdict]
-        title = "\n".join(textwrap.wrap(mark + lane.title, 38, break_on_hyphens=False))
-        ax.text(-0.3, y, title, ha="right", va="center", fontsize=9, color=color)
-        high = False
-        opened: tuple[float, str] | None = None
-        for kind, x, w, label in layout(lane):
-            if kind == "[":
-                opened = (x, label)
-            elif kind == "]" and opened is not None:
-                start, name = opened
-                ax.add_patch(
-                    FancyBboxPatch(
-                        (start, y - 0.42),
-                        x - start,
-                        0.84,
-                        boxstyle="round,pad=0,rounding_size=0.1",
-                        facecolor=PALETTE["yellow"],
-                        alpha=0.35,
-                        edgecolor="none",
-                        zorder=0,
-                    )
-                )
-                ax.text((start + x) / 2, y - 0.47, name, ha="center", va="top", fontsize=7.5, color="#555555")
-                opened = None
-            elif kind == "F":
-                _box(ax, x, y, w, label, "#DDEEFF")
-            elif kind == "B":
-                _box(ax, x, y, w, label, "#A9CCE3")
-            elif kind == "P":
-                _box(ax, x, y, w, label, "#EEEEEE")
-            elif kind == "S":
-                _box(ax, x, y, w, label, PALETTE["black"], "white")
-            else:
-                ev = _EVENT_COLOR[kind]
-                ax.plot([x + w / 2] * 2, [y - 0.34, y + 0.34], color=ev, linewidth=2.2)
-                ax.plot(x + w / 2, y + 0.34, marker="v", color=ev, markersize=6)
-                ax.text(
-                    x + w / 2, y + (0.62 if high else 0.45), label, ha="center", va="bottom", fontsize=8.5, color=ev
-                )
-                high = not high
-            longest = max(longest, x + w)
+        longest = _draw_lane(ax, lane, -1.25 * r, longest)
     ax.annotate(
         "",
         xy=(longest, -1.25 * rows + 0.55),
@@ -288,3 +247,57 @@ def draw(chapter: str) -> Figure:
     ax.set_axis_off()
     ax.set_title(spec.title, fontsize=10, loc="left")
     return fig
+
+
+#: The fill of each kind of box: forward, backward, padding; the optimizer step is black with white text.
+_BOX_COLOR = {"F": "#DDEEFF", "B": "#A9CCE3", "P": "#EEEEEE"}
+
+
+def _draw_lane(ax: Axes, lane: Lane, y: float, longest: float) -> float:
+    """One lane at height ``y``: its title, boxes, windows and events; returns the rightmost x drawn so far."""
+    mark = {"wrong": "✗ ", "right": "✓ ", "": ""}[lane.verdict]
+    color = {"wrong": PALETTE["vermillion"], "right": PALETTE["green"], "": "black"}[lane.verdict]
+    title = "\n".join(textwrap.wrap(mark + lane.title, 38, break_on_hyphens=False))
+    ax.text(-0.3, y, title, ha="right", va="center", fontsize=9, color=color)
+    high = False
+    opened: tuple[float, str] | None = None
+    for kind, x, w, label in layout(lane):
+        if kind == "[":
+            opened = (x, label)
+        elif kind == "]" and opened is not None:
+            _shade(ax, opened[0], x, y, opened[1])
+            opened = None
+        elif kind in _BOX_COLOR:
+            _box(ax, x, y, w, label, _BOX_COLOR[kind])
+        elif kind == "S":
+            _box(ax, x, y, w, label, PALETTE["black"], "white")
+        else:
+            _event(ax, kind, x, y, w, label, high)
+            high = not high
+        longest = max(longest, x + w)
+    return longest
+
+
+def _shade(ax: Axes, start: float, x: float, y: float, name: str) -> None:
+    """The shaded span of an accumulation window, from ``start`` to ``x``, named below."""
+    ax.add_patch(
+        FancyBboxPatch(
+            (start, y - 0.42),
+            x - start,
+            0.84,
+            boxstyle="round,pad=0,rounding_size=0.1",
+            facecolor=PALETTE["yellow"],
+            alpha=0.35,
+            edgecolor="none",
+            zorder=0,
+        )
+    )
+    ax.text((start + x) / 2, y - 0.47, name, ha="center", va="top", fontsize=7.5, color="#555555")
+
+
+def _event(ax: Axes, kind: str, x: float, y: float, w: float, label: str, high: bool) -> None:
+    """An event marker (a tick with a label, raised when ``high`` so that neighbours do not collide)."""
+    ev = _EVENT_COLOR[kind]
+    ax.plot([x + w / 2] * 2, [y - 0.34, y + 0.34], color=ev, linewidth=2.2)
+    ax.plot(x + w / 2, y + 0.34, marker="v", color=ev, markersize=6)
+    ax.text(x + w / 2, y + (0.62 if high else 0.45), label, ha="center", va="bottom", fontsize=8.5, color=ev)
