@@ -22,6 +22,8 @@ class Feedback:
         return self.correct
 
     def __str__(self) -> str:
+        if self.message == NO_ANSWER:  # not a wrong answer: no answer yet (the static page shows this)
+            return "✎ " + self.message
         return ("✓ " if self.correct else "✗ ") + self.message
 
     __repr__ = __str__
@@ -29,8 +31,8 @@ class Feedback:
 
 #: What a checker says before an answer is given: the same words on the static page (where a reader opens a running
 #: copy with the rocket button) and in a notebook.
-NO_ANSWER = ("no answer yet: in a running notebook (the rocket button above opens one), assign your answer to "
-             "`answer` and run this cell.")
+NO_ANSWER = ("no answer yet. To try this exercise, open a running copy of the page (the rocket button above), set "
+             "`answer` in this cell and run it.")
 
 
 def round_significant(x: float, digits: int) -> float:
