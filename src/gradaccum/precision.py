@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import nn
 
+from gradaccum import _tensors
 from gradaccum._validate import require_count, require_k, require_positive, require_vectors
 from gradaccum.accumulate import LossFn, flat_grad, full_batch_gradient, split_batch
 
@@ -608,4 +609,4 @@ def accumulation_error(micro_grads: Sequence[torch.Tensor], accumulator: torch.d
     if not torch.linalg.vector_norm(exact) > 0:
         raise ValueError(f"the exact sum of the micro-gradients rounded to {produced_in} is zero: a relative "
                          "error has no scale; pass gradients that do not cancel (or vanish in that format).")
-    return float(torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact))
+    return _tensors.relative_error(got, exact)
