@@ -1,7 +1,7 @@
-"""Print the module map of ARCHITECTURE.md: one Markdown table row per module of src/gradaccum (the core, then the
-book layer), with its path, its number of lines and the first sentence of its docstring.
+"""Print the module map of ARCHITECTURE.md: for the core and then the book layer, a Markdown table with one row per
+module of src/gradaccum: its path, its number of lines and the first sentence of its docstring.
 
-Usage: python scripts/module_map.py    (paste the output over the tables in ARCHITECTURE.md)
+Usage: python scripts/module_map.py    (its output is ARCHITECTURE.md's text after the "Module map" paragraph)
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "gradaccum"
 
 
-def modules() -> list[Path]:
-    """Every module under src/gradaccum: the core's (any subpackage but the book) first, then the book layer's."""
-    paths = sorted(PACKAGE.rglob("*.py"))
-    book = PACKAGE / "book"
-    return [p for p in paths if book not in p.parents] + [p for p in paths if book in p.parents]
+def modules(book: bool) -> list[Path]:
+    """The book layer's modules (``book=True``) or the core's (any other module, subpackages included), sorted."""
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if (PACKAGE / "book" in p.parents) == book]
 
 
 def summary(path: Path, width: int = 110) -> str:
@@ -31,12 +29,17 @@ def summary(path: Path, width: int = 110) -> str:
 
 
 def rows() -> list[str]:
-    """The table: a header, then ``| path | lines | first docstring sentence |`` for each module."""
-    out = ["| module | lines | what it holds |", "|---|---:|---|"]
-    for path in modules():
-        lines = len(path.read_text(encoding="utf-8").splitlines())
-        out.append(f"| `{path.relative_to(ROOT / 'src').as_posix()}` | {lines} | {summary(path).replace('|', '/')} |")
-    return out
+    """The core's table, then the book layer's, each under its heading: ``| path | lines | first docstring
+    sentence |`` for each module."""
+    out: list[str] = []
+    for heading, book in (("The core", False), ("The book layer", True)):
+        out += [f"### {heading}", "", "| module | lines | what it holds |", "|---|---:|---|"]
+        for path in modules(book):
+            lines = len(path.read_text(encoding="utf-8").splitlines())
+            name = path.relative_to(ROOT / "src").as_posix()
+            out.append(f"| `{name}` | {lines} | {summary(path).replace('|', '/')} |")
+        out.append("")
+    return out[:-1]
 
 
 if __name__ == "__main__":
