@@ -46,7 +46,7 @@ book: $(SITE_STAMP) ## build the site from the stored outputs into _build/html (
 	$(VENV)/bin/jupyter-book build . --all -n -W --keep-going
 	@echo "The site is in $(CURDIR)/_build/html (open _build/html/index.html)"
 
-# Every test once: lint and types (tests/test_lint.py runs `make lint`'s three tools), package tests, shown
+# Every test once: lint and types (tests/test_lint.py runs `make lint`'s tools), package tests, shown
 # commands, a fresh torch-only install, the site and the browser, and strict nbval (every output compared cell by
 # cell; the lax mode is never used; each chapter runs once).
 # Two workers (pytest-xdist), each test file whole on one worker (--dist loadfile): a notebook's cells run in order
@@ -61,10 +61,11 @@ test: $(STAMP) ## every test: lint + types, unit, commands, fresh install, site 
 unit: $(STAMP) ## the package's tests only (fast: no notebook run, site build, shown command, fresh install or lint)
 	$(PY) -m pytest tests -p no:cacheprovider -m "not site and not commands and not install and not nbgrader and not lint"
 
-lint: $(STAMP) ## ruff (package, tests, scripts, notebooks) and mypy (package)
+lint: $(STAMP) ## ruff (package, tests, scripts, notebooks), mypy (package), the layering contract (import-linter)
 	$(VENV)/bin/ruff check src tests scripts benchmarks chapters conftest.py
 	$(VENV)/bin/ruff format --check --line-length 80 chapters
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 nbval: $(STAMP) ## strict nbval on every chapter only
 	$(PY) -m pytest chapters --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \

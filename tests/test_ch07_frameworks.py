@@ -16,6 +16,7 @@ from torch import nn  # noqa: E402
 
 from gradaccum import frameworks as fw  # noqa: E402
 from gradaccum.book import ch07_frameworks as ch7  # noqa: E402
+from gradaccum.book import ch07_harness as harness  # noqa: E402
 from gradaccum.book import exercises as ex  # noqa: E402
 from gradaccum.book.data import load_corpus, load_digits_split, make_vocab  # noqa: E402
 
@@ -37,7 +38,7 @@ def corpus():
 
 def test_step_weight_is_the_least_squares_factor():
     r = torch.tensor([1.0, 2.0, -1.0])
-    assert fw.step_factor(0.375 * r, r) == pytest.approx(0.375)
+    assert harness.step_factor(0.375 * r, r) == pytest.approx(0.375)
 
 
 def test_measure_one_framework(digits, corpus):
@@ -70,7 +71,7 @@ def test_behaviour_rows_have_one_cell_per_framework_and_row(digits, corpus):
     x, y = digits
     lm_x, lm_y, vocab = corpus
     single = {n: ch7.measure(n, x, y, lm_x, lm_y, vocab) for n in ("nanogpt", "timm")}
-    multi = {n: fw.RankResult(n, 1, 0 if n == "nanogpt" else 1, 1, 0.12, None if n == "nanogpt" else 1e-7, [])
+    multi = {n: harness.RankResult(n, 1, 0 if n == "nanogpt" else 1, 1, 0.12, None if n == "nanogpt" else 1e-7, [])
              for n in single}
     rows = ch7.behaviour_rows(single, multi, ch7.bf16_full_batch_error(x, y))
     assert [r[0] for r in rows] == list(ch7.ROWS) and all(len(r) == 3 for r in rows)
@@ -191,7 +192,7 @@ def test_study_helpers_and_runner_refuse_input_that_would_measure_nothing():
     with pytest.raises(ValueError, match="nanoGPT"):
         fw.run("nanogpt", ch7.digits_mlp(), ce, micro, 4)
     with pytest.raises(ValueError, match="K"):
-        fw.trainer_on_causal_lm(ch7.digits_mlp(), torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, 3), 0)
+        harness.trainer_on_causal_lm(ch7.digits_mlp(), torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, 3), 0)
 
 
 def test_review_helpers_refuse_empty_and_impossible_arguments():
@@ -241,7 +242,7 @@ def test_transformers_classification_heads_get_k_times_the_gradient(k):
             with pytest.raises(ValueError, match="must be None"):
                 ch7.builtin_classifier_step("bert", lm_x, lm_y, vocab, k=k, **bad)
     with pytest.raises(ValueError, match="kind must be one of"):
-        fw.tiny_classifier("gpt2", vocab.size, lm_x.shape[1])
+        harness.tiny_classifier("gpt2", vocab.size, lm_x.shape[1])
 
 
 def test_the_nanogpt_loop_refuses_what_it_does_not_do(digits):

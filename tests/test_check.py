@@ -291,7 +291,7 @@ def test_report_is_json_ready():
 
 def test_command_line_demo():
     out = subprocess.run(
-        [sys.executable, "-m", "gradaccum.check", "--demo"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "gradaccum.book.check_demo"], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("== ") == len(check_demo.DEMO_EXPECTED) and "Traceback" not in out.stderr

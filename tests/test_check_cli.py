@@ -127,7 +127,8 @@ def test_usage_errors_exit_2_with_a_message(cli):
                           (("loops:good", "--clip", "-1"), "--clip must be a positive"),
                           (("loops:good", "--tolerance", "0"), "--tolerance must be a positive"),
                           (("loops:good", "--seed", "-3"), "--seed must be >= 0"),
-                          (("loops:good", "--demo"), "either --demo or a target"),
+                          (("loops:good", "--demo"), "python -m gradaccum.book.check_demo"),
+                          (("--demo",), "--demo moved to the book layer"),
                           ((), "give module:function"),
                           (("loops:good", "--bogus"), "unrecognized arguments")]:
         status, out, err = cli(*args)
@@ -197,12 +198,12 @@ def test_demo_fails_when_a_planted_bug_is_missed_or_a_correct_loop_flagged(monke
     cases = check_demo.demo_cases()
     keep = ["correct loop, GroupNorm", "missing 1/K"]
     monkeypatch.setattr(check_demo, "demo_cases", lambda: {name: cases[name] for name in keep})
-    assert C.main(["--demo"]) == 0
+    assert check_demo.main([]) == 0
     monkeypatch.setitem(check_demo.DEMO_EXPECTED, "missing 1/K", ("zero_grad_inside_window",))  # a miss
-    assert C.main(["--demo"]) == 1
+    assert check_demo.main([]) == 1
     monkeypatch.setitem(check_demo.DEMO_EXPECTED, "missing 1/K", ("missing_1_over_k",))
     monkeypatch.setitem(check_demo.DEMO_EXPECTED, "correct loop, GroupNorm", ("batch_coupled_layer",))  # a false alarm
-    assert C.main(["--demo"]) == 1
+    assert check_demo.main([]) == 1
     out = capsys.readouterr().out
     assert "NOT AS EXPECTED" in out and "demo: 1 of 2 verdicts as expected" in out
 
@@ -210,7 +211,7 @@ def test_demo_fails_when_a_planted_bug_is_missed_or_a_correct_loop_flagged(monke
 def test_demo_json(monkeypatch, capsys):
     cases = check_demo.demo_cases()
     monkeypatch.setattr(check_demo, "demo_cases", lambda: {"BatchNorm": cases["BatchNorm"]})
-    assert C.main(["--demo", "--json"]) == 0
+    assert check_demo.main(["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["all_as_expected"] and data["cases"][0]["report"]["findings"][0]["code"] == "batch_coupled_layer"
 

@@ -206,7 +206,8 @@ RUNS = {
 
 #: Shown commands that another test file runs exactly: command → "file::test".
 ELSEWHERE = {
-    "python -m gradaccum.check --demo": "tests/test_check.py::test_command_line_demo",
+    "python -m gradaccum.book.check_demo": "tests/test_check.py::test_command_line_demo",
+    "python scripts/module_map.py": "tests/test_architecture.py::test_module_map_script_prints_every_module",
     # instructor.md's grading session: tests/test_nbgrader.py runs each step once, for every chapter, in the course
     # folder it writes
     "nbgrader validate source/*/*.ipynb": "tests/test_nbgrader.py::graded",

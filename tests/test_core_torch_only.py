@@ -108,7 +108,9 @@ def test_fresh_environment_with_only_torch(tmp_path: Path):
     assert "core OK" in result.stdout
     cli = subprocess.run([str(py), "-m", "gradaccum.check", "--demo"], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
+    # the demo is the book layer's: the core's --demo names its command and the extra it needs
     assert cli.returncode == 2 and "gradaccum[book]" in cli.stderr, (cli.returncode, cli.stderr)
+    assert "python -m gradaccum.book.check_demo" in cli.stderr, cli.stderr
 
 
 def test_every_core_module_is_reachable_as_a_module():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradaccum import frameworks as fw
+from gradaccum.book import ch07_harness as harness
 from gradaccum.book.ddp_workers import launch
 from gradaccum.check import check
 from gradaccum.windows import IGNORE, token_loss
@@ -37,7 +38,7 @@ def data(n: int, d: int, classes: int, seed: int = 0) -> tuple[torch.Tensor, tor
 
 
 def test_the_pinned_versions_are_installed():
-    assert fw.versions() == fw.PINNED
+    assert harness.versions() == harness.PINNED
 
 
 def test_recording_sgd_records_the_gradient_after_the_closure():
@@ -70,11 +71,11 @@ def test_every_runner_equals_the_full_batch_on_generated_models(hidden, k, b, se
     """The core of accumulation (no coupling, equal micro-batches): every framework's step is the full batch's."""
     x, y = data(k * b, 5, 3, seed)
     loss = nn.CrossEntropyLoss()
-    reference = fw.full_gradient(mlp([5, *hidden, 3], seed), loss, x, y)
+    reference = harness.full_gradient(mlp([5, *hidden, 3], seed), loss, x, y)
     for name in fw.FRAMEWORKS:
         result = fw.run(name, mlp([5, *hidden, 3], seed), loss, fw.split(x, y, k), k)
         assert result.optimizer_steps == 1, name
-        assert fw.relative_error(result.grads[0], reference) < 1e-5, name
+        assert harness.relative_error(result.grads[0], reference) < 1e-5, name
 
 
 @pytest.mark.parametrize("k, micro", [(4, 6), (3, 7), (5, 11)])
@@ -82,7 +83,7 @@ def test_partial_window_rules(k, micro):
     x, y = data(2 * micro, 6, 4)
     loss = nn.CrossEntropyLoss()
     r = micro % k
-    last = fw.full_gradient(mlp([6, 5, 4]), loss, x[-2 * r:], y[-2 * r:])
+    last = harness.full_gradient(mlp([6, 5, 4]), loss, x[-2 * r:], y[-2 * r:])
     expected = {"accelerate": r / k, "lightning": r / k, "trainer": 1.0, "timm": 1.0}
     for name, weight in expected.items():
         result = fw.run(name, mlp([6, 5, 4]), loss, fw.split(x, y, micro), k, lr=0.0)
@@ -115,13 +116,13 @@ class LM(nn.Module):
 def test_token_recipes_are_exact_and_the_default_is_the_mean_of_means():
     x, y = padded()
     total = lambda o, t: token_loss(o, t, "sum")  # noqa: E731
-    reference = fw.full_gradient(LM(), token_loss, x, y, sum_loss=total)
+    reference = harness.full_gradient(LM(), token_loss, x, y, sum_loss=total)
     for name in fw.FRAMEWORKS:
         default = fw.run(name, LM(), token_loss, fw.split(x, y, 4), 4, lr=0.0)
-        assert fw.relative_error(default.grads[0], reference) > 0.01, name
+        assert harness.relative_error(default.grads[0], reference) > 0.01, name
         if name in ("accelerate", "trainer", "timm"):
             fixed = fw.run(name, LM(), token_loss, fw.split(x, y, 4), 4, sum_loss=total, lr=0.0)
-            assert fw.relative_error(fixed.grads[0], reference) < 1e-5, name
+            assert harness.relative_error(fixed.grads[0], reference) < 1e-5, name
         else:
             with pytest.raises(ValueError, match="token"):
                 fw.run(name, LM(), token_loss, fw.split(x, y, 4), 4, sum_loss=total)
@@ -130,12 +131,12 @@ def test_token_recipes_are_exact_and_the_default_is_the_mean_of_means():
 def test_clipping_once_and_scheduler_counts():
     x, y = data(16, 5, 3)
     loss = nn.CrossEntropyLoss()
-    g = fw.full_gradient(mlp([5, 4, 3]), loss, x, y)
+    g = harness.full_gradient(mlp([5, 4, 3]), loss, x, y)
     clipped = g * min(1.0, 0.01 / (float(g.norm()) + 1e-6))
     assert float(g.norm()) > 0.01
     for name in fw.FRAMEWORKS:
         result = fw.run(name, mlp([5, 4, 3]), loss, fw.split(x, y, 4), 4, clip=0.01)
-        assert fw.relative_error(result.grads[0], clipped) < 1e-5, name
+        assert harness.relative_error(result.grads[0], clipped) < 1e-5, name
         assert result.scheduler_steps == (0 if name == "nanogpt" else 1), name
 
 
@@ -329,8 +330,8 @@ def test_the_recorder_reads_closures_and_skips_optimizer_wrappers():
         (lambda m, x, y: fw.run("trainer", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, loss_kwargs=1),
          "True or False"),
         (lambda m, x, y: fw.framework_step("keras"), "unknown framework"),
-        (lambda m, x, y: fw.tiny_causal_lm("bert", 10, 8), "gpt2"),
-        (lambda m, x, y: fw.trainer_on_causal_lm(m, x, y, 3), "does not divide"),
+        (lambda m, x, y: harness.tiny_causal_lm("bert", 10, 8), "gpt2"),
+        (lambda m, x, y: harness.trainer_on_causal_lm(m, x, y, 3), "does not divide"),
     ],
 )
 def test_bad_input_says_what_to_do(call, message):
@@ -366,8 +367,8 @@ def test_trainer_with_a_kwargs_model_that_returns_its_mean():
     x, y = padded(n=6)
     default = fw.run("trainer", LM(), token_loss, fw.split(x, y, 3), 3, lr=0.0)
     kwargs_mean = fw.run("trainer", LM(), token_loss, fw.split(x, y, 3), 3, lr=0.0, loss_kwargs=True)
-    assert fw.step_factor(kwargs_mean.grads[0], default.grads[0]) == pytest.approx(3, rel=1e-5)
-    assert fw.relative_error(kwargs_mean.grads[0], 3 * default.grads[0]) < 1e-5
+    assert harness.step_factor(kwargs_mean.grads[0], default.grads[0]) == pytest.approx(3, rel=1e-5)
+    assert harness.relative_error(kwargs_mean.grads[0], 3 * default.grads[0]) < 1e-5
     timm = fw.run("timm", LM(), token_loss, fw.split(x, y, 3), 3, lr=0.0)
     with torch.no_grad():
         last = float(token_loss(LM()(x[4:]), y[4:]))
@@ -504,7 +505,7 @@ def test_adapters_leave_the_callers_accelerator_working_and_take_trainer_options
 def test_accelerate_ignores_its_split_batches_keyword():
     """Review: chapters 6 and 7 told readers to build `Accelerator(split_batches=True)`; the pinned Accelerate never
     reads that keyword (no warning). The DataLoaderConfiguration spelling is the one that works."""
-    assert fw.accelerate_split_batches() == {"Accelerator(split_batches=True)": False,
+    assert harness.accelerate_split_batches() == {"Accelerator(split_batches=True)": False,
                                              "DataLoaderConfiguration(split_batches=True)": True}
 
 
@@ -518,9 +519,9 @@ def test_framework_tools_and_graders_refuse_impossible_input():
     with pytest.raises(ValueError, match="samples but y has"):
         fw.split(torch.zeros(12, 2), torch.zeros(8), 4)
     with pytest.raises(ValueError, match="zero"):
-        fw.step_factor(torch.ones(3), torch.zeros(3))
+        harness.step_factor(torch.ones(3), torch.zeros(3))
     with pytest.raises(ValueError, match="zero"):
-        fw.relative_error(torch.ones(3), torch.zeros(3))
+        harness.relative_error(torch.ones(3), torch.zeros(3))
     for kwargs in (dict(k=0), dict(k=-4), dict(micro_batches=-2, k=4), dict(micro_batches=10.5), dict(k=4.0)):
         with pytest.raises(ValueError):
             exercises.grade_framework_partial_weight(0.5, **kwargs)
@@ -535,10 +536,10 @@ def test_review_tools_refuse_mismatched_empty_and_late_input():
     check() (blamed on the reader's loop)."""
     import numpy as np
 
-    bad = [lambda: fw.relative_error(torch.ones(2, 3), torch.ones(3)),
-           lambda: fw.relative_error(torch.ones(5), torch.ones(3)),
-           lambda: fw.relative_error(torch.tensor([1.0, float("nan")]), torch.ones(2)),
-           lambda: fw.step_factor(torch.ones(3), torch.tensor([float("nan"), 1.0, 1.0])),
+    bad = [lambda: harness.relative_error(torch.ones(2, 3), torch.ones(3)),
+           lambda: harness.relative_error(torch.ones(5), torch.ones(3)),
+           lambda: harness.relative_error(torch.tensor([1.0, float("nan")]), torch.ones(2)),
+           lambda: harness.step_factor(torch.ones(3), torch.tensor([float("nan"), 1.0, 1.0])),
            lambda: fw.split(torch.zeros(0, 3), torch.zeros(0), 4),
            lambda: fw.split(np.ones((4, 3)), np.ones(4), 2),
            lambda: fw.framework_step("timm", precision="fp8"),
@@ -549,4 +550,4 @@ def test_review_tools_refuse_mismatched_empty_and_late_input():
     for call in bad:
         with pytest.raises(ValueError):
             call()
-    assert fw.relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 0.0
+    assert harness.relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 0.0

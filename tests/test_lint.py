@@ -1,4 +1,5 @@
-"""`make lint`, inside the test run: ruff, ruff format --check and mypy, exactly as the Makefile's ``lint`` recipe
+"""`make lint`, inside the test run: ruff, ruff format --check, mypy and the layering contract (import-linter: the core
+never imports gradaccum.book), exactly as the Makefile's ``lint`` recipe
 says (its lines are read from the Makefile, so the two cannot drift apart). `make test` runs it here, beside the
 other tests on whichever worker takes it, instead of before them: mypy alone takes about 1.5 minutes without a cache."""
 
@@ -25,7 +26,7 @@ def lint_recipe(makefile: str) -> list[list[str]]:
 
 def test_lint_recipe_is_read():
     recipe = lint_recipe((ROOT / "Makefile").read_text())
-    assert [Path(cmd[0]).name for cmd in recipe] == ["ruff", "ruff", "mypy"]
+    assert [Path(cmd[0]).name for cmd in recipe] == ["ruff", "ruff", "mypy", "lint-imports"]
     assert all(Path(cmd[0]).exists() for cmd in recipe)
 
 
@@ -35,3 +36,26 @@ def test_lint_recipe_is_read():
 def test_lint(command):
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, f"{shlex.join(command)} failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.mark.lint
+def test_the_layering_contract_fails_on_a_core_module_importing_the_book(tmp_path):
+    """The contract is not vacuous: a copy of the package whose core imports the book layer (from a module, and
+    from the package root) breaks it."""
+    import shutil
+
+    shutil.copytree(ROOT / "src" / "gradaccum", tmp_path / "gradaccum",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    env = {"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(tmp_path)}
+    kept = subprocess.run([str(lint_imports), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    for module in ("accumulate.py", "__init__.py"):
+        path = tmp_path / "gradaccum" / module
+        text = path.read_text()
+        path.write_text(text + "\nfrom gradaccum.book import models as _models  # noqa: E402\n")
+        broken = subprocess.run([str(lint_imports), "--no-cache"], cwd=tmp_path, capture_output=True, text=True,
+                                env=env)
+        path.write_text(text)
+        assert broken.returncode == 1 and "gradaccum.book.models" in broken.stdout, broken.stdout + broken.stderr

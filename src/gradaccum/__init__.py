@@ -17,7 +17,8 @@ What each core module holds (the chapter of the book that derives it in brackets
 * :mod:`gradaccum.coupled` — InfoNCE and GradCache, the window's load-balancing loss, checkpointing that keeps
   BatchNorm statistics [8].
 * :mod:`gradaccum.frameworks` — Accelerate, Lightning, the Transformers Trainer and two hand-written loops run on the
-  same micro-batches, and ``check`` adapters for them (the frameworks are imported only when used) [7].
+  same micro-batches, and ``check`` adapters for them (the frameworks are imported only when used); the runners
+  are in :mod:`gradaccum.framework_runners`, what they record in :mod:`gradaccum.framework_probes` [7].
 * :mod:`gradaccum.runtime`, :mod:`gradaccum.timing` — seeds, threads and device; interleaved median timings.
 
 The book layer, :mod:`gradaccum.book` (``pip install "gradaccum[book]"``), holds the data, models, figures,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import _tensors
 from ._validate import require_count, require_k, require_nonnegative, require_tensor
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -51,15 +52,12 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Te
             f"a batch of {n} samples cannot be cut into K = {k} equal micro-batches; "
             f"choose K among the divisors of {n}, or a batch size that is a multiple of {k}."
         )
-    b = n // k
-    return [(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for i in range(k)]
+    return _tensors.micro_batches(x, y, k)
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:
     """All parameter gradients of ``model`` concatenated into one vector (zeros where a grad is None)."""
-    return torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()]
-    )
+    return _tensors.flat_grads(model.parameters())
 
 
 def full_batch_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ optimizer and scheduler built inside ``step`` from ``model.parameters()`` (the g
 compared). It is also called once with the first K − 1 micro-batches and ``k = K − 1``, as the last partial window
 of an epoch. Command line::
 
-    python -m gradaccum.check --demo                 # every planted bug, and correct loops
     python -m gradaccum.check my_module:make -k 4    # make() returns (model, loss_fn, x, y) or (..., step)
+    python -m gradaccum.book.check_demo              # the book's demo: every planted bug, and correct loops
 
 Exit status: 0 no bug found, 1 a bug found (or no verdict possible), 2 a usage error.
 """
@@ -1019,6 +1019,10 @@ def _made(func: Callable[[], Any]) -> tuple[Any, ...]:
     return tuple(made)
 
 
+#: The demo's command: the book layer's own entry point (its data and models are the book's).
+DEMO_COMMAND = "python -m gradaccum.book.check_demo"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gradaccum.check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1031,8 +1035,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seeds make() and the replayed randomness (default 0)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-partial", action="store_true", help="do not check a partial last window")
-    parser.add_argument("--demo", action="store_true", help="run every planted bug and the correct loops; fails "
-                        "when a planted bug is missed or a correct loop is flagged")
+    # the demo is the book layer's (the core never imports it): --demo only says where it went
+    parser.add_argument("--demo", action="store_true", help=f"moved: run {DEMO_COMMAND}")
     return parser
 
 
@@ -1062,36 +1066,16 @@ def main(argv: list[str] | None = None) -> int:
             problem = problem or f"--{name} must be a positive number, got {value}"
     if args.seed < 0:
         problem = problem or f"--seed must be >= 0, got {args.seed}"
-    if args.demo and args.target:
-        problem = problem or "give either --demo or a target, not both"
-    if not args.demo and not args.target:
-        problem = problem or "give module:function (or --demo)"
+    if args.demo:
+        problem = (f"--demo moved to the book layer: run {DEMO_COMMAND} [-k K] [--json] "
+                   "(it needs pip install 'gradaccum[book]')")
+    if not args.target:
+        problem = problem or f"give module:function (the demo: {DEMO_COMMAND})"
     if problem is not None:
         if args.json:
             print(f"python -m gradaccum.check: error: {problem}", file=sys.stderr)
             return usage_json(problem)
         parser.error(problem)
-    if args.demo:
-        try:
-            from gradaccum.book.check_demo import (
-                run_demo,  # the demo needs the book's data and models
-            )
-        except ImportError as err:
-            print(f"--demo needs the book layer: pip install 'gradaccum[book]' ({err})", file=sys.stderr)
-            return 2
-        results = run_demo(args.k)
-        if args.json:
-            print(json.dumps({"cases": [{"name": r.name, "expected": list(r.expected), "as_expected": r.as_expected,
-                                         "report": r.report.to_dict()} for r in results],
-                              "all_as_expected": all(r.as_expected for r in results)}, indent=2))
-        else:
-            for r in results:
-                plant = ", ".join(r.expected) if r.expected else "nothing (a correct loop)"
-                verdict = "as expected" if r.as_expected else "NOT AS EXPECTED"
-                print(f"== {r.name} (plants: {plant}): {verdict}\n{r.report}\n")
-            good = sum(r.as_expected for r in results)
-            print(f"demo: {good} of {len(results)} verdicts as expected")
-        return 0 if all(r.as_expected for r in results) else 1
     try:
         torch.manual_seed(args.seed)
         model, loss_fn, x, y, *rest = _made(_load_target(args.target))

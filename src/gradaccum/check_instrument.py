@@ -430,7 +430,11 @@ def _from_the_toolkit(frame: Any) -> bool:
     """Whether a seeding call, made from ``frame`` (the code that called the seeding function), is not a seed the
     reader's loop sets: a call from gradaccum's own tools (the exact full-batch BatchNorm scheme restores the RNG
     state to replay dropout masks) or from torch itself (``fork_rng`` and activation checkpointing save and
-    restore the RNG state). Only the immediate caller counts: the reader's step is itself called by the checker."""
+    restore the RNG state). Only the immediate caller counts: the reader's step is itself called by the checker.
+
+    The tools are the code under gradaccum's directory, except a package of it that declares its code a user's
+    (``USER_CODE = True`` in its ``__init__``: a layer built on the toolkit, whose loops are checked as a reader's
+    are)."""
     # torch's own pass-through frames: a seeding function calling another (manual_seed → cuda.manual_seed_all)
     # and the wrappers that keep the compiler out of it
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_TORCH) and (
@@ -441,7 +445,14 @@ def _from_the_toolkit(frame: Any) -> bool:
     filename = os.path.abspath(frame.f_code.co_filename)
     if filename.startswith(_TORCH):
         return True
-    return filename.startswith(_PACKAGE) and os.sep + "book" + os.sep not in filename[len(_PACKAGE) - 1:]
+    if not filename.startswith(_PACKAGE):
+        return False
+    package = frame.f_globals.get("__package__") or ""
+    while package:
+        if getattr(sys.modules.get(package), "USER_CODE", False) is True:
+            return False
+        package = package.rpartition(".")[0]
+    return True
 def _changes_nothing(frame: Any, name: str) -> bool:
     """A seeding call that leaves every shared generator as it was: a new ``random.Random`` seeding itself as it is
     constructed (``tempfile`` makes one), or ``torch.set_rng_state`` given the state the generator is in (a

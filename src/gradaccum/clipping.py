@@ -41,6 +41,7 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
+from gradaccum import _tensors
 from gradaccum._validate import require_flag, require_k, require_positive, require_vectors
 from gradaccum.accumulate import LossFn, flat_grad, split_batch
 
@@ -58,7 +59,7 @@ LABELS: dict[str, str] = {
 }
 
 
-EPS = 1e-6  # clip_grad_norm_'s constant
+EPS = _tensors.EPS  # clip_grad_norm_'s constant, 1e-6
 
 
 def _require_threshold(c: float) -> float:
@@ -91,19 +92,13 @@ def clip_vector(v: torch.Tensor, c: float, mode: Literal["norm", "value"] = "nor
     if not bool(torch.isfinite(v).all()):
         raise ValueError("v contains inf or NaN: clipping cannot make it a gradient (torch's clip_grad_norm_ gives "
                          "NaN, and a GradScaler skips such a step); find the overflow or the NaN upstream.")
-    if mode == "value":
-        return v.clamp(-c, c)
-    if mode != "norm":
-        raise ValueError(f"mode must be 'norm' or 'value', got {mode!r}.")
-    norm = torch.linalg.vector_norm(v)
-    if not bool(torch.isfinite(norm)):
+    if mode == "norm" and not bool(torch.isfinite(torch.linalg.vector_norm(v))):
         wider = ("float32 (v.float())" if v.dtype == torch.float16 else "float64 (v.double())"
                  if v.dtype != torch.float64 else "a rescaled copy (clip v / 2**k: the same result once its norm "
                  "exceeds c)")
         raise ValueError(f"the norm of v overflows {v.dtype} although its entries are finite: clip_grad_norm_ would "
                          f"scale it by c/inf = 0; clip it in {wider}.")
-    coef = c / (norm + EPS)
-    return v * coef.clamp(max=1.0)
+    return _tensors.clip_vector(v, c, mode)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

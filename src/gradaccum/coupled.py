@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gradaccum import _tensors
 from gradaccum._validate import require_count, require_k, require_momentum, require_tensor
 
 __all__ = ["info_nce", "micro_batch_info_nce", "plain_accumulation_backward", "grad_cache_backward",
@@ -125,7 +126,7 @@ def _split(inputs: Sequence[torch.Tensor], k: int) -> list[tuple[torch.Tensor, .
     if n == 0 or n % k:
         raise ValueError(f"K = {k} does not divide the batch of {n} into non-empty micro-batches; pick a batch "
                          "that K divides.")
-    return [tuple(x.chunk(k)[j] for x in inputs) for j in range(k)]
+    return _tensors.split_tensors(inputs, k)
 
 
 def _check_encoders(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> None:

@@ -14,6 +14,7 @@ from typing import cast
 
 import torch
 
+from gradaccum import _tensors
 from gradaccum._validate import require_vectors
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -160,4 +161,4 @@ def accumulation_error(micro_grads: Sequence[torch.Tensor], accumulator: torch.d
     if not torch.linalg.vector_norm(exact) > 0:
         raise ValueError(f"the exact sum of the micro-gradients rounded to {produced_in} is zero: a relative "
                          "error has no scale; pass gradients that do not cancel (or vanish in that format).")
-    return float(torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact))
+    return _tensors.relative_error(got, exact)

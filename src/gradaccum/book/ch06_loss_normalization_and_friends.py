@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradaccum._tensors import relative_error
 from gradaccum._validate import require_k
 from gradaccum.book.data import Vocab, encode_batch, spread_lines
 from gradaccum.book.models import make_cnn, make_lm
@@ -53,7 +54,7 @@ def compare_dropout(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
     require_k(k)
     if draws < 2:
         raise ValueError(f"need at least 2 draws to estimate a spread, got {draws}.")
-    rel = lambda a, b: float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(a))  # noqa: E731
+    rel = lambda reference, g: relative_error(g, reference)  # noqa: E731
     full = torch.stack([dropout_gradient(model, loss_fn, x, y, 1, seed + 1 + i) for i in range(draws)])
     acc = torch.stack([dropout_gradient(model, loss_fn, x, y, k, seed + 1 + draws + i) for i in range(draws)])
     same = rel(dropout_gradient(model, loss_fn, x, y, 1, seed), dropout_gradient(model, loss_fn, x, y, k, seed))
@@ -128,7 +129,7 @@ def token_error(model: nn.Module, lines: Sequence[str], vocab: Vocab, k: int, sp
     x, y = encode_batch(spread_lines(lines, n, center, spread, seed=seed, sort=sort), vocab)
     ref = token_mean_gradient(model, x, y)
     g = window_gradient(model, x, y, k, "mean_of_means")
-    return float(torch.linalg.vector_norm(g - ref) / torch.linalg.vector_norm(ref))
+    return relative_error(g, ref)
 
 
 def token_error_grid(model: nn.Module, lines: Sequence[str], vocab: Vocab, ks: Sequence[int],

@@ -16,11 +16,13 @@ from torch import nn
 
 from gradaccum import frameworks as fw
 from gradaccum._validate import require_count, require_k
+from gradaccum.book import ch07_harness as harness
 from gradaccum.book.data import Vocab, encode_batch, load_digits_split, spread_lines
 from gradaccum.book.models import TinyLM
 from gradaccum.book.plotting import PALETTE, decorate, figure
 from gradaccum.book.tables import Table
 from gradaccum.check import check
+from gradaccum.framework_probes import _own_accelerate_state
 from gradaccum.windows import token_loss
 
 #: Micro-batches per optimizer step in the measurements.
@@ -118,7 +120,7 @@ def step_weights(framework: str, x: torch.Tensor, y: torch.Tensor, micro_batches
     weights = []
     for s, grad in enumerate(result.grads):
         lo, hi = s * k * b, min((s + 1) * k * b, n)
-        weights.append(fw.step_factor(grad, fw.full_gradient(model, loss, x[lo:hi], y[lo:hi])))
+        weights.append(harness.step_factor(grad, harness.full_gradient(model, loss, x[lo:hi], y[lo:hi])))
     return weights
 
 
@@ -150,7 +152,7 @@ def measure(framework: str, x: torch.Tensor, y: torch.Tensor, lm_x: torch.Tensor
     ce = nn.CrossEntropyLoss()
     b = 8
     xs, ys = x[:k * b], y[:k * b]
-    full = fw.full_gradient(digits_mlp(), ce, xs, ys)
+    full = harness.full_gradient(digits_mlp(), ce, xs, ys)
 
     basic = fw.run(framework, digits_mlp(), ce, fw.split(xs, ys, k), k)
     report = check(digits_mlp(dropout=True), ce, xs, ys, k, step=fw.framework_step(framework))
@@ -160,29 +162,29 @@ def measure(framework: str, x: torch.Tensor, y: torch.Tensor, lm_x: torch.Tensor
     fp16 = "not offered"
     if framework in ("accelerate", "lightning", "trainer"):
         half = fw.run(framework, digits_mlp(), ce, fw.split(xs, ys, k), k, precision="fp16").grads[0]
-        fp16 = ("runs fp32, no GradScaler" if fw.relative_error(half, basic.grads[0]) == 0
-                else "runs bf16-mixed instead" if fw.relative_error(half, bf16.grads[0]) == 0 else "fp16")
+        fp16 = ("runs fp32, no GradScaler" if harness.relative_error(half, basic.grads[0]) == 0
+                else "runs bf16-mixed instead" if harness.relative_error(half, bf16.grads[0]) == 0 else "fp16")
     weights = step_weights(framework, x, y, k + k // 2, k, b)
     bn_model = digits_mlp(bn=True)
-    bn_full = fw.full_gradient(bn_model, ce, xs, ys)
+    bn_full = harness.full_gradient(bn_model, ce, xs, ys)
     bn = fw.run(framework, bn_model, ce, fw.split(xs, ys, k), k)
 
     n_warm = 10 * k * b
     warm = fw.run(framework, digits_mlp(), ce, fw.split(x[:n_warm], y[:n_warm], 10 * k), k, warmup=8)
 
     lm_micro = fw.split(lm_x, lm_y, k)
-    lm_full = fw.full_gradient(fresh_lm(vocab), token_loss, lm_x, lm_y, sum_loss=token_sum)
+    lm_full = harness.full_gradient(fresh_lm(vocab), token_loss, lm_x, lm_y, sum_loss=token_sum)
     plain = fw.run(framework, fresh_lm(vocab), token_loss, lm_micro, k, lr=0.0)
     recipe_error = None
     try:
         recipe = fw.run(framework, fresh_lm(vocab), token_loss, lm_micro, k, sum_loss=token_sum, lr=0.0)
-        recipe_error = fw.relative_error(recipe.grads[0], lm_full)
+        recipe_error = harness.relative_error(recipe.grads[0], lm_full)
     except ValueError:
         pass
     kwargs_mean_factor = None
     if framework == "trainer":
         kwargs_mean = fw.run(framework, fresh_lm(vocab), token_loss, lm_micro, k, lr=0.0, loss_kwargs=True)
-        kwargs_mean_factor = fw.step_factor(kwargs_mean.grads[0], plain.grads[0])
+        kwargs_mean_factor = harness.step_factor(kwargs_mean.grads[0], plain.grads[0])
     with torch.no_grad():
         net = fresh_lm(vocab)
         means = [float(token_loss(net(xb), yb)) for xb, yb in lm_micro]
@@ -193,15 +195,15 @@ def measure(framework: str, x: torch.Tensor, y: torch.Tensor, lm_x: torch.Tensor
         scheduler_per_step=basic.scheduler_steps / basic.optimizer_steps if framework != "nanogpt" else None,
         dropout_error=report.rel_error,
         dropout_codes=report.codes,
-        clip_error=fw.relative_error(clipped.grads[0], full_clipped),
-        bf16_error=fw.relative_error(bf16.grads[0], full),
+        clip_error=harness.relative_error(clipped.grads[0], full_clipped),
+        bf16_error=harness.relative_error(bf16.grads[0], full),
         fp16=fp16,
         partial_steps=len(weights),
         partial_weight=weights[1] if len(weights) > 1 else None,
-        token_error=fw.relative_error(plain.grads[0], lm_full),
+        token_error=harness.relative_error(plain.grads[0], lm_full),
         recipe_error=recipe_error,
         bn_per_step=bn.bn_updates / bn.optimizer_steps,
-        bn_error=fw.relative_error(bn.grads[0], bn_full),
+        bn_error=harness.relative_error(bn.grads[0], bn_full),
         logged=_logged(plain, means, token_mean),
         lrs=warm.lrs,
         kwargs_mean_factor=kwargs_mean_factor,
@@ -229,7 +231,7 @@ class BuiltinStep:
 
 
 def _builtin_step(run: fw.Run, full: torch.Tensor) -> BuiltinStep:
-    return BuiltinStep(fw.relative_error(run.grads[0], full), fw.step_factor(run.grads[0], full))
+    return BuiltinStep(harness.relative_error(run.grads[0], full), harness.step_factor(run.grads[0], full))
 
 
 def builtin_lm_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K,
@@ -242,17 +244,17 @@ def builtin_lm_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vo
         raise ValueError(f"loss_type must be None or the name of a Transformers loss such as 'ForCausalLM', got "
                          f"{loss_type!r}.")
     labels = causal_lm_labels(lm_x, lm_y)
-    model = fw.tiny_causal_lm(kind, vocab.size, lm_x.shape[1])
+    model = harness.tiny_causal_lm(kind, vocab.size, lm_x.shape[1])
     if loss_type is not None:
         setattr(model, "loss_type", loss_type)  # noqa: B010  (a Transformers attribute nn.Module does not declare)
-    return _builtin_step(*fw.trainer_on_causal_lm(model, lm_x, labels, k))
+    return _builtin_step(*harness.trainer_on_causal_lm(model, lm_x, labels, k))
 
 
 def builtin_classifier_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K,
                             opt_out: bool = False, loss_func: str | None = None,
                             scaled_for_ga: bool | None = None) -> BuiltinStep:
     """The Trainer on a one-layer Transformers classifier built from a config
-    (:func:`gradaccum.frameworks.tiny_classifier`: ``"bert"`` or ``"llama"`` label sequences, ``"bert-token"`` and
+    (:func:`ch07_harness.tiny_classifier`: ``"bert"`` or ``"llama"`` label sequences, ``"bert-token"`` and
     ``"bert-mlm"`` tokens), :func:`lm_batch`'s lines as inputs, ``k`` micro-batches. A sequence's class is ``i % 3``
     for row i; a token's is its id modulo 3 (``"bert-token"``) or its id (``"bert-mlm"``), padding -100. The
     image heads (``"vit"``, ``"vit-regression"``) take as many digits instead (8×8, float32), the digit modulo 3
@@ -268,20 +270,20 @@ def builtin_classifier_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, v
     if scaled_for_ga is not None and not isinstance(scaled_for_ga, bool):
         raise ValueError(f"scaled_for_ga must be None, True or False, got {scaled_for_ga!r}.")
     inputs = lm_x
-    if fw.CLASSIFIER_KINDS.get(kind) == "image":
+    if harness.CLASSIFIER_KINDS.get(kind) == "image":
         split = load_digits_split(dtype=torch.float32)
         inputs, digits = split.x_train[: len(lm_x)], split.y_train[: len(lm_x)]
         classes = digits.float() / 9 if kind == "vit-regression" else digits % 3
-    elif fw.CLASSIFIER_KINDS.get(kind) == "token":
+    elif harness.CLASSIFIER_KINDS.get(kind) == "token":
         tokens = causal_lm_labels(lm_x, lm_y)
         classes = torch.where(tokens != fw.IGNORE, tokens % 3, tokens) if kind == "bert-token" else tokens
     else:
         classes = torch.arange(len(lm_x)) % 3
-    model = fw.tiny_classifier(kind, vocab.size, inputs.shape[-1])
+    model = harness.tiny_classifier(kind, vocab.size, inputs.shape[-1])
     if opt_out:  # what the Trainer reads first (an instance attribute does, as the class attribute would)
         setattr(model, "accepts_loss_kwargs", False)  # noqa: B010
     func = None if loss_func is None else _trainer_loss(loss_func)
-    return _builtin_step(*fw.trainer_on_causal_lm(model, inputs, classes, k, func, scaled_for_ga))
+    return _builtin_step(*harness.trainer_on_causal_lm(model, inputs, classes, k, func, scaled_for_ga))
 
 
 def _trainer_loss(how: str) -> Any:
@@ -307,7 +309,7 @@ def accelerate_adjust_scheduler(requested: bool) -> bool:
 
     if not isinstance(requested, bool):
         raise ValueError(f"requested must be True or False, got {requested!r}.")
-    with fw._own_accelerate_state():
+    with _own_accelerate_state():
         plugin = GradientAccumulationPlugin(num_steps=K, adjust_scheduler=requested)
         accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
         return bool(accelerator.gradient_state.adjust_scheduler)
@@ -323,7 +325,8 @@ def bf16_full_batch_error(x: torch.Tensor, y: torch.Tensor, k: int = K) -> float
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = ce(net(xs), ys)
     loss.backward()
-    return fw.relative_error(fw.flat_grads(list(net.parameters())), fw.full_gradient(digits_mlp(), ce, xs, ys))
+    full = harness.full_gradient(digits_mlp(), ce, xs, ys)
+    return harness.relative_error(fw.flat_grads(list(net.parameters())), full)
 
 
 def bf16_accumulation_ratios(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[int] = (0, 1, 2),
@@ -340,7 +343,7 @@ def bf16_accumulation_ratios(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[i
         for k in ks:
             n = k * b
             xs, ys = x[seed * n:(seed + 1) * n], y[seed * n:(seed + 1) * n]
-            full = fw.full_gradient(digits_mlp(seed=seed), ce, xs, ys)
+            full = harness.full_gradient(digits_mlp(seed=seed), ce, xs, ys)
             one, acc = digits_mlp(seed=seed), digits_mlp(seed=seed)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = ce(one(xs), ys)
@@ -349,14 +352,14 @@ def bf16_accumulation_ratios(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[i
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     micro = ce(acc(xb), yb) / k
                 micro.backward()
-            ratios[seed, k] = (fw.relative_error(fw.flat_grads(list(acc.parameters())), full)
-                               / fw.relative_error(fw.flat_grads(list(one.parameters())), full))
+            ratios[seed, k] = (harness.relative_error(fw.flat_grads(list(acc.parameters())), full)
+                               / harness.relative_error(fw.flat_grads(list(one.parameters())), full))
     return ratios
 
 
 def two_processes(lm_x: torch.Tensor, lm_y: torch.Tensor, k: int = K, timeout: float = 120.0
-                  ) -> dict[str, fw.RankResult]:
-    """Every framework on two gloo processes (:func:`gradaccum.frameworks.rank_task`); rank 0's results, after
+                  ) -> dict[str, harness.RankResult]:
+    """Every framework on two gloo processes (:func:`gradaccum.book.ch07_harness.rank_task`); rank 0's results, after
     checking that both ranks measured the same thing."""
     from gradaccum.book.ddp_workers import launch
 
@@ -417,7 +420,7 @@ def _like(error: float, reference: float) -> str:
     return "✓ as the full batch" if 0.8 <= error / reference <= 1.25 else f"✗ {error / reference:.1f}× the full batch's"
 
 
-def behaviour_rows(single: dict[str, Single], multi: dict[str, fw.RankResult], bf16_full: float,
+def behaviour_rows(single: dict[str, Single], multi: dict[str, harness.RankResult], bf16_full: float,
                    k: int = K) -> list[list[str]]:
     """One list of cells per row of :data:`ROWS`, one cell per framework (the order of ``single``);
     ``bf16_full``: :func:`bf16_full_batch_error`."""
@@ -446,7 +449,7 @@ def behaviour_rows(single: dict[str, Single], multi: dict[str, fw.RankResult], b
     return [[label] + [cells[n][i] for n in names] for i, label in enumerate(ROWS)]
 
 
-def behaviour_table(single: dict[str, Single], multi: dict[str, fw.RankResult], bf16_full: float,
+def behaviour_table(single: dict[str, Single], multi: dict[str, harness.RankResult], bf16_full: float,
                     k: int = K) -> Table:
     """The chapter's table: condition × framework, every cell measured."""
     return Table(["condition"] + [fw.LABELS[n] for n in single], behaviour_rows(single, multi, bf16_full, k),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gradaccum import coupled
+from gradaccum._tensors import relative_error
 from gradaccum._validate import require_count, require_k
 from gradaccum.accumulate import flat_grad
 from gradaccum.book.ch08_scaling import BASE_LR as BASE_LR
@@ -83,7 +85,7 @@ def accumulation_error(x: torch.Tensor, k: int, b: int, seed: int = 0) -> tuple[
     coupled.plain_accumulation_backward([plain, plain], [xa, xb], k, loss)
     coupled.grad_cache_backward([cache, cache], [xa, xb], k, loss)
     ref = flat_grad(full)
-    return (float((flat_grad(plain) - ref).norm() / ref.norm()), float((flat_grad(cache) - ref).norm() / ref.norm()))
+    return relative_error(flat_grad(plain), ref), relative_error(flat_grad(cache), ref)
 
 
 @dataclass
@@ -424,11 +426,11 @@ def checkpoint_window(x: torch.Tensor, y: torch.Tensor, k: int, b: int, momentum
         for name, net in nets.items():
             (ce(_run_block(net, xb, name), yb) / k).backward()
     ref = nets["no checkpointing"]
-    rel = lambda a, c: float((a - c).norm() / c.norm())  # noqa: E731
+    means = {n: cast(torch.Tensor, net[1].running_mean) for n, net in nets.items()}
     return CheckpointRun(
         tracked={n: int(net[1].num_batches_tracked) for n, net in nets.items()},  # type: ignore[arg-type]
-        mean_error={n: rel(net[1].running_mean, ref[1].running_mean) for n, net in nets.items()},
-        grad_error={n: rel(flat_grad(net), flat_grad(ref)) for n, net in nets.items()},
+        mean_error={n: relative_error(mean, means["no checkpointing"]) for n, mean in means.items()},
+        grad_error={n: relative_error(flat_grad(net), flat_grad(ref)) for n, net in nets.items()},
     )
 
 

@@ -1,9 +1,13 @@
 """A demonstration of :func:`gradaccum.check.check`: correct loops, and one model or loop per planted bug,
-on the book's data (the digits and the tiny character model); run by ``python -m gradaccum.check --demo``,
-chapter 6 and the "Check your own loop" page."""
+on the book's data (the digits and the tiny character model); run by ``python -m gradaccum.book.check_demo``
+(exit status 0 when every verdict is as planted, 1 when one is not, 2 a usage error), chapter 6 and the "Check your
+own loop" page."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -195,3 +199,37 @@ def run_demo(k: int = 4) -> list[DemoResult]:
     for name, (model, loss_fn, x, y, step, clip) in demo_cases().items():
         results.append(DemoResult(name, check(model, loss_fn, x, y, k, step=step, clip=clip), DEMO_EXPECTED[name]))
     return results
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gradaccum.book.check_demo",
+                                     description="Run gradaccum.check on every planted bug and the correct loops; "
+                                     "fails when a planted bug is missed or a correct loop is flagged.")
+    parser.add_argument("-k", type=int, default=4, help="accumulation steps K (default 4)")
+    parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The demo's command line; returns the exit status (0 every verdict as expected, 1 one is not, 2 usage)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.k < 1:
+        parser.error(f"-k must be >= 1, got {args.k}")
+    results = run_demo(args.k)
+    if args.json:
+        print(json.dumps({"cases": [{"name": r.name, "expected": list(r.expected), "as_expected": r.as_expected,
+                                     "report": r.report.to_dict()} for r in results],
+                          "all_as_expected": all(r.as_expected for r in results)}, indent=2))
+    else:
+        for r in results:
+            plant = ", ".join(r.expected) if r.expected else "nothing (a correct loop)"
+            verdict = "as expected" if r.as_expected else "NOT AS EXPECTED"
+            print(f"== {r.name} (plants: {plant}): {verdict}\n{r.report}\n")
+        good = sum(r.as_expected for r in results)
+        print(f"demo: {good} of {len(results)} verdicts as expected")
+    return 0 if all(r.as_expected for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

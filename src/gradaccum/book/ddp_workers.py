@@ -471,7 +471,7 @@ def _task_train(rank: int, world_size: int, k: int, b: int, steps: int, data: An
 
 def _task_frameworks(rank: int, world_size: int, **kwargs: Any) -> Any:
     """Chapter 7: the frameworks on two processes (imported here, not at the top: only this task needs them)."""
-    from gradaccum.frameworks import rank_task
+    from gradaccum.book.ch07_harness import rank_task
 
     return rank_task(rank, world_size, **kwargs)
 
