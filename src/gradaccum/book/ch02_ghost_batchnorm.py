@@ -350,7 +350,10 @@ def plot_methods(runs: list[MethodRun]):
     ax.bar(pos - 0.2, [100 * r.val_acc for r in runs], 0.4, color=PALETTE["sky"], label="running statistics")
     ax.bar(pos + 0.2, [100 * r.val_acc_precise for r in runs], 0.4, color=PALETTE["vermillion"], hatch="//",
            edgecolor="white", label="after PreciseBN")
-    ax.set_xticks(pos, [f"{r.method}\n(K={r.k}, BN n={r.b})" for r in runs], rotation=25, ha="right", fontsize=8)
+    # n: the samples a BatchNorm normalizes over; GroupNorm and LayerNorm have none
+    no_bn = ("GroupNorm", "LayerNorm")
+    ticks = [f"{r.method}\n(K={r.k}, " + ("no BatchNorm)" if r.method in no_bn else f"BN over n={r.b})") for r in runs]
+    ax.set_xticks(pos, ticks, rotation=25, ha="right", fontsize=8)
     title = f"Digits, seed {runs[0].seed}, {runs[0].schedule} LR, {runs[0].steps} optimizer steps"
     decorate(ax, "", "validation accuracy (%)", title)
     ax.set_ylim(0, 118)
@@ -370,6 +373,7 @@ def plot_study(runs: Sequence[MethodRun]):
     k_small = min(kk for m, kk, _, _ in table if m == "plain accumulation")
     fig, axes = figure(len(schedules), 4.8 * len(schedules), 3.6)
     for ax, schedule in zip(axes, schedules):
+        b_small = table["plain accumulation", k_small, schedule, seeds[0]].b
         for i, seed in enumerate(seeds):
             plain = table["plain accumulation", k, schedule, seed]
             full = table["full batch", 1, schedule, seed]
@@ -377,13 +381,12 @@ def plot_study(runs: Sequence[MethodRun]):
             mom = table["momentum-corrected", k, schedule, seed]
             pairs = [(0, plain.val_acc_precise - plain.val_acc, PALETTE["vermillion"], f"PreciseBN − plain (K={k})"),
                      (1, mom.val_acc - plain.val_acc, PALETTE["blue"], f"momentum-corrected − plain (K={k})"),
-                     (2, small.val_acc - full.val_acc, PALETTE["orange"], f"K={k_small} − full batch"),
+                     (2, small.val_acc - full.val_acc, PALETTE["orange"], f"b={b_small} − full batch"),
                      (3, small.val_acc_precise - full.val_acc_precise, PALETTE["green"],
-                      f"K={k_small} − full batch, both PreciseBN")]
+                      f"b={b_small} − full batch, both PreciseBN")]
             for x, diff, color, label in pairs:
                 ax.scatter(x + (i - 1) * 0.12, 100 * diff, color=color, s=28, label=label if i == 0 else None)
         ax.axhline(0, color="0.4", lw=0.8)
-        b_small = table["plain accumulation", k_small, schedule, seeds[0]].b
         ax.set_xticks(range(4), ["PreciseBN", "momentum\ncorrection", f"b={b_small}\nvs full",
                                  f"b={b_small} vs full\n(PreciseBN)"], fontsize=8)
         decorate(ax, "", "difference (points)", f"{schedule} learning rate, seeds {seeds[0]}–{seeds[-1]}")

@@ -603,13 +603,14 @@ def plot_partial_curves(curves: PartialCurves, seed: int = 0):
 
 
 def plot_partial_weights(weights: dict[str, list[tuple[int, int, float]]]):
-    """The last window's weight against the fraction r/K of the window it holds, one panel per framework."""
+    """The last window's weight against the fraction k′/K of the window it holds, one panel per framework."""
     fig, axes = figure(len(weights), 6.4, 2.8)
     for ax, (name, points) in zip(axes, weights.items()):
         for k, marker in zip(sorted({p[0] for p in points}), ("o", "s", "^", "D")):
             mine = [(r / k, w) for kk, r, w in points if kk == k]
             ax.plot(*zip(*mine), marker, color=COLORS[name], label=f"K = {k}", alpha=0.8)
         ax.plot([0, 1], [0, 1], color="black", linewidth=0.8, linestyle=":")
-        decorate(ax, "r / K", "weight" if ax is axes[0] else "", fw.LABELS[name], legend=ax is axes[0])
+        xlabel = "k′ / K (micro-batches in the last window)"
+        decorate(ax, xlabel, "weight" if ax is axes[0] else "", fw.LABELS[name], legend=ax is axes[0])
         ax.set_ylim(0, 1.1)
     return fig
