@@ -51,131 +51,165 @@ DEMO_EXPECTED: dict[str, tuple[str, ...]] = {
 }
 
 
-def demo_cases() -> dict[str, tuple[nn.Module, Callable, torch.Tensor, torch.Tensor, Step | None, float | None]]:
-    """Correct loops and one model or loop per planted bug: name → (model, loss_fn, x, y, step, clip), usable as
-    returned: ``check(model, loss_fn, x, y, 4, step=step, clip=clip)``. :data:`DEMO_EXPECTED` says what each
-    plants. Needs the book's data (scikit-learn's digits)."""
+# ----------------------------------------------------------------------------------------- the planted loops
+# Each is a `step(model, loss_fn, xs, ys, k)`: one window, as a reader's training script would write it.
 
-    d = load_digits_split()
-    x, y = d.x_train[:32], d.y_train[:32]
-    ce = nn.CrossEntropyLoss()
 
-    def clip_inside(model, loss_fn, xs, ys, k):
-        for xb, yb in split_batch(xs, ys, k):
-            (loss_fn(model(xb), yb) / k).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+def _clip_inside(model, loss_fn, xs, ys, k):
+    for xb, yb in split_batch(xs, ys, k):
+        (loss_fn(model(xb), yb) / k).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
 
-    def reseeding(model, loss_fn, xs, ys, k):
-        for i, (xb, yb) in enumerate(split_batch(xs, ys, k)):
-            torch.manual_seed(1234 + i)
-            (loss_fn(model(xb), yb) / k).backward()
 
+def _reseeding(model, loss_fn, xs, ys, k):
+    for i, (xb, yb) in enumerate(split_batch(xs, ys, k)):
+        torch.manual_seed(1234 + i)
+        (loss_fn(model(xb), yb) / k).backward()
+
+
+def _scheduler_inside() -> Step:
+    """A step that steps a scheduler (of its own optimizer) after every micro-batch."""
     sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), step_size=1)
 
-    def scheduler_inside(model, loss_fn, xs, ys, k):
+    def step(model, loss_fn, xs, ys, k):
         for xb, yb in split_batch(xs, ys, k):
             (loss_fn(model(xb), yb) / k).backward()
             sched.step()
 
-    def scaler_update_inside(model, loss_fn, xs, ys, k):
-        scaler = torch.amp.GradScaler("cpu")
-        for xb, yb in split_batch(xs, ys, k):
-            scaler.scale(loss_fn(model(xb), yb) / k).backward()
-            scaler.update(new_scale=2 * float(scaler.get_scale()))
-        for p in model.parameters():
-            p.grad /= scaler.get_scale()
+    return step
 
-    def whole_iteration(model, loss_fn, xs, ys, k):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=10)  # steps once in here
-        opt.zero_grad()
-        for xb, yb in split_batch(xs, ys, k):
-            (loss_fn(model(xb), yb) / k).backward()
-        opt.step()
-        warmup.step()
-        opt.zero_grad()
 
-    def amp_clip(unscale_first: bool) -> Step:
-        def step(model, loss_fn, xs, ys, k):
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            scaler = torch.amp.GradScaler("cpu")
-            for xb, yb in split_batch(xs, ys, k):
-                scaler.scale(loss_fn(model(xb), yb) / k).backward()
-            if unscale_first:
-                scaler.unscale_(opt)
-            clip_grad_norm_(model.parameters(), 1.0)  # imported by name
-            scaler.step(opt)
-            scaler.update()
+def _scaler_update_inside(model, loss_fn, xs, ys, k):
+    scaler = torch.amp.GradScaler("cpu")
+    for xb, yb in split_batch(xs, ys, k):
+        scaler.scale(loss_fn(model(xb), yb) / k).backward()
+        scaler.update(new_scale=2 * float(scaler.get_scale()))
+    for p in model.parameters():
+        p.grad /= scaler.get_scale()
 
-        return step
 
-    def missing_k(model, loss_fn, xs, ys, k):
-        for xb, yb in split_batch(xs, ys, k):
-            loss_fn(model(xb), yb).backward()
+def _whole_iteration(model, loss_fn, xs, ys, k):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=10)  # steps once in here
+    opt.zero_grad()
+    for xb, yb in split_batch(xs, ys, k):
+        (loss_fn(model(xb), yb) / k).backward()
+    opt.step()
+    warmup.step()
+    opt.zero_grad()
 
-    def zero_grad_inside(model, loss_fn, xs, ys, k):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for xb, yb in split_batch(xs, ys, k):
-            opt.zero_grad()
-            (loss_fn(model(xb), yb) / k).backward()
 
-    def update_every_micro(model, loss_fn, xs, ys, k):
+def _amp_clip(unscale_first: bool) -> Step:
+    """The AMP window with a clip, after ``unscale_`` (right) or before it (wrong)."""
+
+    def step(model, loss_fn, xs, ys, k):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu")
         for xb, yb in split_batch(xs, ys, k):
             scaler.scale(loss_fn(model(xb), yb) / k).backward()
-            scaler.update()
+        if unscale_first:
+            scaler.unscale_(opt)
+        clip_grad_norm_(model.parameters(), 1.0)  # imported by name
         scaler.step(opt)
+        scaler.update()
 
-    def step_every_micro(model, loss_fn, xs, ys, k):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for xb, yb in split_batch(xs, ys, k):
-            (loss_fn(model(xb), yb) / k).backward()
-            opt.step()
-            opt.zero_grad()
+    return step
 
-    accumulation_steps = 4  # a constant of the training script, used for every window
 
-    def fixed_k(model, loss_fn, xs, ys, k):
-        for xb, yb in split_batch(xs, ys, k):
-            (loss_fn(model(xb), yb) / accumulation_steps).backward()
+def _missing_k(model, loss_fn, xs, ys, k):
+    for xb, yb in split_batch(xs, ys, k):
+        loss_fn(model(xb), yb).backward()
 
-    lines = load_corpus()
-    vocab = make_vocab(lines)
-    tx, ty = encode_batch(spread_lines(lines, 16, 50, 39, seed=1, sort=True), vocab)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        dropout_model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3),
-                                      nn.Linear(32, 10)).double()
-        two_dropouts = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32),
-                                     nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10)).double()
-    return {
-        "correct loop, GroupNorm": (make_cnn("group"), ce, x, y, None, None),
-        "BatchNorm": (make_cnn("batch"), ce, x, y, None, None),
-        "dropout, fresh masks (correct)": (dropout_model, ce, x, y, None, None),
-        "clipping inside the loop": (make_cnn("group"), ce, x, y, clip_inside, 0.1),
-        "RNG re-seeded per micro-batch": (dropout_model, ce, x, y, reseeding, None),
-        "scheduler stepped per micro-batch": (make_cnn("group"), ce, x, y, scheduler_inside, None),
-        "loss scale changed inside the window": (make_cnn("group").float(), ce, x.float(), y, scaler_update_inside,
-                                                 None),
-        "mean of per-micro-batch token means": (make_lm(vocab), token_cross_entropy, tx, ty, _lm_mean_loss, None),
-        "two dropout layers (correct)": (two_dropouts, ce, x, y, None, None),
-        "whole iteration, optimizer and LinearLR (correct)": (make_cnn("group"), ce, x, y, whole_iteration, None),
-        "clip once after unscale_ (correct)": (make_cnn("group").float(), ce, x.float(), y, amp_clip(True), None),
-        "missing 1/K": (make_cnn("group"), ce, x, y, missing_k, None),
-        "zero_grad inside the window": (make_cnn("group"), ce, x, y, zero_grad_inside, None),
-        "clip before unscale_": (make_cnn("group").float(), ce, x.float(), y, amp_clip(False), None),
-        "scaler.update() after every micro-batch": (make_cnn("group").float(), ce, x.float(), y, update_every_micro,
-                                                    None),
-        "optimizer.step() after every micro-batch": (make_cnn("group"), ce, x, y, step_every_micro, None),
-        "partial last window divided by K": (make_cnn("group"), ce, x, y, fixed_k, None),
-        "BatchNorm and a missing 1/K": (make_cnn("batch"), ce, x, y, missing_k, None),
-    }
+
+def _zero_grad_inside(model, loss_fn, xs, ys, k):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for xb, yb in split_batch(xs, ys, k):
+        opt.zero_grad()
+        (loss_fn(model(xb), yb) / k).backward()
+
+
+def _update_every_micro(model, loss_fn, xs, ys, k):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    for xb, yb in split_batch(xs, ys, k):
+        scaler.scale(loss_fn(model(xb), yb) / k).backward()
+        scaler.update()
+    scaler.step(opt)
+
+
+def _step_every_micro(model, loss_fn, xs, ys, k):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for xb, yb in split_batch(xs, ys, k):
+        (loss_fn(model(xb), yb) / k).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+ACCUMULATION_STEPS = 4  # a constant of the training script, used for every window
+
+
+def _fixed_k(model, loss_fn, xs, ys, k):
+    for xb, yb in split_batch(xs, ys, k):
+        (loss_fn(model(xb), yb) / ACCUMULATION_STEPS).backward()
 
 
 def _lm_mean_loss(model, loss_fn, xs, ys, k):
     for xb, yb in split_batch(xs, ys, k):
         (loss_fn(model(xb), yb) / k).backward()
+
+
+# ------------------------------------------------------------------------------------------------- the cases
+Case = tuple[nn.Module, Callable, torch.Tensor, torch.Tensor, "Step | None", "float | None"]
+
+
+def _dropout_models() -> tuple[nn.Module, nn.Module]:
+    """An MLP with one dropout layer and one with two (float64, seed 0)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        one = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10)).double()
+        two = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32),
+                            nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10)).double()
+    return one, two
+
+
+def demo_cases() -> dict[str, Case]:
+    """Correct loops and one model or loop per planted bug: name → (model, loss_fn, x, y, step, clip), usable as
+    returned: ``check(model, loss_fn, x, y, 4, step=step, clip=clip)``. :data:`DEMO_EXPECTED` says what each
+    plants. Needs the book's data (scikit-learn's digits)."""
+    d = load_digits_split()
+    x, y = d.x_train[:32], d.y_train[:32]
+    ce = nn.CrossEntropyLoss()
+    lines = load_corpus()
+    vocab = make_vocab(lines)
+    tx, ty = encode_batch(spread_lines(lines, 16, 50, 39, seed=1, sort=True), vocab)
+    dropout, two_dropouts = _dropout_models()
+
+    def group(step: Step | None = None, clip: float | None = None) -> Case:
+        return (make_cnn("group"), ce, x, y, step, clip)
+
+    def group32(step: Step) -> Case:  # float32, for the loss scaler
+        return (make_cnn("group").float(), ce, x.float(), y, step, None)
+
+    return {
+        "correct loop, GroupNorm": group(),
+        "BatchNorm": (make_cnn("batch"), ce, x, y, None, None),
+        "dropout, fresh masks (correct)": (dropout, ce, x, y, None, None),
+        "clipping inside the loop": group(_clip_inside, 0.1),
+        "RNG re-seeded per micro-batch": (dropout, ce, x, y, _reseeding, None),
+        "scheduler stepped per micro-batch": group(_scheduler_inside()),
+        "loss scale changed inside the window": group32(_scaler_update_inside),
+        "mean of per-micro-batch token means": (make_lm(vocab), token_cross_entropy, tx, ty, _lm_mean_loss, None),
+        "two dropout layers (correct)": (two_dropouts, ce, x, y, None, None),
+        "whole iteration, optimizer and LinearLR (correct)": group(_whole_iteration),
+        "clip once after unscale_ (correct)": group32(_amp_clip(True)),
+        "missing 1/K": group(_missing_k),
+        "zero_grad inside the window": group(_zero_grad_inside),
+        "clip before unscale_": group32(_amp_clip(False)),
+        "scaler.update() after every micro-batch": group32(_update_every_micro),
+        "optimizer.step() after every micro-batch": group(_step_every_micro),
+        "partial last window divided by K": group(_fixed_k),
+        "BatchNorm and a missing 1/K": (make_cnn("batch"), ce, x, y, _missing_k, None),
+    }
 
 
 @dataclass(frozen=True)
