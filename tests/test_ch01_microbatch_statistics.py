@@ -279,7 +279,7 @@ def test_exercise_solutions_numbers():
         bn_statistics.eval_train_mean_abs_ratio(1)
 
 
-def test_review_layer_inputs_restores_every_modules_mode(digits):
+def test_layer_inputs_restores_every_modules_mode(digits):
     """Review: layer_inputs restored only the top-level mode, so a frozen BatchNorm came back in training mode."""
     model = make_cnn("batch", seed=0)
     model.features[1].eval()  # frozen inside a training model
@@ -287,7 +287,7 @@ def test_review_layer_inputs_restores_every_modules_mode(digits):
     assert model.training and not model.features[1].training
 
 
-def test_review_momentum_none_is_a_cumulative_average_that_accumulation_does_not_speed_up():
+def test_momentum_none_is_a_cumulative_average_that_accumulation_does_not_speed_up():
     """Review: set_bn_momentum turned a momentum=None layer (a cumulative average) into an exponential one without
     a word. With momentum=None, K equal micro-batches leave the running mean equal to one full batch's."""
     torch.manual_seed(0)
@@ -366,7 +366,7 @@ def test_agreement_is_exact_for_tiny_gradients_and_refuses_what_it_cannot_compar
         agreement(torch.zeros(3), torch.ones(3))
 
 
-def test_review_tools_stay_exact_at_the_extremes_and_refuse_what_has_no_answer():
+def test_chapter_1_tools_stay_exact_at_the_extremes_and_refuse_what_has_no_answer():
     """Third review of chapter 1: agreement's cosine of parallel vectors 1e600 apart came out -1 or 0, the momentum
     formulas cancelled to 0 for tiny momenta and passed NumPy float32 through, predicted_mean_variance raised
     TypeError/RuntimeError, batch_moments returned NaN, accuracy divided by zero, an empty batch gave a zero
@@ -397,7 +397,7 @@ def test_review_tools_stay_exact_at_the_extremes_and_refuse_what_has_no_answer()
     assert "'BatchNorm2d'" in ex.grade_batch_coupled({nn.BatchNorm2d, nn.Linear}).message
 
 
-def test_review_leftovers_are_refused_with_advice():
+def test_numpy_sizes_non_modules_and_fractional_counts_are_refused_with_advice():
     """A NumPy b, a model that is not a module, fractional epochs and float batch sizes raised TypeError or
     AttributeError (or were refused without the NumPy hint); now ValueErrors that say what to pass."""
     from gradaccum.accumulate import train
@@ -415,7 +415,7 @@ def test_review_leftovers_are_refused_with_advice():
             train(nn.Linear(2, 2), *data, k=2, **kwargs)
 
 
-def test_review_tools_take_keyword_inputs_numpy_scalars_and_refuse_complex():
+def test_tools_take_keyword_inputs_numpy_scalars_and_refuse_complex():
     """Review: layer_inputs raised IndexError for a layer called with a keyword input; agreement took complex
     tensors (dropping the imaginary part: relative error 0 for [1+1j, 2] against [1-1j, 2]) and bool ones;
     NumPy momenta leaked into results and layers; predicted_mean_variance refused n=np.int64."""
@@ -462,7 +462,7 @@ def test_review_tools_take_keyword_inputs_numpy_scalars_and_refuse_complex():
             bn_statistics.predicted_mean_variance(sigma2, 2, 10)
 
 
-def test_review_graders_name_percentages_and_cut_off_digits():
+def test_graders_name_percentages_and_cut_off_digits():
     """Review: a percentage (26.5) and an answer cut off instead of rounded (0.264) got only the generic hint."""
     from gradaccum.book import exercises
 
@@ -476,7 +476,7 @@ def test_review_graders_name_percentages_and_cut_off_digits():
         assert "cuts the answer off" not in exercises.grade_number(value, value + 0.01, digits=2).message
 
 
-def test_review_tools_refuse_frozen_models_arrays_and_integer_gradients():
+def test_tools_refuse_frozen_models_arrays_and_integer_gradients():
     """Fifth review: a frozen model gave torch's RuntimeError, NumPy inputs a TypeError or AttributeError, and
     agreement compared integer tensors without a word; each is a ValueError that says what to pass."""
     frozen = nn.Linear(3, 2).requires_grad_(False)
@@ -494,7 +494,7 @@ def test_review_tools_refuse_frozen_models_arrays_and_integer_gradients():
             call()
 
 
-def test_review_seven_conv_batchnorm_variance_factor(digits):
+def test_conv_batchnorm_variance_factor_matches_a_simulation(digits):
     """Chapter 1: a convolutional BatchNorm's expected biased variance is 1 − Var(m_i)/(b σ²) of σ² (m_i an image's
     mean over its positions; here with the finite-population factor of drawing images without replacement):
     never below (b − 1)/b. Checked on the SmallCNN's first BatchNorm2d, by simulation."""
@@ -513,7 +513,7 @@ def test_review_seven_conv_batchnorm_variance_factor(digits):
         assert bool((predicted >= (b - 1) / b).all()) and float(predicted.min()) > 0.98
 
 
-def test_review_seven_tools_refuse_or_convert_what_they_were_given(digits):
+def test_small_integer_sizes_are_widened_and_numpy_data_or_bad_rates_refused(digits):
     """predicted_mean_variance wrapped n − b in a uint8 tensor (300 − 2 = 42) and overflowed in a NumPy int8
     array; microbatch_effect took NumPy arrays and float labels to torch's own errors; train() trained with a NaN
     learning rate or momentum 1.5."""

@@ -377,7 +377,7 @@ def test_training_in_two_processes_gives_the_runs_one_after_the_other(digits):
         ch2.train_many(digits, jobs, workers=0)
 
 
-def test_review_ghostify_refuses_a_batchnorm_without_its_shift():
+def test_ghostify_refuses_a_batchnorm_without_its_shift():
     """Review: nn.BatchNorm2d(bias=False) (affine, no shift) failed deep inside ghostify with a RuntimeError about a
     missing state-dict key."""
     from torch import nn as tnn
@@ -410,7 +410,7 @@ def test_precise_bn_leaves_the_statistics_alone_when_its_pass_fails():
     assert all(m.momentum == 0.1 for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
 
 
-def test_review_third_round_tools_refuse_arrays_empty_inputs_and_impossible_grader_settings():
+def test_tools_refuse_arrays_empty_inputs_and_impossible_grader_settings():
     """NumPy inputs gave AttributeErrors, an empty x a contradictory message, exact='no' ran the exact scheme, and
     graders accepted settings the exercise cannot have (v = 1, K = 0, no layers, a NaN delta); a one-element NumPy
     answer was refused where a one-element tensor was accepted."""
@@ -436,7 +436,7 @@ def test_review_third_round_tools_refuse_arrays_empty_inputs_and_impossible_grad
     assert ex.grade_ghost_virtual_size(np.array([4])) and ex.grade_ghost_virtual_size(torch.tensor([4]))
 
 
-def test_fourth_review_refusals():
+def test_exact_scheme_refuses_weighted_or_ignored_targets_and_ghost_bn_bad_inputs():
     """Review: a class-weighted mean or ignored targets made the exact scheme silently wrong (relative error 0.13);
     an integer input raised NotImplementedError; the (N, C, L) advice spoke to the layer's constructor only."""
     from torch import nn as tnn

@@ -132,10 +132,10 @@ def test_widget_function_and_figures():
     assert len(ch3.plot_placement_effects(4, 0.5, 0.5).axes) == 2
 
 
-# ------------------------------------------------------------------ errata: bounds and both directions
+# ------------------------------------------------------------------ misplaced clips: bounds and both directions
 
 
-def test_errata_cases_err_in_both_directions():
+def test_misplaced_clips_make_steps_too_long_too_short_or_reversed():
     cases = ch3.errata_cases()
     long_a1 = cases["(a1) too long: aligned"]
     assert long_a1.norm == pytest.approx(2.0) and long_a1.ratio == pytest.approx(2.0, rel=1e-5)
@@ -219,7 +219,7 @@ def test_raw_micro_all_clipped_refuses_when_a_micro_gradient_is_not_clipped():
 # ------------------------------------------------------------------ the numbers the exercise solutions state
 
 
-def test_exercise_running_buffer_from_the_issue():
+def test_exercise_running_buffer_solution():
     """ex-ch3-running: (2, 0) then (0, 2) added to .grad without 1/K, clip_grad_norm_(·, 1) after each."""
     g1, g2 = torch.tensor([2.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 2.0], dtype=torch.float64)
     forward = clipping.clip_running_buffer([g1, g2], 1.0)
@@ -356,7 +356,7 @@ def test_vector_tools_refuse_mismatched_non_finite_or_directionless_micro_gradie
             ch3.synthetic_micro_gradients(**(dict(k=2, alignment=0.5) | kwargs))
 
 
-def test_review_third_round_clipping_tools():
+def test_clipping_tools_keep_tiny_steps_exact_and_refuse_nonfinite_or_string_inputs():
     """Third review of chapter 3: cosines of short steps were NaN (an absolute 1e-6 floor) or off (F.cosine_similarity's
     eps); NaN and overflowing norms passed through clip_vector; strings were truthy flags or TypeErrors; a tiny
     float32 vector was called zero; the 1-norm bracket said 'a third' where it is nearly twice."""
@@ -383,7 +383,7 @@ def test_review_third_round_clipping_tools():
     assert ch3.torch_clip_ratio(pair, 1.0, "scaled_micro", norm_type=1) > 1.98
 
 
-def test_review_clip_with_scaler_refuses_what_a_scaler_would_skip():
+def test_clip_with_scaler_refuses_what_a_scaler_would_skip():
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
@@ -395,7 +395,7 @@ def test_review_clip_with_scaler_refuses_what_a_scaler_would_skip():
         clipping.clip_with_scaler(model, nn.CrossEntropyLoss(), x, y, 2, 0.1, unscale_first="False")
 
 
-# ------------------------------------------------------------------ fourth review
+# ------------------------------------------------------------------ AdamW, near-zero steps and overflowing clips
 
 
 def test_adamw_reverses_the_order_of_a2(digits):
@@ -443,7 +443,7 @@ def test_a_small_step_that_no_clip_touched_keeps_its_direction():
     assert math.isnan(exact_zero.cosine) and math.isnan(exact_zero.ratio)
 
 
-def test_messages_and_defaults_from_the_review():
+def test_overflowing_clips_name_the_wider_dtype_and_defaults_are_the_right_order():
     with pytest.raises(ValueError, match=r"float64 \(v.double\(\)\)"):
         clipping.clip_vector(torch.tensor([3e38, 3e38]), 1.0)
     with pytest.raises(ValueError, match=r"float64 \(v.double\(\)\)"):
@@ -483,10 +483,10 @@ def test_torch_clip_ratio_refuses_what_has_no_ratio():
             ch3.torch_clip_ratio(*args)
 
 
-# ------------------------------------------------------------------ seventh review
+# ------------------------------------------------------------------ scales and sweeps that have no answer
 
 
-def test_review_seven_a_scale_whose_inverse_is_infinite_is_refused():
+def test_a_scale_whose_inverse_is_infinite_is_refused():
     """GradScaler unscales by 1/S rounded to float32: infinite below about 2.94e-39. clip_with_scaler said "use a
     smaller init_scale" there (the opposite of the fix) and scaler_clip_norm returned NaN; both refuse now, and
     the edge itself still works."""
@@ -503,7 +503,7 @@ def test_review_seven_a_scale_whose_inverse_is_infinite_is_refused():
         clipping.raw_micro_all_clipped(0.5, 4, float("inf"))
 
 
-def test_review_seven_sweep_tools_refuse_what_they_cannot_tabulate(digits):
+def test_sweep_tools_refuse_what_they_cannot_tabulate(digits):
     with pytest.raises(ValueError, match="BatchNorm"):
         ch3.table_sweep(digits, setups=(("batch", 0.3),), seeds=(0,), ks=(1, 2))
     with pytest.raises(ValueError, match="seeds below"):

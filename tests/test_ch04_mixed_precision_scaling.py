@@ -393,7 +393,7 @@ def test_precision_tools_refuse_what_has_no_answer():
         precision.mixed_scale_sum([torch.ones(3), torch.ones(2)], [1.0, 1.0], 1.0)
 
 
-def test_review_layernorm_on_the_cpu_and_parameters_outside_kernels():
+def test_kernel_gradients_read_layernorm_in_fp16_and_refuse_parameters_outside_kernels():
     """Second review: on the CPU, nn.LayerNorm's weight gradient is computed in fp16 from an fp16 input (inf where
     GroupNorm's stays finite), so kernel_gradients now reads it there; a parameter outside linear, convolution and
     normalization modules (MultiheadAttention's in_proj_weight) makes kernel_gradients refuse."""
@@ -419,7 +419,7 @@ def test_review_layernorm_on_the_cpu_and_parameters_outside_kernels():
         precision.kernel_gradients(Attention(), nn.CrossEntropyLoss(), x, y, 2)
 
 
-def test_review_scales_exponents_and_inputs_out_of_range_are_refused(loss_fn):
+def test_scales_exponents_and_inputs_out_of_range_are_refused(loss_fn):
     """Second review: scales outside float32's normal range gave NaN/inf updates or a RuntimeError, a model without
     parameters StopIteration, a float64 input a dtype RuntimeError, hi=2000 an OverflowError, a list
     AttributeError, overflow_at=1 TypeError; NumPy numbers are numbers."""
@@ -452,7 +452,7 @@ def test_review_scales_exponents_and_inputs_out_of_range_are_refused(loss_fn):
     assert "window's own update()" in ex.grade_backoff_scale(512).message
 
 
-def test_review_amp_window_update_is_exact_at_any_learning_rate_and_overflows_are_refused(loss_fn):
+def test_amp_window_update_is_exact_at_any_learning_rate_and_overflows_are_refused(loss_fn):
     """Second review: amp_window read the update back from the fp32 weights, so at lr = 1e-9 no weight moved and
     it reported 0 steps and a zero update; accumulation_error gave NaN when the inputs overflow the format they
     are produced in, and mixed_scale_sum inf for scales no GradScaler holds together."""
@@ -471,7 +471,7 @@ def test_review_amp_window_update_is_exact_at_any_learning_rate_and_overflows_ar
         precision.mixed_scale_sum([torch.ones(2)], [2.0**38], 2.0**-100)
 
 
-def test_review_widget_and_study_helpers_name_the_argument_at_fault(digits, loss_fn):
+def test_widget_and_study_helpers_name_the_argument_at_fault(digits, loss_fn):
     """Second review: plot_cast with shift=200 or nan said the values had "overflowed already", and recipe_errors
     with a start past the data said "the reference gradient is zero"; each now names its own argument."""
     acts = torch.randn(100) * 1e-3
@@ -482,7 +482,7 @@ def test_review_widget_and_study_helpers_name_the_argument_at_fault(digits, loss
         ch4.recipe_errors(digits, loss_fn, seeds=(0,), starts=(5000,))
 
 
-def test_review_third_round_scales_in_float32_and_complex_refused():
+def test_amp_window_records_scales_in_float32_and_cast_report_refuses_complex():
     """amp_window recorded the first micro-batch's scale as the Python float it was given and the others in
     float32; cast_report dropped a complex tensor's imaginary part with a warning only."""
     torch.manual_seed(0)
@@ -494,7 +494,7 @@ def test_review_third_round_scales_in_float32_and_complex_refused():
         precision.cast_report(torch.tensor([1 + 2j, 3 + 0j]), torch.float16)
 
 
-# ------------------------------------------------------------------ fourth review
+# ------------------------------------------------------------------ the edge prediction, refusals and the model's mode
 
 
 def test_the_edge_prediction_is_exact_for_groupnorm_and_an_upper_bound_for_batchnorm(digits):
@@ -512,7 +512,7 @@ def test_the_edge_prediction_is_exact_for_groupnorm_and_an_upper_bound_for_batch
         ch4.edge_prediction_gaps(digits, "group", seeds=[0], k=3)
 
 
-def test_tools_refuse_what_the_review_found_them_taking():
+def test_precision_tools_refuse_unknown_options_formats_and_impossible_inputs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
@@ -548,7 +548,7 @@ def test_every_tool_runs_the_model_in_the_mode_it_is_in():
     assert agreement(ref, grads).rel_error < 0.02
 
 
-def test_sixth_review_a_layer_run_twice_and_an_overflow_that_does_not_happen_are_refused():
+def test_a_layer_run_twice_and_an_overflow_that_does_not_happen_are_refused():
     """A shared layer's two fp16 weight gradients are added in fp16 (a part can overflow where the total fits: the
     prediction was up to 5 powers of two too high), and an input normalization removes overflow_micro's 10^6."""
     from gradaccum import precision

@@ -410,7 +410,7 @@ def test_static_graph_keeps_one_bucket_for_two_synchronized_backward_passes():
     assert res["variants"]["static_graph=True"] == [1, 1, 3, 3]
 
 
-def test_review_tools_refuse_what_they_cannot_compute():
+def test_prediction_tools_refuse_what_they_cannot_compute():
     """Third review: NaN/inf/str inputs gave NumPy errors, TypeErrors or the wrong diagnosis; the formatters
     printed '1e+03 µs' and '1e+03 B'; a NumPy bandwidth leaked NumPy floats into the predictions."""
     import math

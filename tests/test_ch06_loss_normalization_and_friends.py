@@ -302,7 +302,7 @@ def test_partial_step_study_in_two_processes_is_the_sequential_one(lm):
         ch6.partial_step_run("MLP", "adam", 0, 0, digits.x_train, digits.y_train, vocab)
 
 
-def test_review_window_tools_refuse_flags_targets_and_steps_they_cannot_use():
+def test_window_tools_refuse_flags_targets_and_steps_they_cannot_use():
     """Second review: truthy strings and None switched flags on or off, a float seed drew seed 0's masks, an int
     shape or a list of masks raised TypeError/AttributeError, int32 targets or padding written as -1 raised
     RuntimeError/IndexError, a NaN model gave NaN logs, and a partial window with no counted target raised
@@ -340,7 +340,7 @@ def test_review_window_tools_refuse_flags_targets_and_steps_they_cannot_use():
         windows.partial_step_ratio(model, nn.CrossEntropyLoss(), x, y, 4, 4, np.int64(1), "sgd", 0.1)
 
 
-def test_review_weighted_token_loss_divides_by_the_summed_target_weights():
+def test_weighted_token_loss_divides_by_the_summed_target_weights():
     """Chapter 6's recipe for a weighted CrossEntropyLoss: the window's summed loss over its summed target weights
     is the full batch's mean (which divides by them); over the token count it is not. Label smoothing keeps it."""
     gen = torch.Generator().manual_seed(0)
@@ -360,7 +360,7 @@ def test_review_weighted_token_loss_divides_by_the_summed_target_weights():
         assert abs(window_sum / len(counted) - full) > 1e-3
 
 
-# ------------------------------------------------------------------ fourth review
+# ------------------------------------------------------------------ short micro-batches, token counts and schedules
 
 
 def test_a_short_last_micro_batch_needs_the_sample_count(digits):
@@ -430,7 +430,7 @@ def test_count_tokens_refuses_float_targets():
         count_tokens(torch.tensor([-100.0, -100.5]))
 
 
-def test_review_seven_counts_are_exact_and_weighted_probability_targets_divide_by_samples():
+def test_counts_are_graded_exactly_and_weighted_probability_targets_divide_by_samples():
     """Review 7: a count grader accepted anything within half a unit of the third significant digit (999 and 1001
     for 1000); a count now matches exactly, and the round-down slip is named. Chapter 6's weighted-loss rule is for
     class-index targets: with probability targets PyTorch's weighted mean divides by the number of samples."""

@@ -194,7 +194,7 @@ def test_study_helpers_and_runner_refuse_input_that_would_measure_nothing():
         fw.trainer_on_causal_lm(ch7.digits_mlp(), torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, 3), 0)
 
 
-def test_review_helpers_refuse_empty_and_impossible_arguments():
+def test_helpers_refuse_empty_and_impossible_arguments():
     """bf16_full_batch_error(k=1000) used fewer samples than asked, k=0 blamed a zero reference; empty ks, seeds and
     schedules returned nothing or a NumPy error; K = 1 has no partial window."""
     from gradaccum.book import data as book_data
@@ -210,7 +210,7 @@ def test_review_helpers_refuse_empty_and_impossible_arguments():
             call()
 
 
-# ------------------------------------------------------------------ fourth review
+# ------------------------------------------------------------------ transformers' heads and nanoGPT's loop
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -258,7 +258,7 @@ def test_the_nanogpt_loop_refuses_what_it_does_not_do(digits):
         fw.run("timm", frozen, nn.CrossEntropyLoss(), micro, 4)
 
 
-def test_review_seven_loss_type_is_refused_when_not_a_name():
+def test_loss_type_is_refused_when_not_a_name():
     with pytest.raises(ValueError, match="loss_type"):
         ch7.builtin_lm_step("gpt2", torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long),
                             None, loss_type=1)  # type: ignore[arg-type]

@@ -218,7 +218,7 @@ def test_studies_in_two_processes_are_the_sequential_ones(split):
         ch8.scaling_study(*data, optimizers=("LAMB",), workers=2)
 
 
-def test_review_memory_meter_counts_each_storage_once_and_skips_what_every_method_holds(split):
+def test_memory_meter_counts_each_storage_once_and_skips_what_every_method_holds(split):
     """Review: the meter counted the weights and every save of the same activation, so on a deeper encoder plain
     accumulation looked like 45% of the full batch (12% when each storage is counted once). The page's other
     claim: with micro-batches of 8 (K = 32), or a narrow encoder, GradCache holds more than plain accumulation."""
@@ -251,7 +251,7 @@ def test_review_memory_meter_counts_each_storage_once_and_skips_what_every_metho
     assert share(wide) < 0.1 < shares[0] < shares[1] and abs(shares[1] - 0.2) < 0.03 and share(wide) < share(narrow)
 
 
-def test_review_grad_cache_and_plain_accumulation_pass_gradients_through_a_shared_trunk():
+def test_grad_cache_and_plain_accumulation_pass_gradients_through_a_shared_trunk():
     """Review: an input computed by a trainable trunk crashed halfway (backward through the graph a second time),
     with part of the gradient already in .grad. Both tools now stop the micro-batches at the input and run one
     backward pass through the trunk at the end: exact for a trunk, a view of a leaf and a cast; inputs made under
@@ -279,7 +279,7 @@ def test_review_grad_cache_and_plain_accumulation_pass_gradients_through_a_share
         coupled.grad_cache_backward([tower, tower], [frozen, x2], 2, ch8.loss)
 
 
-def test_review_router_seeds_encoders_and_nested_checkpoints(split):
+def test_router_bias_across_seeds_default_dtype_and_nested_checkpoints(split):
     """Review: the page's 1% bias at K = 32 is seed 0's, at the low end of seeds 0-9 (0.7%-6.3%, median 3.0%);
     the weights depended on torch's default dtype; nested checkpoints run the forward three times only when one
     of them is reentrant."""
@@ -313,7 +313,7 @@ def test_review_router_seeds_encoders_and_nested_checkpoints(split):
         assert int(bn.num_batches_tracked) == calls, (outer, inner)
 
 
-def test_review_graders_name_k_and_read_array_parameters():
+def test_graders_name_k_and_read_array_parameters():
     """Review: answer 12 with K = 12, b = 7 was explained as NT-Xent's count only (2(b - 1) = 12 = K); the
     Switch grader's fractions as a NumPy array or tensor raised unclear errors, a float a TypeError."""
     import numpy as np
@@ -333,7 +333,7 @@ def test_review_graders_name_k_and_read_array_parameters():
         coupled.window_fractions(lambda t: t.tolist(), [torch.zeros(2, 4)], 4)
 
 
-def test_review_dropout_masks_at_fixed_k_times_b_on_the_cpu():
+def test_dropout_masks_at_fixed_k_times_b_agree_on_the_cpu():
     """Review: "the same run" at fixed K·b holds with dropout only where one batch of 16 draws the masks that four
     batches of 4 draw in turn — true of the CPU generator (the page says CUDA's need not): the masks, and one
     accumulated step of a dropout MLP against the full batch's."""
@@ -356,7 +356,7 @@ def test_review_dropout_masks_at_fixed_k_times_b_on_the_cpu():
     assert float((nets[0] - nets[1]).norm() / nets[0].norm()) < 1e-12
 
 
-def test_review_seven_graders_keep_trailing_zeros_and_name_the_weight_kept():
+def test_graders_keep_trailing_zeros_and_name_the_weight_kept():
     assert ex.grade_switch_aux(1.1).message.startswith("correct: 1.10 ")
     fb = ex.grade_recompute_momentum(0.817, m=0.02, k=5)  # 0.98^10: what the old statistics keep
     assert not fb and "old statistics keep" in fb.message

@@ -16,7 +16,7 @@ SOLUTION_TESTS: dict[str, str] = {
     "ex-ch2-precise": "tests/test_ch02_ghost_batchnorm.py::test_precise_bn_exercise_solution",
     "ex-ch3-inflate": "tests/test_ch03_clip_ordering.py::test_worked_examples",
     "ex-ch3-scaler": "tests/test_ch03_clip_ordering.py::test_exercise_scaler_clip_before_unscale",
-    "ex-ch3-running": "tests/test_ch03_clip_ordering.py::test_exercise_running_buffer_from_the_issue",
+    "ex-ch3-running": "tests/test_ch03_clip_ordering.py::test_exercise_running_buffer_solution",
     "ex-ch4-subnormal": "tests/test_exercises.py::test_smallest_positive_solution_is_computed",
     "ex-ch4-backoff": "tests/test_ch04_mixed_precision_scaling.py::test_backoff_exercise_solution",
     "ex-ch4-bf16-where": "tests/test_ch04_mixed_precision_scaling.py::test_bf16_accumulator_exercise_solution",

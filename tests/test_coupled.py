@@ -368,7 +368,7 @@ def test_coupled_tools_refuse_what_they_cannot_compute():
         coupled.checkpoint_keeping_bn_stats(lambda t: enc(t), x)
 
 
-def test_review_coupled_tools_refuse_nan_and_wrong_types():
+def test_coupled_tools_refuse_nan_and_wrong_types():
     """Third review of chapter 8: NaN fractions or router scores gave NaN or sent tokens to expert 0, a temperature
     whose inverse overflows gave NaN, mixed dtypes, lists and empty windows raised RuntimeError/AttributeError,
     recompute_momentum returned a NumPy float32, and aux_losses weighed unequal micro-batches by 1/K."""
@@ -444,7 +444,7 @@ class PerToken(nn.Module):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_review_grad_cache_with_several_rows_per_sample(k):
+def test_grad_cache_with_several_rows_per_sample_is_the_full_batch_gradient(k):
     """Review: an encoder returning one embedding per token ((b·T, d) from b samples) made step 3 slice the cached
     gradient by samples, failing with a raw autograd error after part of .grad was written. The slices follow the
     cached rows now, and the gradient is the full batch's."""
@@ -469,7 +469,7 @@ class lambda_module(nn.Module):  # noqa: N801
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_review_switch_aux_loss_takes_a_low_precision_softmax(dtype):
+def test_switch_aux_loss_takes_a_low_precision_softmax(dtype):
     """Review: a bf16 router softmax (rows off 1 by up to 2.6e-3) was refused as "not a softmax"; the slack is the
     dtype's rounding now, and logits are still refused, with the size of the error."""
     logits = torch.randn(512, 8, generator=torch.Generator().manual_seed(0)) * 3

@@ -529,7 +529,7 @@ def test_framework_tools_and_graders_refuse_impossible_input():
             exercises.grade_accelerate_token_factor(0.5, rank_tokens=tokens)
 
 
-def test_review_tools_refuse_mismatched_empty_and_late_input():
+def test_tools_refuse_mismatched_empty_and_late_input():
     """Chapter 7's review: relative_error broadcast (2, 3) against (3,) to 0.0, NaN passed through or was called a
     zero reference, empty batches trained, clip=True was a clip of 1.0, and framework options failed only inside
     check() (blamed on the reader's loop)."""

@@ -330,7 +330,7 @@ def test_a_changed_dict_entry_or_global_is_never_served_from_a_stale_trace():
     _SCALE[0] = 1.0
 
 
-def test_review_buffers_changed_in_forward_and_layers_some_micro_batches_skip_are_refused_and_undone():
+def test_buffers_changed_in_forward_and_layers_some_micro_batches_skip_are_refused_and_undone():
     """Review: spectral_norm's power iteration (a buffer the forward changes) saw a different network in every
     pass, a wrong gradient even at K = 1; a BatchNorm only some micro-batches reach got statistics from those
     alone (exact=False) or a KeyError (exact=True); a refusal left the first micro-batches' gradients in .grad."""

@@ -338,7 +338,7 @@ def test_zero_eps_is_refused_and_an_empty_map_leaves_the_statistics(impl):
     assert torch.equal(layer.running_var, torch.ones(3)) and torch.equal(layer.running_mean, torch.zeros(3))
 
 
-def test_review_seven_ghostify_keeps_tied_parameters_tied():
+def test_ghostify_keeps_tied_parameters_tied():
     """Review 7: two BatchNorm layers sharing their weight got two independent copies from ghostify, so the
     gradient was no longer plain accumulation's (0.12 off) and the weights drifted apart; the ghosts now hold the
     layers' own parameters."""
@@ -357,7 +357,7 @@ def test_review_seven_ghostify_keeps_tied_parameters_tied():
     assert torch.allclose(torch.cat([p.grad.flatten() for p in ghost.parameters()]), plain, atol=1e-14)
 
 
-def test_review_seven_far_channels_in_float32_group_shifts_loop_and_fold_inherit_batchnorm():
+def test_far_channels_in_float32_group_shifts_loop_and_fold_inherit_batchnorm():
     """Chapter 2: "in float32, for a channel whose mean is far larger than its spread, the loop and the fold inherit
     BatchNorm's own kernel error, which the group avoids by shifting such channels first"."""
     import torch.nn.functional as F
