@@ -49,13 +49,13 @@ def test_student_notebook_has_no_solutions_and_clears_exercises(stem, edition):
     text = json.dumps(student)
     assert "{solution}" not in text
     fragments = snippets(original)
-    assert len(fragments) >= 3
+    assert fragments, "the solutions' text is found, so its absence below means something"
     for fragment in fragments:
         assert fragment not in plain(cells_text(student)), fragment
     assert all(f in plain(cells_text(original)) for f in fragments)  # the search does find them in the original
-    assert text.count("{exercise}") == json.dumps(original).count("{exercise}") >= 3
+    assert text.count("{exercise}") == json.dumps(original).count("{exercise}") > 0
     exercise_cells = [c for c in student["cells"] if course.is_exercise_cell(c)]
-    assert len(exercise_cells) >= 3 and all(not c["outputs"] and c["execution_count"] is None for c in exercise_cells)
+    assert exercise_cells and all(not c["outputs"] and c["execution_count"] is None for c in exercise_cells)
     kept = lambda nb: [c["outputs"] for c in nb["cells"] if c["cell_type"] == "code" and not course.is_exercise_cell(c)]  # noqa: E731
     assert kept(student) == kept(original)  # figures and numbers stay for students
 
@@ -67,7 +67,7 @@ def test_student_notebook_runs_what_nbval_runs(stem, edition):
     no second execution of every chapter."""
     code = lambda nb: [source(c) for c in nb["cells"] if c["cell_type"] == "code"]  # noqa: E731
     student = json.loads((edition / "chapters" / f"{stem}.ipynb").read_text())
-    assert code(student) == code(load(stem)) and len(code(student)) > 10
+    assert code(student) == code(load(stem)) and code(student)
 
 
 @pytest.mark.site
@@ -77,7 +77,8 @@ def test_student_site_has_no_solutions(built_student_site):
     assert not (html / "instructor.html").exists(), "the instructors' page is not part of the student site"
     for stem in STEMS:
         page = (html / "chapters" / f"{stem}.html").read_text()
-        assert 'class="solution' not in page and page.count('class="caption-number">Exercise') >= 3
+        exercises = sum(source(c).count("```{exercise}") for c in load(stem)["cells"])
+        assert 'class="solution' not in page and page.count('class="caption-number">Exercise') == exercises
         words = plain(re.sub(r"<[^>]+>|&[a-z#0-9]+;", " ", page))
         for fragment in snippets(load(stem)):
             assert fragment not in words, fragment
