@@ -212,7 +212,7 @@ def test_raw_micro_all_clipped_refuses_when_a_micro_gradient_is_not_clipped():
     # (3, 0) and (0.5, 0) with c = 1: the formula would give sqrt(1/2 + 1/2) = 1, the true (a2) is 0.75
     grads = [torch.tensor([3.0, 0.0], dtype=torch.float64), torch.tensor([0.5, 0.0], dtype=torch.float64)]
     assert float(clipping.combine(grads, 1.0, "raw_micro").norm()) == pytest.approx(0.75, abs=1e-6)
-    with pytest.raises(ValueError, match="every micro-gradient longer than c"):
+    with pytest.raises(ValueError, match="longer than c"):
         clipping.raw_micro_all_clipped(1.0, 2, 0.5)
 
 

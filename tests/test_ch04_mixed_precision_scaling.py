@@ -357,7 +357,7 @@ def test_amp_tools_and_graders_refuse_what_they_cannot_do(digits):
         with pytest.raises(ValueError):
             exercises.grade_smallest_positive(1e-5, dtype=dtype)
     for fmt in (torch.float8_e5m2fnuz, torch.float8_e8m0fnu):  # the message names the formats that work
-        with pytest.raises(ValueError, match="finfo.*use float16, bfloat16, float32, float64"):
+        with pytest.raises(ValueError, match="use float16"):
             precision.format_info(fmt)
     for grader, kwargs in ((exercises.grade_effective_scale, dict(k=0)), (exercises.grade_effective_scale,
                                                                           dict(scale=-1.0)),
@@ -527,7 +527,7 @@ def test_precision_tools_refuse_unknown_options_formats_and_impossible_inputs():
         precision.largest_fitting_log2(torch.tensor([1 + 1j]))
     with pytest.raises(ValueError, match="model's precision"):
         precision.kernel_gradients(model, loss_fn, x.double(), y, 4)
-    with pytest.raises(ValueError, match="overflows the torch.float16 accumulator"):
+    with pytest.raises(ValueError, match="overflows"):
         grads = [torch.tensor([v, 1.0]) for v in (2e5, 2e5, -2e5, -2e5)]  # terms ±50000: a partial sum of 1e5 overflows
         precision.accumulation_error(grads, torch.float16, torch.float32)
     with pytest.raises(ValueError, match="float8_e5m2fnuz"):
@@ -563,7 +563,7 @@ def test_a_layer_run_twice_and_an_overflow_that_does_not_happen_are_refused():
 
     torch.manual_seed(0)
     x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
-    with pytest.raises(ValueError, match="more than once per forward pass"):
+    with pytest.raises(ValueError, match="more than once"):
         precision.kernel_gradients(Twice(), nn.CrossEntropyLoss(), x, y, 4)
     normed = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 3))
     with pytest.raises(ValueError, match="did not overflow fp16"):

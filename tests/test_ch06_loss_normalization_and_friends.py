@@ -168,7 +168,7 @@ def test_window_tools_refuse_what_they_cannot_compute(lm):
     x, y = book_data.encode_batch(lines[:8], vocab)
     own = windows.count_tokens(y)
     for bad in (True, 3.7, 0, "12", torch.tensor(2.0)):
-        with pytest.raises(ValueError, match="total_tokens must be a positive integer"):
+        with pytest.raises(ValueError, match="total_tokens"):
             windows.window_backward(model, x, y, 4, total_tokens=bad)
     with pytest.raises(ValueError, match="less than the"):
         windows.window_backward(model, x, y, 4, total_tokens=own - 1)
@@ -192,11 +192,11 @@ def test_window_tools_refuse_what_they_cannot_compute(lm):
         windows.adam_step_count(3, 0, False)
     with pytest.raises(ValueError, match="windows must be"):
         windows.adam_step_count(-1, 2, False)
-    with pytest.raises(ValueError, match=r"windows must be .*a NumPy integer"):
+    with pytest.raises(ValueError, match="NumPy integer"):
         windows.adam_step_count(np.int64(3), 2, False)
     with pytest.raises(ValueError, match="steps >= 2"):
         windows.mask_agreement(windows.dropout_masks(1, 4, (5,)))
-    with pytest.raises(ValueError, match=r"a NumPy integer: pass int\(\.\.\.\) of it"):
+    with pytest.raises(ValueError, match="NumPy integer"):
         windows.window_backward(model, x, y, np.int64(4))
     assert windows.adam_step_count(0, 4, True) == 0
 

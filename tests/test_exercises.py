@@ -182,7 +182,7 @@ def test_smallest_positive_solution_is_computed():
     assert smallest == 2**-9 and float(torch.tensor(smallest / 2).to(torch.float8_e4m3fn).float()) == 0
     assert ex.grade_smallest_positive(smallest) and abs(smallest - 1.95e-3) < 0.005e-3
     assert ex.grade_smallest_positive(2**-24, dtype="float16")
-    with pytest.raises(ValueError, match="not a torch floating-point dtype"):
+    with pytest.raises(ValueError, match="floating-point"):
         ex.grade_smallest_positive(0.1, dtype="int8")
 
 

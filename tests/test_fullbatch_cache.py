@@ -193,9 +193,9 @@ def test_refusals_say_use_cache_false():
     x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
     for model in (_KeptInPlace(), _OutputChangedThenRead()):
         _step(model.double(), x, y, 2, False)  # fine without the cache
-        with pytest.raises(ValueError, match="modified in place.*cache=False"):
+        with pytest.raises(ValueError, match="in place.*cache=False"):
             _step(model.double(), x, y, 2, True)
-    with pytest.raises(ValueError, match="is a tuple of tensors.*cache=False"):
+    with pytest.raises(ValueError, match="tuple.*cache=False"):
         _step(_TupleAcross().double(), x, y, 2, True)
     with pytest.raises(ValueError, match="takes 2 inputs.*cache=False"):
         _step(_TwoInputs().double(), x, y, 2, True)
@@ -205,10 +205,10 @@ def test_refusals_say_use_cache_false():
         _step(hooked, x, y, 2, True)
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2)).double()
     model.register_forward_hook(lambda mod, inp, out: out * 2)
-    with pytest.raises(ValueError, match="model has forward or backward hooks.*cache=False"):
+    with pytest.raises(ValueError, match="hooks.*cache=False"):
         _step(model, x, y, 2, True)
     for bad in ("cuda", 1, None):
-        with pytest.raises(ValueError, match="cache must be False, True .* or 'cpu'"):
+        with pytest.raises(ValueError, match="cache"):
             _step(nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 2)).double(), x, y, 2, bad)
 
 
@@ -289,7 +289,7 @@ def test_what_a_trace_would_get_wrong_is_refused_or_retraced():
         fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
     hook.remove()
     hook = model.register_forward_pre_hook(lambda _m, args: (args[0] * 3 + 1,))
-    with pytest.raises(ValueError, match="pre-hook on the model changes its input"):
+    with pytest.raises(ValueError, match="pre-hook"):
         fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
     hook.remove()
     # a plain attribute the forward reads changes between calls: traced again, exact again

@@ -346,7 +346,7 @@ def test_refusals_name_the_layer(cache):
     swap = _Swap().double()
     x_swap = x.clone()
     x_swap[0, 0], x_swap[4, 0] = 1.0, -1.0
-    with pytest.raises(ValueError, match="cannot trace this model.*cache=False" if cache else "different order"):
+    with pytest.raises(ValueError, match="cache=False" if cache else "different order"):
         _step(swap, x_swap, cache=cache)
     ghosted = nn.Sequential(nn.Linear(3, 4), ghost_bn.GhostBatchNorm(4, 2, dims=1), nn.Linear(4, 2)).double()
     with pytest.raises(ValueError, match="'1' is a GhostBatchNorm with its own forward"):
