@@ -141,6 +141,7 @@ def test_layer_inputs_and_moment_spread(digits):
         ch1.moment_spread(feats[None], 4)
 
 
+@pytest.mark.slow
 def test_moment_spread_standard_errors_cover_the_theory():
     """Review: chapter 1 checked the measured spreads with a fixed ±0.03, about one Monte Carlo standard error at
     2,000 draws, so other seeds failed it. The spreads now carry standard errors; on normal features of known
@@ -186,6 +187,7 @@ def test_gradient_table_on_other_weights_and_batches(digits):
     assert max(cos2) < 0.34 and min(at2) > 1, cos2
 
 
+@pytest.mark.slow
 def test_error_grid_on_other_initializations(digits):
     """Chapter 1's grid beyond seed 0: with seeds 1 to 5 the error falls at every step in b in every row with
     K > 1, at least 10-fold from b = 2 to b = 64, and K moves it by up to 2.7x (review: seeds 1 and 2 alone gave
@@ -215,6 +217,7 @@ def test_microbatch_effect(digits):
         ch1.microbatch_effect(4, 1, digits.x_train, digits.y_train)
 
 
+@pytest.mark.slow
 def test_run_fingerprint_in_two_processes_gives_the_runs_one_after_the_other(digits):
     """The chapter runs its table in two spawned processes: the same runs, to the bit (b = 2 included, whose
     digits are chaotic), in the same order."""
@@ -306,6 +309,7 @@ def test_momentum_none_is_a_cumulative_average_that_accumulation_does_not_speed_
     assert bn_statistics.set_bn_momentum(model, 0.05) == 1 and model[1].momentum == 0.05
 
 
+@pytest.mark.slow
 def test_the_b2_collapse_is_the_heads_batchnorm1d_and_b16_ties_b64_on_other_seeds(digits):
     """Chapter 1's fingerprint claims beyond its seeds: without the head's BatchNorm1d (the layer that normalizes
     two values per channel at b = 2) the network trains at b = 2 (above 90%, against below 70% with it); and

@@ -136,6 +136,7 @@ def test_scheme_errors(batch, loss_fn):
         fullbatch_bn.full_batch_forward_error(make_cnn("batch"), x, 5)
 
 
+@pytest.mark.slow
 def test_exact_scheme_trains_like_the_full_batch(digits):
     args = (digits.x_train, digits.y_train, digits.x_val, digits.y_val)
     full = train(make_cnn("batch"), *args, batch_size=64, k=1, epochs=1)
@@ -233,6 +234,7 @@ def test_step_costs_count_the_sweeps(digits):
     assert ch2.precise_bn_cost(digits, b=4, k=4, repeat=1) > 0
 
 
+@pytest.mark.slow
 def test_precise_bn_exercise_solution(digits):
     """Every number the solution of exercise ex-ch2-precise states, on the chapter's three trained models."""
     for seed in (0, 1, 2):
@@ -296,6 +298,7 @@ def test_shadow_running_stats_match_batchnorm():
     assert not torch.allclose(model[1].running_var, twin[1].running_var)  # the real ones kept momentum 0.1
 
 
+@pytest.mark.slow
 def test_chapter2_claims_on_other_seeds(digits):
     """Chapter 2's comparative claims, rerun on seeds 3–5 (the chapter itself runs 0–2) for both schedules."""
     t = ch2.study_table(ch2.seed_study(digits, seeds=(3, 4, 5)))
@@ -366,6 +369,7 @@ def test_precise_bn_restores_every_module_mode_and_refuses_frozen_layers():
             precise_bn.precise_bn(model, x, bad)
 
 
+@pytest.mark.slow
 def test_training_in_two_processes_gives_the_runs_one_after_the_other(digits):
     """ch2.train_many with two spawned workers: the same runs, to the bit, as sequential training."""
     jobs = ch2.study_jobs(seeds=(0, 1), schedules=("constant",), k=4, k_small=2, epochs=1)

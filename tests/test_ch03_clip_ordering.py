@@ -287,6 +287,7 @@ def test_with_two_micro_batches_neither_placement_exceeds_the_unclipped_gradient
         assert float(clipping.combine(grads, c, "raw_micro").norm()) <= min(g, c) + 1e-12
 
 
+@pytest.mark.slow
 def test_runs_in_two_processes_are_the_sequential_ones(digits):
     """The chapter trains in two spawned processes: the same runs, to the bit, as one after the other."""
     kwargs = dict(k=4, c=0.3, epochs=1, placements=("once", "raw_micro"))
@@ -398,6 +399,7 @@ def test_clip_with_scaler_refuses_what_a_scaler_would_skip():
 # ------------------------------------------------------------------ AdamW, near-zero steps and overflowing clips
 
 
+@pytest.mark.slow
 def test_adamw_reverses_the_order_of_a2(digits):
     """The page: with AdamW (torch's defaults) at learning rates 1e-3 and 1e-2, K = 8, c = 0.3, (a1) and (a2)
     both end below clipping once in the six runs on seeds 0-2, and (b) above it: SGD's order of (a2) reverses.

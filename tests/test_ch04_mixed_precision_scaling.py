@@ -497,6 +497,7 @@ def test_amp_window_records_scales_in_float32_and_cast_report_refuses_complex():
 # ------------------------------------------------------------------ the edge prediction, refusals and the model's mode
 
 
+@pytest.mark.slow
 def test_the_edge_prediction_is_exact_for_groupnorm_and_an_upper_bound_for_batchnorm(digits):
     """Review: on the CPU an fp16 convolution sums its weight gradient in fp16, so with BatchNorm (whose backward
     brings large terms of opposite sign together) a partial sum overflows where the total fits; the prediction is

@@ -25,6 +25,7 @@ def test_no_sync_same_gradients_and_one_allreduce(digits):
     assert agreement(full, ranks[1]["no_sync"]["grad"]).rel_error < 1e-12
 
 
+@pytest.mark.slow
 def test_calls_per_step_equal_the_buckets_from_the_second_step(digits):
     """Exercise ex-ch5-calls: 3 buckets, K = 8 → 24 calls per step without no_sync, 3 with it; the first step
     still has one bucket until its first synchronized backward (1 + 7·3 = 22, and 1)."""
@@ -35,6 +36,7 @@ def test_calls_per_step_equal_the_buckets_from_the_second_step(digits):
     assert exercises.grade_allreduce_calls(24, k=8, buckets=3).correct
 
 
+@pytest.mark.slow
 def test_placement_of_the_last_forward(digits):
     """Chapter 5's pitfall and exercise ex-ch5-forward: the last forward inside no_sync() → no all-reduce, ranks
     keep their own gradients; every forward outside (backward inside) → K all-reduces, the right gradient."""
@@ -51,6 +53,7 @@ def test_placement_of_the_last_forward(digits):
     assert torch.equal(ranks[0]["no_sync"]["grad"], ranks[1]["no_sync"]["grad"])
 
 
+@pytest.mark.slow
 def test_a_parameter_unused_in_the_last_micro_batch_is_silently_unsynchronized_by_no_sync(digits):
     """Sixth review: with the default find_unused_parameters=False, a parameter used only inside no_sync() leaves
     its bucket unready: the step launches no all-reduce and each rank keeps its own gradient, where the naive loop
@@ -121,6 +124,7 @@ def test_failed_worker_surfaces_quickly_and_leaves_nothing(how, message):
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_hung_worker_is_killed_at_the_deadline():
     parallel.shutdown()  # another test's kept study processes are children too
     start = time.perf_counter()
@@ -390,6 +394,7 @@ def test_cost_model_graders_and_launcher_refuse_impossible_input():
             ch5.launch("equality", world_size=2, **kwargs)
 
 
+@pytest.mark.slow
 def test_find_unused_parameters_adds_one_all_reduce_per_synchronized_backward():
     """Exercise ex-ch5-calls' solution, measured at the process group (the profiler counts every all-reduce; the
     comm hook only the gradient buckets): the default makes 22, 24, 24 without no_sync and 1, 3, 3 with it, as
@@ -401,6 +406,7 @@ def test_find_unused_parameters_adds_one_all_reduce_per_synchronized_backward():
         assert res["no_sync, find_unused_parameters=True"] == [4, 4, 4], res
 
 
+@pytest.mark.slow
 def test_static_graph_keeps_one_bucket_for_two_synchronized_backward_passes():
     """Chapter 5's rule for static_graph=True: the first two synchronized backward passes use the single bucket,
     the buckets are rebuilt before the third. At K = 1 the count equals the buckets only from step 3 (the
@@ -446,6 +452,7 @@ def test_prediction_tools_refuse_what_they_cannot_compute():
     assert type(link.bandwidth) is float and type(distributed.ring_allreduce_time(1e6, 2, link)) is float
 
 
+@pytest.mark.slow
 def test_the_counting_hook_averages_over_the_models_own_group():
     """Review: counting_hook averaged over the default group, so a DDP model on a subgroup (one replica per rank
     here) was averaged with other replicas' gradients (1.5 on both ranks instead of 1 and 2), silently."""

@@ -102,6 +102,7 @@ def test_window_log(lm):
     assert log.last_micro < log.token_mean
 
 
+@pytest.mark.slow
 def test_dropout_masks_match_in_distribution_only(digits, loss_fn):
     x, y = digits.x_train[:32], digits.y_train[:32]
     two = book_models.dropout_mlp(2)
@@ -132,6 +133,7 @@ def test_warmup_exercise_solution():
     assert wrong.index(1.0) + 1 == 125 and wrong[123] < 1.0
 
 
+@pytest.mark.slow
 def test_partial_step_ratio(digits, loss_fn):
     """ex-ch6-partial: 3 micro-batches of K = 8 divided by K: gradient and SGD step 3/8; Adam's step about 1 early,
     noticeably smaller after 200 windows."""
@@ -290,6 +292,7 @@ def test_when_the_full_rate_is_first_used_depends_on_convention_and_order():
     assert [_first_full_rate_step(c, True) for c in (plus_one, plain)] == [125, 126]
 
 
+@pytest.mark.slow
 def test_partial_step_study_in_two_processes_is_the_sequential_one(lm):
     """The chapter runs the late study in two spawned processes: the same ratios, to the bit."""
     lines, vocab, _ = lm

@@ -81,6 +81,7 @@ def test_behaviour_rows_have_one_cell_per_framework_and_row(digits, corpus):
     assert "as the full batch" in table["bf16 autocast: error vs fp32, against the full batch in bf16"][0]
 
 
+@pytest.mark.slow
 def test_partial_weights_follow_the_rules(digits):
     x, y = digits
     points = ch7.partial_weights(x, y, ks=(2, 3), frameworks=("lightning", "timm"))
@@ -89,6 +90,7 @@ def test_partial_weights_follow_the_rules(digits):
     assert all(w == pytest.approx(1.0, abs=1e-6) for _, _, w in points["timm"])
 
 
+@pytest.mark.slow
 def test_figures_and_the_widget_function(digits):
     x, y = digits
     for fig in (ch7.plot_lrs({"timm": [0.1, 0.2]}, {"timm": [0.1, 0.2]}, 2),
@@ -161,6 +163,7 @@ def test_partial_window_curves(digits):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_the_trainer_on_transformers_own_causal_lms(corpus):
     """Llama declares its shifting loss and is exact; GPT-2 (5.23.0) does not, and each step is the ratio of the
     shifted to the counted labels."""
@@ -213,6 +216,7 @@ def test_helpers_refuse_empty_and_impossible_arguments():
 # ------------------------------------------------------------------ transformers' heads and nanoGPT's loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_transformers_classification_heads_get_k_times_the_gradient(k):
     """Review (transformers #47688): BertForSequenceClassification and LlamaForSequenceClassification take

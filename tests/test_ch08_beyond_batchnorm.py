@@ -105,6 +105,7 @@ def test_checkpoint_window(split):
     assert run.mean_error["checkpoint"] > 0.05 and run.mean_error["checkpoint, statistics kept"] < 1e-12
 
 
+@pytest.mark.slow
 def test_the_same_effective_batch_is_the_same_run(split):
     one, two = (ch8.train_classifier(split.x_train, split.y_train, 8, k, 0.05, 1, "constant", epochs=1)
                 for k in (1, 2))
@@ -120,6 +121,7 @@ def test_the_same_effective_batch_is_the_same_run(split):
         ch8.train_classifier(split.x_train, split.y_train, 8, 1, 0.05, 1, "constant", optimizer="LAMB")
 
 
+@pytest.mark.slow
 def test_scaling_claims_hold_on_seeds_3_to_5(split):
     """The chapter's claims about the scaling study (seeds 0–2), on three other seeds. Cosine decay: the same
     rate at 4× the batch ends lower with both optimizers; SGD's linear rule with warmup beats it on every seed and
@@ -145,6 +147,7 @@ def test_scaling_claims_hold_on_seeds_3_to_5(split):
     assert any(a < c for a, c in zip(acc("Adam", sqrt_rule, "constant"), acc("Adam", same, "constant")))
 
 
+@pytest.mark.slow
 def test_base_rates_are_the_best_of_the_grid(split):
     """The chapter's base rates: the best mean validation accuracy at batch 16, cosine decay, seeds 0–2."""
     for opt, grid in (("SGD", (0.01, 0.02, 0.05, 0.1)), ("Adam", (0.001, 0.003, 0.006, 0.012))):
@@ -156,6 +159,7 @@ def test_base_rates_are_the_best_of_the_grid(split):
         ch8.optimizer_for("Adam", [torch.zeros(1)], 0.1, kappa=10, adam_sde=True)
 
 
+@pytest.mark.slow
 def test_the_scaling_study_in_one_pass_is_the_accumulated_study(split):
     """The chapter computes the batch of 64 in one pass: the same accuracies as K = 4 micro-batches of 16."""
     kwargs = dict(seeds=(0,), epochs=1)
@@ -206,6 +210,7 @@ def test_exercise_solution_numbers():
     assert ex.grade_switch_aux(1.1, fractions=(0.75, 0.25), probs=(0.6, 0.4))
 
 
+@pytest.mark.slow
 def test_studies_in_two_processes_are_the_sequential_ones(split):
     """The chapter's studies run in two spawned processes: the same results, to the bit, as one after the other."""
     data = (split.x_train[:256], split.y_train[:256], split.x_val, split.y_val)
@@ -218,6 +223,7 @@ def test_studies_in_two_processes_are_the_sequential_ones(split):
         ch8.scaling_study(*data, optimizers=("LAMB",), workers=2)
 
 
+@pytest.mark.slow
 def test_memory_meter_counts_each_storage_once_and_skips_what_every_method_holds(split):
     """Review: the meter counted the weights and every save of the same activation, so on a deeper encoder plain
     accumulation looked like 45% of the full batch (12% when each storage is counted once). The page's other

@@ -220,7 +220,10 @@ ELSEWHERE = {
 MAKE_TARGETS = {
     "book": "tests/test_site.py builds the site the way `make book` does (jupyter-book build . -n -W --keep-going)",
     "test": "runs this file among all the others: a test cannot run the command that runs it",
-    "unit": "the package-test subset of `make test` (every test not marked site, commands, install, nbgrader or lint)",
+    "unit": "the package-test subset of `make test` (every test not marked slow, site, commands, install, nbgrader "
+    "or lint)",
+    "unit-all": "the package-test subset of `make test` (every test not marked site, commands, install, nbgrader or "
+    "lint)",
     "lint": "tests/test_lint.py runs the recipe's commands (ruff, ruff format --check, mypy), read from the Makefile",
     "help": "prints the Makefile's own `##` descriptions; test_make_help_describes_every_target checks them",
     "nbval": "the strict-nbval half of `make test`",

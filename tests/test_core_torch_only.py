@@ -68,13 +68,17 @@ def _blocked_run(tmp_path: Path, code: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_core_imports_and_checks_with_the_book_libraries_blocked(tmp_path: Path):
     result = _blocked_run(tmp_path, SCRIPT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "core OK" in result.stdout
 
 
-@pytest.mark.parametrize("module", ["sklearn", "matplotlib.pyplot", "ipywidgets", "gradaccum.book.data"])
+@pytest.mark.parametrize(
+    "module",
+    ["sklearn", "matplotlib.pyplot", "ipywidgets", pytest.param("gradaccum.book.data", marks=pytest.mark.slow)],
+)
 def test_the_blocker_really_blocks(tmp_path: Path, module: str):
     result = _blocked_run(tmp_path, f"import {module}")
     assert result.returncode != 0 and "blocked for this test" in result.stderr, result.stderr[-2000:]

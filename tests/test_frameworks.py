@@ -63,6 +63,7 @@ def test_counting_lr_counts_calls_and_warms_up_linearly():
     assert sched.calls == 5 and opt.param_groups[0]["lr"] == 1.0
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hidden=st.lists(st.integers(1, 9), min_size=0, max_size=2), k=st.integers(1, 4), b=st.integers(1, 3),
        seed=st.integers(0, 1000))
@@ -112,6 +113,7 @@ class LM(nn.Module):
         return self.out(torch.tanh(self.embed(x)))
 
 
+@pytest.mark.slow
 def test_token_recipes_are_exact_and_the_default_is_the_mean_of_means():
     x, y = padded()
     total = lambda o, t: token_loss(o, t, "sum")  # noqa: E731
@@ -139,6 +141,7 @@ def test_clipping_once_and_scheduler_counts():
         assert result.scheduler_steps == (0 if name == "nanogpt" else 1), name
 
 
+@pytest.mark.slow
 def test_fp16_on_the_cpu_is_not_fp16():
     """Accelerate (and the Trainer) turn mixed precision off on the CPU; Lightning switches to bf16-mixed."""
     x, y = data(8, 5, 3)
@@ -159,6 +162,7 @@ def test_batchnorm_updates_k_times_per_step():
         assert fw.run(name, model(), nn.CrossEntropyLoss(), fw.split(x, y, 3), 3).bn_updates == 3, name
 
 
+@pytest.mark.slow
 def test_check_adapters():
     x, y = data(16, 5, 3)
     loss = nn.CrossEntropyLoss()
@@ -171,6 +175,7 @@ def test_check_adapters():
         fw.lightning_module_step()(model, loss, x, y, 4)
 
 
+@pytest.mark.slow
 def test_a_lightning_module_of_ones_own_is_checked():
     import pytorch_lightning as pl
 
@@ -194,6 +199,7 @@ def test_a_lightning_module_of_ones_own_is_checked():
     assert check(Module(), nn.CrossEntropyLoss(), x, y, 3, step=fw.lightning_module_step(), partial=False).ok
 
 
+@pytest.mark.slow
 def test_lightning_clipping_inside_the_step_is_read_as_before_it():
     """Lightning clips inside optimizer.step(closure), after the closure's backward and before the update: a
     correct module is correct with gradient_clip_val set, biting or not, and its isolate_rng (a restore to the
@@ -339,6 +345,7 @@ def test_bad_input_says_what_to_do(call, message):
         call(mlp([5, 3]), x, y)
 
 
+@pytest.mark.slow
 def test_two_processes():
     """The distributed measurements (chapter 7's second table half): Accelerate's scheduler steps once per process,
     every framework reduces once per optimizer step, the token recipes are exact across ranks."""

@@ -234,6 +234,7 @@ BN_ON_INPUT = Arch(input_bn=BN(), blocks=(Block(),))
 DROPOUT = Arch(blocks=(Block(dropout="before"), Block(dropout="after")))
 
 
+@pytest.mark.slow
 @settings(
     max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -97,6 +97,7 @@ def test_every_impl_matches_the_reference(impl, dims, g, v, c, hw, affine, momen
     assert_matches_reference(impl, dims, g, v, c, hw, affine, momentum, dtype, channels_last and dims == 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dims, g, v, c, hw, affine, momentum, dtype, channels_last",
                          [(2, 3, 4, 3, (2, 3), True, 0.1, torch.float64, True),
                           (1, 3, 4, 3, (1, 1), False, None, torch.float32, False),
@@ -105,6 +106,7 @@ def test_compiled_kernel_matches_the_reference(dims, g, v, c, hw, affine, moment
     assert_matches_reference("compile", dims, g, v, c, hw, affine, momentum, dtype, channels_last)
 
 
+@pytest.mark.slow
 def test_compiled_kernel_refuses_a_double_backward():
     layer = GhostBatchNorm(3, 2, dims=1, impl="compile").double()
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
@@ -238,6 +240,7 @@ def test_ghostify_keeps_shared_layers_shared_and_frozen_ones_frozen():
         ghostify(hooked, 2)
 
 
+@pytest.mark.slow
 def test_benchmark_quick_writes_json(tmp_path):
     main = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "ghost_bn.py"))["main"]
     path = tmp_path / "out" / "bench.json"

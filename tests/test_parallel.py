@@ -41,6 +41,7 @@ def die() -> None:
     os._exit(3)
 
 
+@pytest.mark.slow
 def test_the_processes_are_kept_for_the_next_study_and_replaced_when_one_dies():
     from concurrent.futures.process import BrokenProcessPool
 

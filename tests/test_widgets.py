@@ -152,6 +152,7 @@ def test_explorer_survives_hostile_text_and_refuses_impossible_grids():
     assert "⚠ " in explorer(hostile, grid={"k": [2]}, alt="x", k=IntSlider(2, min=1, max=3)).html()
 
 
+@pytest.mark.slow
 def test_a_frame_has_the_pixels_savefig_writes():
     """render_frame draws the figure once on an Agg canvas: the same pixels as ``savefig(format="png", dpi=dpi)``
     (before both are cut to a 64-colour palette), at two dpi values, for a constrained layout with text, a legend
