@@ -109,7 +109,9 @@ def test_internal_links_and_anchors_resolve(reports):
             if target.endswith("/"):
                 target += "index.html"
             if target.startswith(("_static/", "_sources/", "_images/", "_downloads/")) or target in (
-                    "search.html", "genindex.html"):
+                "search.html",
+                "genindex.html",
+            ):
                 continue
             if target not in ids:
                 broken.append(f"{path} → {href}")

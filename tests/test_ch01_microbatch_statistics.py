@@ -53,9 +53,13 @@ def test_predicted_mean_variance_errors():
         bn_statistics.predicted_mean_variance(1.0, 11, 10)
     # found by review: a fractional b, a float n or a negative variance gave a number; a tensor with no
     # channels raised ZeroDivisionError
-    for sigma2, b, n, match in ((1.0, 2.5, 10, "whole numbers"), (1.0, np.array([2, 2.5]), 10, "whole numbers"),
-                                (1.0, 2, 10.0, "int >= 2"), (-1.0, 2, 10, "variance"),
-                                (float("nan"), 2, 10, "variance")):
+    for sigma2, b, n, match in (
+        (1.0, 2.5, 10, "whole numbers"),
+        (1.0, np.array([2, 2.5]), 10, "whole numbers"),
+        (1.0, 2, 10.0, "int >= 2"),
+        (-1.0, 2, 10, "variance"),
+        (float("nan"), 2, 10, "variance"),
+    ):
         with pytest.raises(ValueError, match=match):
             bn_statistics.predicted_mean_variance(sigma2, b, n)
     assert bn_statistics.predicted_mean_variance(1.0, np.array([2, 4]), 10) == pytest.approx([4 / 9, 1 / 6])
@@ -111,8 +115,10 @@ def test_set_bn_momentum():
     inst = nn.Sequential(nn.InstanceNorm1d(3, track_running_stats=True), nn.InstanceNorm1d(3))
     assert bn_statistics.set_bn_momentum(inst, 0.05) == 1 and inst[0].momentum == 0.05 and inst[1].momentum == 0.1
     x = torch.randn(8, 3, 5, dtype=torch.float64)
-    full, micro = nn.InstanceNorm1d(3, track_running_stats=True).double(), nn.InstanceNorm1d(
-        3, track_running_stats=True).double()
+    full, micro = (
+        nn.InstanceNorm1d(3, track_running_stats=True).double(),
+        nn.InstanceNorm1d(3, track_running_stats=True).double(),
+    )
     full(x)
     for xb in x.chunk(4):  # K forward calls: K updates of momentum m, as BatchNorm's
         micro(xb)
@@ -151,8 +157,11 @@ def test_moment_spread_standard_errors_cover_the_theory():
     gen = torch.Generator().manual_seed(0)
     normal = torch.randn(500, 6, generator=gen, dtype=torch.float64) * torch.linspace(0.5, 3.0, 6)
     skewed = torch.distributions.Exponential(1.0).sample((500, 6)).double()
-    fields = (("mean_var_ratio", "mean_var_se"), ("biased_var_ratio", "biased_var_se"),
-              ("rel_mean_std", "rel_mean_std_se"))
+    fields = (
+        ("mean_var_ratio", "mean_var_se"),
+        ("biased_var_ratio", "biased_var_se"),
+        ("rel_mean_std", "rel_mean_std_se"),
+    )
     for feats in (normal, skewed):
         for b in (2, 7, 64):
             spreads = [ch1.moment_spread(feats, b, draws=4000, seed=seed) for seed in range(20)]
@@ -175,7 +184,7 @@ def test_gradient_table_on_other_weights_and_batches(digits):
     0.34, and the error grows at every halving of b."""
     at32, at2, cos2 = [], [], []
     for seed, start in itertools.product((1, 2), (64, 640)):
-        x, y = digits.x_train[start:start + 64], digits.y_train[start:start + 64]
+        x, y = digits.x_train[start : start + 64], digits.y_train[start : start + 64]
         effects = [ch1.microbatch_effect(64 // b, b, x, y, norms=("batch",), seed=seed) for b in (32, 16, 8, 4, 2)]
         errors = [e.rel_error["batch"] for e in effects]
         assert all(a < b for a, b in zip(errors, errors[1:])), (seed, start, errors)
@@ -300,8 +309,12 @@ def test_momentum_none_is_a_cumulative_average_that_accumulation_does_not_speed_
     for xb in x.chunk(8):
         micro(xb)
     assert torch.allclose(full.running_mean, micro.running_mean, atol=1e-15, rtol=0)
-    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=None), nn.BatchNorm1d(6),
-                          nn.BatchNorm1d(6, track_running_stats=False))
+    model = nn.Sequential(
+        nn.Linear(6, 6),
+        nn.BatchNorm1d(6, momentum=None),
+        nn.BatchNorm1d(6),
+        nn.BatchNorm1d(6, track_running_stats=False),
+    )
     with pytest.raises(ValueError, match="momentum=None"):
         bn_statistics.set_bn_momentum(model, 0.05)
     assert model[1].momentum is None and model[2].momentum == 0.1
@@ -321,14 +334,23 @@ def test_the_b2_collapse_is_the_heads_batchnorm1d_and_b16_ties_b64_on_other_seed
     for seed in (0, 2):
         model = ch1.make_cnn("batch", seed=seed)
         model.head[1] = nn.Identity()
-        r = train(model, digits.x_train, digits.y_train, digits.x_val, digits.y_val, batch_size=64, k=32, epochs=8,
-                  lr=0.05, seed=seed)
+        r = train(
+            model,
+            digits.x_train,
+            digits.y_train,
+            digits.x_val,
+            digits.y_val,
+            batch_size=64,
+            k=32,
+            epochs=8,
+            lr=0.05,
+            seed=seed,
+        )
         assert r.val_acc > 0.9, (seed, r.val_acc)
     runs = ch1.run_fingerprint(digits, {"batch": (64, 16)}, seeds=(3, 4, 5))
     mean = {b: sum(r.val_acc for r in runs if r.b == b) / 3 for b in (64, 16)}
     assert 0.0025 <= mean[16] - mean[64] < 0.0035 and mean[64] > 0.97, mean  # "within a point", "by 0.3"
-    spread = min(max(r.val_acc for r in runs if r.b == b) - min(r.val_acc for r in runs if r.b == b)
-                 for b in (64, 16))
+    spread = min(max(r.val_acc for r in runs if r.b == b) - min(r.val_acc for r in runs if r.b == b) for b in (64, 16))
     assert mean[16] - mean[64] < spread, (mean, spread)  # "less than the seeds' spread"
 
 
@@ -339,8 +361,7 @@ def test_statistics_tools_refuse_what_they_cannot_measure():
     with pytest.raises(ValueError, match="b must be an int >= 2"):
         exercises.grade_biased_variance_ratio(0.5, b=1)
     feats = torch.randn(10, 3, dtype=torch.float64)
-    for kwargs, message in ((dict(b=10), "below the 10"), (dict(b=2, draws=1), "draws"),
-                            (dict(b=2, draws=0), "draws")):
+    for kwargs, message in ((dict(b=10), "below the 10"), (dict(b=2, draws=1), "draws"), (dict(b=2, draws=0), "draws")):
         with pytest.raises(ValueError, match=message):
             ch1.moment_spread(feats, **kwargs)
     with pytest.raises(ValueError, match="constant"):
@@ -362,8 +383,11 @@ def test_agreement_is_exact_for_tiny_gradients_and_refuses_what_it_cannot_compar
     tiny = torch.randn(50) * 1e-30  # float32: the squared norm underflows without scaling
     assert agreement(tiny, 2 * tiny).cosine == pytest.approx(1.0) and agreement(tiny, 2 * tiny).rel_error == 1.0
     assert agreement(torch.ones(3), torch.zeros(3)).cosine == 0.0
-    for bad, message in ((torch.ones(2, 3), "flat"), (torch.tensor([1.0, float("nan")]), "NaN"),
-                         (torch.tensor([1.0, float("inf")]), "inf")):
+    for bad, message in (
+        (torch.ones(2, 3), "flat"),
+        (torch.tensor([1.0, float("nan")]), "NaN"),
+        (torch.tensor([1.0, float("inf")]), "inf"),
+    ):
         with pytest.raises(ValueError, match=message):
             agreement(bad, bad)
     with pytest.raises(ValueError, match="zero"):
@@ -387,7 +411,8 @@ def test_chapter_1_tools_stay_exact_at_the_extremes_and_refuse_what_has_no_answe
     assert type(bn_statistics.corrected_momentum(np.float32(0.1), 8)) is float
     assert bn_statistics.effective_momentum(0.1, 8) == pytest.approx(1 - 0.9**8, rel=1e-14)
     assert [float(v) for v in bn_statistics.predicted_mean_variance(1.0, [2, 4], 100)] == pytest.approx(
-        [49 / 99, 24 / 99])
+        [49 / 99, 24 / 99]
+    )
     for args in (("1", 2, 100), (torch.ones(3), torch.tensor([2, 4]), 100)):
         with pytest.raises(ValueError, match="broadcast"):
             bn_statistics.predicted_mean_variance(*args)
@@ -396,8 +421,13 @@ def test_chapter_1_tools_stay_exact_at_the_extremes_and_refuse_what_has_no_answe
     with pytest.raises(ValueError, match="exceeds"):
         accuracy(nn.Linear(3, 2), torch.randn(10, 3), torch.zeros(10, dtype=torch.long), batch_size=1000)
     with pytest.raises(ValueError, match="empty"):
-        accumulated_gradient(nn.Linear(3, 2).double(), nn.CrossEntropyLoss(), torch.zeros(0, 3, dtype=d),
-                             torch.zeros(0, dtype=torch.long), 2)
+        accumulated_gradient(
+            nn.Linear(3, 2).double(),
+            nn.CrossEntropyLoss(),
+            torch.zeros(0, 3, dtype=d),
+            torch.zeros(0, dtype=torch.long),
+            2,
+        )
     assert "'BatchNorm2d'" in ex.grade_batch_coupled({nn.BatchNorm2d, nn.Linear}).message
 
 
@@ -412,9 +442,11 @@ def test_numpy_sizes_non_modules_and_fractional_counts_are_refused_with_advice()
     with pytest.raises(ValueError, match="must be an nn.Module"):
         set_bn_momentum("abc", 0.1)
     data = (torch.randn(8, 2), torch.zeros(8, dtype=torch.long), torch.randn(4, 2), torch.zeros(4, dtype=torch.long))
-    for kwargs, match in (({"batch_size": 4, "epochs": 1.5}, "epochs"),
-                          ({"batch_size": 4.0, "epochs": 1}, "batch_size"),
-                          ({"batch_size": 4, "epochs": 1, "seed": 0.5}, "seed")):
+    for kwargs, match in (
+        ({"batch_size": 4, "epochs": 1.5}, "epochs"),
+        ({"batch_size": 4.0, "epochs": 1}, "batch_size"),
+        ({"batch_size": 4, "epochs": 1, "seed": 0.5}, "seed"),
+    ):
         with pytest.raises(ValueError, match=match):
             train(nn.Linear(2, 2), *data, k=2, **kwargs)
 
@@ -449,8 +481,10 @@ def test_tools_take_keyword_inputs_numpy_scalars_and_refuse_complex():
     x = torch.randn(2, 3)
     assert torch.equal(bn_statistics.layer_inputs(Keyword(), x, "layer"), x)
     assert torch.equal(bn_statistics.layer_inputs(Several(), x, "att"), x)  # the first parameter, by name
-    for g_ref, g in ((torch.tensor([1 + 1j, 2]), torch.tensor([1 - 1j, 2])),
-                     (torch.tensor([True, False]), torch.tensor([True, True]))):
+    for g_ref, g in (
+        (torch.tensor([1 + 1j, 2]), torch.tensor([1 - 1j, 2])),
+        (torch.tensor([True, False]), torch.tensor([True, True])),
+    ):
         with pytest.raises(ValueError, match="real"):
             agreement(g_ref, g)
     weights = bn_statistics.micro_batch_weights(np.float32(0.1), 2)
@@ -485,10 +519,16 @@ def test_tools_refuse_frozen_models_arrays_and_integer_gradients():
     agreement compared integer tensors without a word; each is a ValueError that says what to pass."""
     frozen = nn.Linear(3, 2).requires_grad_(False)
     cases = [
-        (lambda: accumulate.accumulated_gradient(frozen, nn.MSELoss(), torch.zeros(4, 3), torch.zeros(4, 2), 2),
-         "trainable"),
-        (lambda: accumulate.accumulated_gradient(nn.Linear(3, 2), nn.MSELoss(), np.zeros((4, 3)),
-                                                 torch.zeros(4, 2), 2), "torch.as_tensor"),
+        (
+            lambda: accumulate.accumulated_gradient(frozen, nn.MSELoss(), torch.zeros(4, 3), torch.zeros(4, 2), 2),
+            "trainable",
+        ),
+        (
+            lambda: accumulate.accumulated_gradient(
+                nn.Linear(3, 2), nn.MSELoss(), np.zeros((4, 3)), torch.zeros(4, 2), 2
+            ),
+            "torch.as_tensor",
+        ),
         (lambda: ch1.moment_spread(np.zeros((10, 3)), 2), "torch.as_tensor"),
         (lambda: accumulate.agreement(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4])), "floating-point"),
         (lambda: accumulate.agreement(torch.ones(3, device="meta"), torch.ones(3, device="meta")), "meta"),
@@ -531,8 +571,20 @@ def test_small_integer_sizes_are_widened_and_numpy_data_or_bad_rates_refused(dig
     with pytest.raises(ValueError, match="y.long"):
         ch1.microbatch_effect(2, 8, digits.x_train, digits.y_train.double())
     model = make_cnn("group", seed=0)
-    for kwargs, match in ((dict(lr=float("nan")), "lr"), (dict(momentum=1.5), "momentum"),
-                          (dict(momentum=-0.1), "momentum")):
+    for kwargs, match in (
+        (dict(lr=float("nan")), "lr"),
+        (dict(momentum=1.5), "momentum"),
+        (dict(momentum=-0.1), "momentum"),
+    ):
         with pytest.raises(ValueError, match=match):
-            accumulate.train(model, digits.x_train, digits.y_train, digits.x_val, digits.y_val, batch_size=64, k=2,
-                             epochs=1, **kwargs)
+            accumulate.train(
+                model,
+                digits.x_train,
+                digits.y_train,
+                digits.x_val,
+                digits.y_val,
+                batch_size=64,
+                k=2,
+                epochs=1,
+                **kwargs,
+            )

@@ -338,8 +338,11 @@ def test_chapter2_claims_on_other_seeds(digits):
 def test_ghostify_refuses_what_it_cannot_run_before_copying():
     from torch import nn as tnn
 
-    for layer, words in ((tnn.BatchNorm3d(3), "BatchNorm3d"), (tnn.SyncBatchNorm(3), "SyncBatchNorm"),
-                         (tnn.BatchNorm2d(3, track_running_stats=False), "track_running_stats")):
+    for layer, words in (
+        (tnn.BatchNorm3d(3), "BatchNorm3d"),
+        (tnn.SyncBatchNorm(3), "SyncBatchNorm"),
+        (tnn.BatchNorm2d(3, track_running_stats=False), "track_running_stats"),
+    ):
         with pytest.raises(ValueError, match=words):
             ghost_bn.ghostify(tnn.Sequential(tnn.Conv2d(3, 3, 1), layer), 4)
     with pytest.raises(ValueError, match="itself a BatchNorm"):
@@ -376,7 +379,8 @@ def test_training_in_two_processes_gives_the_runs_one_after_the_other(digits):
     one = ch2.train_many(digits, jobs, workers=1)
     two = ch2.train_many(digits, jobs, workers=2)
     assert [[(r.method, r.k, r.seed, r.val_acc, r.val_acc_precise, r.weight_growth) for r in part] for part in one] == [
-        [(r.method, r.k, r.seed, r.val_acc, r.val_acc_precise, r.weight_growth) for r in part] for part in two]
+        [(r.method, r.k, r.seed, r.val_acc, r.val_acc_precise, r.weight_growth) for r in part] for part in two
+    ]
     with pytest.raises(ValueError, match="workers"):
         ch2.train_many(digits, jobs, workers=0)
 
@@ -426,12 +430,16 @@ def test_tools_refuse_arrays_empty_inputs_and_impossible_grader_settings():
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
     x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
     ce = nn.CrossEntropyLoss()
-    bad = [lambda: fullbatch_bn.full_batch_stats_backward(net, ce, x.numpy(), y, 4, exact=True),
-           lambda: fullbatch_bn.batchnorm_layers(net, x.numpy()),
-           lambda: fullbatch_bn.full_batch_stats_backward(net, ce, x, y, 4, exact="no"),
-           lambda: precise_bn.precise_bn(net, x.numpy(), 4),
-           lambda: ex.grade_ghost_virtual_size(1, k=16, b=1), lambda: ex.grade_ghost_virtual_size(4, k=0, b=4),
-           lambda: ex.grade_exact_sweeps(1, layers=0), lambda: ex.grade_frozen_bias_change(0, delta=float("nan"))]
+    bad = [
+        lambda: fullbatch_bn.full_batch_stats_backward(net, ce, x.numpy(), y, 4, exact=True),
+        lambda: fullbatch_bn.batchnorm_layers(net, x.numpy()),
+        lambda: fullbatch_bn.full_batch_stats_backward(net, ce, x, y, 4, exact="no"),
+        lambda: precise_bn.precise_bn(net, x.numpy(), 4),
+        lambda: ex.grade_ghost_virtual_size(1, k=16, b=1),
+        lambda: ex.grade_ghost_virtual_size(4, k=0, b=4),
+        lambda: ex.grade_exact_sweeps(1, layers=0),
+        lambda: ex.grade_frozen_bias_change(0, delta=float("nan")),
+    ]
     for call in bad:
         with pytest.raises(ValueError):
             call()

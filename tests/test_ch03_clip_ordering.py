@@ -165,8 +165,9 @@ def test_running_reaches_c_exactly_when_its_final_buffer_exceeds_c():
         step = float(clipping.combine(grads, c, "running").norm())
         assert step <= c + 1e-12
         assert (abs(step - c) < 1e-5) == (buffers[-1] > c)
-    assert clipping.running_buffer_norms([torch.tensor([10.0, 0.0]), torch.tensor([-2.0, 1.0])], 1.0)[-1] \
-        == pytest.approx(0.5, abs=1e-6)
+    assert clipping.running_buffer_norms([torch.tensor([10.0, 0.0]), torch.tensor([-2.0, 1.0])], 1.0)[
+        -1
+    ] == pytest.approx(0.5, abs=1e-6)
     for seed in range(6):  # random cases: the equivalence holds both ways
         grads = ch3.synthetic_micro_gradients(6, 0.2 * seed, norm=2.0, dim=8, seed=seed)
         for c in (0.3, 1.0, 3.0):
@@ -195,8 +196,9 @@ def test_norm_bounds_always_hold(seed, alignment, k, c, norm):
 
 def test_scaled_micro_is_raw_micro_at_threshold_kc():
     grads = ch3.synthetic_micro_gradients(8, 0.4, norm=5.0, seed=3)
-    assert torch.allclose(clipping.combine(grads, 0.5, "scaled_micro"), clipping.combine(grads, 4.0, "raw_micro"),
-                          atol=1e-9)
+    assert torch.allclose(
+        clipping.combine(grads, 0.5, "scaled_micro"), clipping.combine(grads, 4.0, "raw_micro"), atol=1e-9
+    )
 
 
 @pytest.mark.parametrize("k, alignment", [(2, 0.5), (8, 0.0), (16, 0.8)])
@@ -279,8 +281,10 @@ def test_with_two_micro_batches_neither_placement_exceeds_the_unclipped_gradient
     gen = torch.Generator().manual_seed(0)
     for _ in range(500):
         dim = int(torch.randint(1, 5, (1,), generator=gen))
-        grads = [torch.randn(dim, generator=gen, dtype=torch.float64) * 4 * float(torch.rand(1, generator=gen))
-                 for _ in range(2)]
+        grads = [
+            torch.randn(dim, generator=gen, dtype=torch.float64) * 4 * float(torch.rand(1, generator=gen))
+            for _ in range(2)
+        ]
         c = 0.05 + 2 * float(torch.rand(1, generator=gen))
         g = float(torch.linalg.vector_norm((grads[0] + grads[1]) / 2))
         assert float(clipping.combine(grads, c, "scaled_micro").norm()) <= g + 1e-12
@@ -336,9 +340,13 @@ def test_vector_tools_refuse_mismatched_non_finite_or_directionless_micro_gradie
     tensor's rows, NaN gradients came back as NaN bounds, mean_pairwise_cosine returned NaN for a zero vector,
     Comparison.ratio divided by a zero correct step and synthetic_micro_gradients took norm=nan."""
     one, other = torch.ones(3), torch.ones(4)
-    for call in (lambda g: clipping.combine(g, 1.0, "once"), lambda g: clipping.norm_bounds(g, 1.0),
-                 lambda g: clipping.running_buffer_norms(g, 1.0), lambda g: clipping.clip_running_buffer(g, 1.0),
-                 clipping.mean_pairwise_cosine):
+    for call in (
+        lambda g: clipping.combine(g, 1.0, "once"),
+        lambda g: clipping.norm_bounds(g, 1.0),
+        lambda g: clipping.running_buffer_norms(g, 1.0),
+        lambda g: clipping.clip_running_buffer(g, 1.0),
+        clipping.mean_pairwise_cosine,
+    ):
         with pytest.raises(ValueError, match=r"shape \(4,\)"):
             call([one, other])
         with pytest.raises(ValueError, match="inf or NaN"):
@@ -372,11 +380,13 @@ def test_clipping_tools_keep_tiny_steps_exact_and_refuse_nonfinite_or_string_inp
     for effect in ch3.placement_effects(4, 1.0, 0.5, norm=1e-9):
         if effect.placement == "once":
             assert abs(effect.cosine - 1) < 1e-12
-    for bad in (lambda: clipping.clip_vector(torch.tensor([float("nan"), 1.0]), 1.0),
-                lambda: clipping.clip_vector(torch.tensor([float("inf"), 1.0]), 1.0),
-                lambda: clipping.clip_vector(torch.tensor([60000.0, 60000.0], dtype=torch.float16), 1.0),
-                lambda: clipping.raw_micro_all_clipped("0.3", 2, 2.0),
-                lambda: clipping.scaler_clip_norm(2.0, 1.0, unscale_first="False")):
+    for bad in (
+        lambda: clipping.clip_vector(torch.tensor([float("nan"), 1.0]), 1.0),
+        lambda: clipping.clip_vector(torch.tensor([float("inf"), 1.0]), 1.0),
+        lambda: clipping.clip_vector(torch.tensor([60000.0, 60000.0], dtype=torch.float16), 1.0),
+        lambda: clipping.raw_micro_all_clipped("0.3", 2, 2.0),
+        lambda: clipping.scaler_clip_norm(2.0, 1.0, unscale_first="False"),
+    ):
         with pytest.raises(ValueError):
             bad()
     assert clipping.mean_pairwise_cosine([torch.tensor([1e-25, 0.0]), torch.tensor([2e-25, 0.0])]) == 1.0
@@ -406,13 +416,20 @@ def test_adamw_reverses_the_order_of_a2(digits):
     Fifth review: on seeds 3-5 at 1e-2 (GroupNorm and LayerNorm) (b) stays above, but (a1) ends above clipping
     once in two LayerNorm runs: the order of (a1) and (a2) under AdamW depends on the seed."""
     for lr in (1e-3, 1e-2):
-        sweep = ch3.train_sweep(digits, k=8, epochs=2, setups=(("group", 0.3),), lr=lr, optimizer="AdamW",
-                                workers=2)
+        sweep = ch3.train_sweep(digits, k=8, epochs=2, setups=(("group", 0.3),), lr=lr, optimizer="AdamW", workers=2)
         assert len(sweep) == 3
         for key, loss in sweep.items():
             assert max(loss["scaled_micro"], loss["raw_micro"]) < loss["once"] < loss["running"], (lr, key, loss)
-    more = ch3.train_sweep(digits, k=8, epochs=2, setups=(("group", 0.3), ("layer", 0.3)), seeds=(3, 4, 5),
-                           lr=1e-2, optimizer="AdamW", workers=2)
+    more = ch3.train_sweep(
+        digits,
+        k=8,
+        epochs=2,
+        setups=(("group", 0.3), ("layer", 0.3)),
+        seeds=(3, 4, 5),
+        lr=1e-2,
+        optimizer="AdamW",
+        workers=2,
+    )
     assert len(more) == 6 and all(loss["once"] < loss["running"] for loss in more.values())
     above = [key for key, loss in more.items() if loss["scaled_micro"] > loss["once"]]
     assert above == [("layer", 0.3, 4), ("layer", 0.3, 5)], above
@@ -460,8 +477,9 @@ def test_overflowing_clips_name_the_wider_dtype_and_defaults_are_the_right_order
     torch.manual_seed(0)
     model = nn.Linear(4, 2).half()
     with pytest.raises(ValueError, match="autocast"):
-        clipping.clip_with_scaler(model, nn.CrossEntropyLoss(), torch.randn(4, 4).half(), torch.tensor([0, 1, 0, 1]),
-                                  2, 1.0)
+        clipping.clip_with_scaler(
+            model, nn.CrossEntropyLoss(), torch.randn(4, 4).half(), torch.tensor([0, 1, 0, 1]), 2, 1.0
+        )
 
 
 def test_exercise_shrink_numbers():
@@ -477,10 +495,14 @@ def test_torch_clip_ratio_refuses_what_has_no_ratio():
     gave numbers, an empty list a ZeroDivisionError and cancelling vectors 0/0."""
     v = [[1.0, 0.0], [0.0, 2.0]]
     assert ch3.torch_clip_ratio(v, 0.5, "raw_micro", 2) == pytest.approx(0.7071068833, rel=1e-9)
-    for args, message in (((v, -1.0, "raw_micro", 2), "threshold"), ((v, float("nan"), "once", 2), "threshold"),
-                          ((v, 0.5, "raw_micro", 0.5), "norm_type"), (([], 0.5, "raw_micro", 2), "vectors"),
-                          (([[1.0], [1.0, 2.0]], 0.5, "raw_micro", 2), "vectors"),
-                          (([[1.0, 0.0], [-1.0, 0.0]], 0.5, "raw_micro", 2), "cancel")):
+    for args, message in (
+        ((v, -1.0, "raw_micro", 2), "threshold"),
+        ((v, float("nan"), "once", 2), "threshold"),
+        ((v, 0.5, "raw_micro", 0.5), "norm_type"),
+        (([], 0.5, "raw_micro", 2), "vectors"),
+        (([[1.0], [1.0, 2.0]], 0.5, "raw_micro", 2), "vectors"),
+        (([[1.0, 0.0], [-1.0, 0.0]], 0.5, "raw_micro", 2), "cancel"),
+    ):
         with pytest.raises(ValueError, match=message):
             ch3.torch_clip_ratio(*args)
 

@@ -364,20 +364,28 @@ def test_cost_model_graders_and_launcher_refuse_impossible_input():
     for n_bytes in ("1e9", None, float("inf"), -1.0, torch.tensor(1e6)):
         with pytest.raises(ValueError, match="n_bytes"):
             distributed.ring_allreduce_time(n_bytes, 4, link)
-    for kwargs, message in ((dict(params=1.5), "params"), (dict(params=True), "params"),
-                            (dict(micro_compute=float("nan")), "micro_compute"), (dict(buckets=2.5), "buckets"),
-                            (dict(params=10, buckets=10**6), "buckets for 10 parameters"),
-                            (dict(copy_bandwidth=0.0), "copy_bandwidth"), (dict(bytes_per_param=0), "bytes_per_param")):
+    for kwargs, message in (
+        (dict(params=1.5), "params"),
+        (dict(params=True), "params"),
+        (dict(micro_compute=float("nan")), "micro_compute"),
+        (dict(buckets=2.5), "buckets"),
+        (dict(params=10, buckets=10**6), "buckets for 10 parameters"),
+        (dict(copy_bandwidth=0.0), "copy_bandwidth"),
+        (dict(bytes_per_param=0), "bytes_per_param"),
+    ):
         args = dict(params=1000, k=4, p=8, link=link, micro_compute=0.01) | kwargs
         with pytest.raises(ValueError, match=message):
             distributed.predict_step(**args)
-    for grader, kwargs in ((exercises.grade_allreduce_calls, dict(k=0)), (exercises.grade_allreduce_calls,
-                                                                         dict(buckets=2.5)),
-                           (exercises.grade_allreduce_calls, dict(k=True)), (exercises.grade_ring_bytes, dict(p=0)),
-                           (exercises.grade_ring_bytes, dict(p=2.5)), (exercises.grade_ring_bytes,
-                                                                      dict(megabytes=-100.0)),
-                           (exercises.grade_nosync_saving, dict(k=0)), (exercises.grade_nosync_saving,
-                                                                       dict(gb_per_s=0.0))):
+    for grader, kwargs in (
+        (exercises.grade_allreduce_calls, dict(k=0)),
+        (exercises.grade_allreduce_calls, dict(buckets=2.5)),
+        (exercises.grade_allreduce_calls, dict(k=True)),
+        (exercises.grade_ring_bytes, dict(p=0)),
+        (exercises.grade_ring_bytes, dict(p=2.5)),
+        (exercises.grade_ring_bytes, dict(megabytes=-100.0)),
+        (exercises.grade_nosync_saving, dict(k=0)),
+        (exercises.grade_nosync_saving, dict(gb_per_s=0.0)),
+    ):
         with pytest.raises(ValueError):
             grader(1.0, **kwargs)
     with pytest.raises(ValueError, match="no positive bandwidth"):
@@ -388,8 +396,11 @@ def test_cost_model_graders_and_launcher_refuse_impossible_input():
     assert fit.latency == 0.0 and fit.bandwidth > 0
     with pytest.raises(ValueError, match="smaller K or fewer ranks"):
         distributed.micro_batch_that_fits(10, 4, 4, 1)
-    for kwargs, message in ((dict(k=4, b=0), "micro-batch|b must"), (dict(k=2.0, b=4), "K"),
-                            (dict(k=2, b=4, bucket_cap_mb=-1.0), "bucket_cap_mb")):
+    for kwargs, message in (
+        (dict(k=4, b=0), "micro-batch|b must"),
+        (dict(k=2.0, b=4), "K"),
+        (dict(k=2, b=4, bucket_cap_mb=-1.0), "bucket_cap_mb"),
+    ):
         with pytest.raises(ValueError, match=message):
             ch5.launch("equality", world_size=2, **kwargs)
 
@@ -427,19 +438,21 @@ def test_prediction_tools_refuse_what_they_cannot_compute():
     from gradaccum.book import ch05_no_sync as ch5
 
     eth = distributed.PRESETS["Ethernet 10 Gb/s"]
-    bad = [lambda: ch5.plot_prediction(float("nan"), 8, 8, "Ethernet 10 Gb/s", 1.0),
-           lambda: ch5.plot_prediction(math.inf, 8, 8, "Ethernet 10 Gb/s", 1.0),
-           lambda: ch5.plot_prediction(10, 8, 1, "Ethernet 10 Gb/s", 0.0),
-           lambda: ch5.plot_prediction(10, 8, "8", "NVLink 4 (H100)", 1.0),
-           lambda: ch5.plot_prediction(10, 8, 8, ["Ethernet 10 Gb/s"], 1.0),
-           lambda: distributed.ring_allreduce_time(100, 2, None),
-           lambda: distributed.predict_step(10, 2, 1, None, 0.1),
-           lambda: ch5.fit_alpha_beta([1000, 2000], [float("nan"), 1.0], 2),
-           lambda: ch5.fit_alpha_beta(["1000", "2000"], [1.0, 2.0], 2),
-           lambda: ch5.fit_alpha_beta([-1000, 2000], [1.0, 2.0], 2),
-           lambda: ch5.savings_grid(10, [], [2], eth, 0.1),
-           lambda: ch5.format_seconds(float("nan")),
-           lambda: ch5.bytes_human(float("inf"))]
+    bad = [
+        lambda: ch5.plot_prediction(float("nan"), 8, 8, "Ethernet 10 Gb/s", 1.0),
+        lambda: ch5.plot_prediction(math.inf, 8, 8, "Ethernet 10 Gb/s", 1.0),
+        lambda: ch5.plot_prediction(10, 8, 1, "Ethernet 10 Gb/s", 0.0),
+        lambda: ch5.plot_prediction(10, 8, "8", "NVLink 4 (H100)", 1.0),
+        lambda: ch5.plot_prediction(10, 8, 8, ["Ethernet 10 Gb/s"], 1.0),
+        lambda: distributed.ring_allreduce_time(100, 2, None),
+        lambda: distributed.predict_step(10, 2, 1, None, 0.1),
+        lambda: ch5.fit_alpha_beta([1000, 2000], [float("nan"), 1.0], 2),
+        lambda: ch5.fit_alpha_beta(["1000", "2000"], [1.0, 2.0], 2),
+        lambda: ch5.fit_alpha_beta([-1000, 2000], [1.0, 2.0], 2),
+        lambda: ch5.savings_grid(10, [], [2], eth, 0.1),
+        lambda: ch5.format_seconds(float("nan")),
+        lambda: ch5.bytes_human(float("inf")),
+    ]
     for call in bad:
         with pytest.raises(ValueError):
             call()
@@ -468,8 +481,9 @@ def test_accumulating_a_plain_module_is_refused():
     """Review: ddp_accumulate on a plain module raised AttributeError ('no_sync') or ran plain accumulation."""
     for no_sync in (True, False):
         with pytest.raises(ValueError, match="DistributedDataParallel"):
-            distributed.ddp_accumulate(torch.nn.Linear(2, 2), torch.nn.MSELoss(), torch.ones(4, 2), torch.ones(4, 2), 2,
-                                       no_sync=no_sync)
+            distributed.ddp_accumulate(
+                torch.nn.Linear(2, 2), torch.nn.MSELoss(), torch.ones(4, 2), torch.ones(4, 2), 2, no_sync=no_sync
+            )
 
 
 def test_the_crash_task_checks_its_arguments_before_starting():

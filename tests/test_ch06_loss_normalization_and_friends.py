@@ -106,8 +106,12 @@ def test_window_log(lm):
 def test_dropout_masks_match_in_distribution_only(digits, loss_fn):
     x, y = digits.x_train[:32], digits.y_train[:32]
     two = book_models.dropout_mlp(2)
-    same = lambda net, k: agreement(windows.dropout_gradient(net, loss_fn, x, y, 1, 0),  # noqa: E731
-                                    windows.dropout_gradient(net, loss_fn, x, y, k, 0)).rel_error
+    same = lambda net, k: (  # noqa: E731
+        agreement(
+            windows.dropout_gradient(net, loss_fn, x, y, 1, 0),
+            windows.dropout_gradient(net, loss_fn, x, y, k, 0),
+        ).rel_error
+    )
     # one layer: whether one (32, 32) draw equals four (8, 32) draws depends on the mask layout and the torch
     # build, so it is not tested
     assert same(two, 4) > 0.3 and same(two, 2) > 0.3  # a second layer interleaves the draws
@@ -211,12 +215,14 @@ def test_window_tools_refuse_bad_input_with_what_to_pass():
     model = nn.Linear(2, 2)
     x, y = torch.randn(16, 2), torch.randint(0, 2, (16,))
     ratio = functools.partial(windows.partial_step_ratio, model, nn.CrossEntropyLoss(), x, y)
-    for kwargs, message in ((dict(b=2, k=4, present=3, optimizer="sgd", lr=0.0), "learning rate"),
-                            (dict(b=2, k=4, present=3, optimizer="sgd", lr=float("nan")), "learning rate"),
-                            (dict(b=0, k=4, present=3, optimizer="sgd", lr=0.1), "micro-batch size"),
-                            (dict(b=2.5, k=4, present=3, optimizer="sgd", lr=0.1), "micro-batch size"),
-                            (dict(b=2, k=4, present=2.0, optimizer="sgd", lr=0.1), "partial window"),
-                            (dict(b=2, k=4, present=3, optimizer="sgd", lr=0.1, warm_windows=-3), "warm_windows")):
+    for kwargs, message in (
+        (dict(b=2, k=4, present=3, optimizer="sgd", lr=0.0), "learning rate"),
+        (dict(b=2, k=4, present=3, optimizer="sgd", lr=float("nan")), "learning rate"),
+        (dict(b=0, k=4, present=3, optimizer="sgd", lr=0.1), "micro-batch size"),
+        (dict(b=2.5, k=4, present=3, optimizer="sgd", lr=0.1), "micro-batch size"),
+        (dict(b=2, k=4, present=2.0, optimizer="sgd", lr=0.1), "partial window"),
+        (dict(b=2, k=4, present=3, optimizer="sgd", lr=0.1, warm_windows=-3), "warm_windows"),
+    ):
         with pytest.raises(ValueError, match=message):
             ratio(**kwargs)
     with pytest.raises(ValueError, match="optimizer_steps"):
@@ -254,8 +260,12 @@ def test_graders_refuse_impossible_exercises_and_round_warmups_up():
     for kwargs in (dict(present=16, k=16), dict(present=20, k=16), dict(present=0, k=16), dict(present=1, k=1.5)):
         with pytest.raises(ValueError):
             exercises.grade_partial_scale(0.5, **kwargs)
-    for kwargs in (dict(sums=(1.0, 2.0, 3.0), tokens=(1, 2)), dict(sums=(1.0, 2.0), tokens=(0, 2)),
-                   dict(sums=(1.0, 2.0), tokens=(-1, 2)), dict(sums=(1.0,), tokens=(3,))):
+    for kwargs in (
+        dict(sums=(1.0, 2.0, 3.0), tokens=(1, 2)),
+        dict(sums=(1.0, 2.0), tokens=(0, 2)),
+        dict(sums=(1.0, 2.0), tokens=(-1, 2)),
+        dict(sums=(1.0,), tokens=(3,)),
+    ):
         with pytest.raises(ValueError):
             exercises.grade_window_token_loss(0.5, **kwargs)
     message = exercises.grade_window_token_loss((0.3 + 0.5) / 2, sums=(30.0, 10.0), tokens=(100, 20)).message
@@ -336,8 +346,9 @@ def test_window_tools_refuse_flags_targets_and_steps_they_cannot_use():
     ignored = nn.CrossEntropyLoss(ignore_index=0)
     with pytest.raises(ValueError, match="finite, nonzero step"):
         windows.partial_step_ratio(model, ignored, x, torch.zeros_like(y), 4, 4, 1, "sgd", 0.1)
-    ratio = windows.partial_step_ratio(model, nn.CrossEntropyLoss(), x, y, 4, 4, np.int64(1).item(), "sgd",
-                                       np.float32(0.1))  # a NumPy learning rate is a number
+    ratio = windows.partial_step_ratio(
+        model, nn.CrossEntropyLoss(), x, y, 4, 4, np.int64(1).item(), "sgd", np.float32(0.1)
+    )  # a NumPy learning rate is a number
     assert ratio == pytest.approx(0.25)
     with pytest.raises(ValueError, match="NumPy integer"):
         windows.partial_step_ratio(model, nn.CrossEntropyLoss(), x, y, 4, 4, np.int64(1), "sgd", 0.1)
@@ -356,8 +367,9 @@ def test_weighted_token_loss_divides_by_the_summed_target_weights():
         mean = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=smoothing)
         total = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=smoothing, reduction="sum")
         full = float(mean(logits.reshape(-1, 7), targets.reshape(-1)))
-        window_sum = sum(float(total(lg.reshape(-1, 7), tg.reshape(-1)))
-                         for lg, tg in zip(logits.chunk(2), targets.chunk(2)))
+        window_sum = sum(
+            float(total(lg.reshape(-1, 7), tg.reshape(-1))) for lg, tg in zip(logits.chunk(2), targets.chunk(2))
+        )
         counted = targets[targets != -100]
         assert abs(window_sum / float(weight[counted].sum()) - full) < 1e-12
         assert abs(window_sum / len(counted) - full) > 1e-3
@@ -452,5 +464,15 @@ def test_counts_are_graded_exactly_and_weighted_probability_targets_divide_by_sa
     total = F.cross_entropy(logits, soft, weight=w, reduction="sum")
     assert torch.allclose(F.cross_entropy(logits, soft, weight=w), total / 6)
     with pytest.raises(ValueError, match="seed"):
-        windows.partial_step_ratio(nn.Linear(3, 2), nn.CrossEntropyLoss(), torch.randn(8, 3), torch.zeros(8).long(),
-                                   4, 3, 2, "sgd", 0.1, seed=-1)
+        windows.partial_step_ratio(
+            nn.Linear(3, 2),
+            nn.CrossEntropyLoss(),
+            torch.randn(8, 3),
+            torch.zeros(8).long(),
+            4,
+            3,
+            2,
+            "sgd",
+            0.1,
+            seed=-1,
+        )

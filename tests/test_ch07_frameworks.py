@@ -59,9 +59,14 @@ def test_the_logged_loss_is_classified_by_value():
     means, token_mean = [2.0, 4.0], 2.5
     run = fw.Run("x", 2, 2)
     assert ch7._logged(run, means, token_mean) == "nothing (you log)"
-    for logged, what in [([2.0, 4.0], "each micro-batch's mean"), ([1.0, 2.0], "each micro-batch's mean ÷ K"),
-                         ([2.5], "the token mean"), ([3.0], "the mean of micro-batch means"),
-                         ([4.0], "the last micro-batch's mean"), ([9.0], "other")]:
+    for logged, what in [
+        ([2.0, 4.0], "each micro-batch's mean"),
+        ([1.0, 2.0], "each micro-batch's mean ÷ K"),
+        ([2.5], "the token mean"),
+        ([3.0], "the mean of micro-batch means"),
+        ([4.0], "the last micro-batch's mean"),
+        ([9.0], "other"),
+    ]:
         run.logged = logged
         assert ch7._logged(run, means, token_mean) == what
 
@@ -70,8 +75,10 @@ def test_behaviour_rows_have_one_cell_per_framework_and_row(digits, corpus):
     x, y = digits
     lm_x, lm_y, vocab = corpus
     single = {n: ch7.measure(n, x, y, lm_x, lm_y, vocab) for n in ("nanogpt", "timm")}
-    multi = {n: fw.RankResult(n, 1, 0 if n == "nanogpt" else 1, 1, 0.12, None if n == "nanogpt" else 1e-7, [])
-             for n in single}
+    multi = {
+        n: fw.RankResult(n, 1, 0 if n == "nanogpt" else 1, 1, 0.12, None if n == "nanogpt" else 1e-7, [])
+        for n in single
+    }
     rows = ch7.behaviour_rows(single, multi, ch7.bf16_full_batch_error(x, y))
     assert [r[0] for r in rows] == list(ch7.ROWS) and all(len(r) == 3 for r in rows)
     table = dict((r[0], r[1:]) for r in rows)
@@ -93,9 +100,11 @@ def test_partial_weights_follow_the_rules(digits):
 @pytest.mark.slow
 def test_figures_and_the_widget_function(digits):
     x, y = digits
-    for fig in (ch7.plot_lrs({"timm": [0.1, 0.2]}, {"timm": [0.1, 0.2]}, 2),
-                ch7.plot_partial_weights({"timm": [(2, 1, 1.0)], "lightning": [(2, 1, 0.5)]}),
-                ch7.plot_epoch_weights(x, y, 5, 2)):
+    for fig in (
+        ch7.plot_lrs({"timm": [0.1, 0.2]}, {"timm": [0.1, 0.2]}, 2),
+        ch7.plot_partial_weights({"timm": [(2, 1, 1.0)], "lightning": [(2, 1, 0.5)]}),
+        ch7.plot_epoch_weights(x, y, 5, 2),
+    ):
         assert fig.axes
         plt.close(fig)
     with pytest.raises(ValueError, match="at least one micro-batch"):
@@ -153,8 +162,9 @@ def test_exercise_solution_numbers(digits, monkeypatch):
 
 def test_partial_window_curves(digits):
     x, y = digits
-    curves = ch7.partial_window_curves(x, y, seeds=(0,), schedules=("constant",), epochs=3,
-                                       frameworks=("lightning", "timm"))
+    curves = ch7.partial_window_curves(
+        x, y, seeds=(0,), schedules=("constant",), epochs=3, frameworks=("lightning", "timm")
+    )
     light, timm = curves.losses["lightning", 0, "constant"], curves.losses["timm", 0, "constant"]
     assert len(light) == len(timm) == 3
     assert all(a > b for a, b in zip(light, timm))  # the half-weight step: less progress
@@ -204,10 +214,15 @@ def test_helpers_refuse_empty_and_impossible_arguments():
 
     digits = book_data.load_digits_split()
     x, y = digits.x_train.float(), digits.y_train
-    bad = [lambda: ch7.bf16_full_batch_error(x, y, k=1000), lambda: ch7.bf16_full_batch_error(x, y, k=0),
-           lambda: ch7.bf16_accumulation_ratios(x, y, ks=()), lambda: ch7.bf16_accumulation_ratios(x, y, seeds=()),
-           lambda: ch7.partial_weights(x, y, ks=()), lambda: ch7.partial_weights(x, y, ks=(1,)),
-           lambda: ch7.partial_window_curves(x, y, schedules=())]
+    bad = [
+        lambda: ch7.bf16_full_batch_error(x, y, k=1000),
+        lambda: ch7.bf16_full_batch_error(x, y, k=0),
+        lambda: ch7.bf16_accumulation_ratios(x, y, ks=()),
+        lambda: ch7.bf16_accumulation_ratios(x, y, seeds=()),
+        lambda: ch7.partial_weights(x, y, ks=()),
+        lambda: ch7.partial_weights(x, y, ks=(1,)),
+        lambda: ch7.partial_window_curves(x, y, schedules=()),
+    ]
     for call in bad:
         with pytest.raises(ValueError):
             call()
@@ -264,5 +279,6 @@ def test_the_nanogpt_loop_refuses_what_it_does_not_do(digits):
 
 def test_loss_type_is_refused_when_not_a_name():
     with pytest.raises(ValueError, match="loss_type"):
-        ch7.builtin_lm_step("gpt2", torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long),
-                            None, loss_type=1)  # type: ignore[arg-type]
+        ch7.builtin_lm_step(
+            "gpt2", torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long), None, loss_type=1
+        )  # type: ignore[arg-type]

@@ -72,19 +72,29 @@ def test_contrastive_training_and_scoring(split):
     assert ch8.max_parameter_difference(a, b) < 1e-12
     # plain accumulation in one pass (the study's runs) trains the model that accumulating trains
     for k, b in ((16, 2), (4, 8)):
-        one, acc = (ch8.train_contrastive("plain", split.x_train[:128], k, b, 1, "cosine", epochs=2, one_pass=flag)
-                    for flag in (True, False))
+        one, acc = (
+            ch8.train_contrastive("plain", split.x_train[:128], k, b, 1, "cosine", epochs=2, one_pass=flag)
+            for flag in (True, False)
+        )
         assert 0 < ch8.max_parameter_difference(one, acc) < 1e-10  # computed differently, the same to rounding
-        assert ch8.max_parameter_difference(one, ch8.train_contrastive("full", split.x_train[:128], k, b, 1,
-                                                                        "cosine", epochs=2)) > 1e-3
+        assert (
+            ch8.max_parameter_difference(
+                one, ch8.train_contrastive("full", split.x_train[:128], k, b, 1, "cosine", epochs=2)
+            )
+            > 1e-3
+        )
 
 
 def test_figures_and_widget(split):
     study = {(16, 2, 0, "constant"): {"full": 0.7, "plain": 0.6}, (4, 8, 0, "constant"): {"full": 0.7, "plain": 0.72}}
     grid = ch8.error_grid(split.x_train, (2, 4), (2, 4))
     assert grid.shape == (2, 2) and (grid > 0).all()
-    for fig in (ch8.plot_contrastive(study), ch8.plot_error_grid(grid, (2, 4), (2, 4)),
-                ch8.plot_error_widget(split.x_train, 2, 4), ch8.plot_aux((1, 2), {"window": [1.0, 1.0]})):
+    for fig in (
+        ch8.plot_contrastive(study),
+        ch8.plot_error_grid(grid, (2, 4), (2, 4)),
+        ch8.plot_error_widget(split.x_train, 2, 4),
+        ch8.plot_aux((1, 2), {"window": [1.0, 1.0]}),
+    ):
         assert fig.axes
         plt.close(fig)
     with pytest.raises(ValueError, match="no negative"):
@@ -100,18 +110,23 @@ def test_aux_losses(split):
 
 def test_checkpoint_window(split):
     run = ch8.checkpoint_window(split.x_train, split.y_train, 3, 4)
-    assert run.tracked == {"no checkpointing": 3, "checkpoint": 6, "checkpoint, momentum 1 − √(1 − m)": 6,
-                           "checkpoint, statistics kept": 3}
+    assert run.tracked == {
+        "no checkpointing": 3,
+        "checkpoint": 6,
+        "checkpoint, momentum 1 − √(1 − m)": 6,
+        "checkpoint, statistics kept": 3,
+    }
     assert run.mean_error["checkpoint"] > 0.05 and run.mean_error["checkpoint, statistics kept"] < 1e-12
 
 
 @pytest.mark.slow
 def test_the_same_effective_batch_is_the_same_run(split):
-    one, two = (ch8.train_classifier(split.x_train, split.y_train, 8, k, 0.05, 1, "constant", epochs=1)
-                for k in (1, 2))
+    one, two = (ch8.train_classifier(split.x_train, split.y_train, 8, k, 0.05, 1, "constant", epochs=1) for k in (1, 2))
     assert ch8.max_parameter_difference(one, two) < 1e-12
-    one, two = (ch8.train_classifier(split.x_train, split.y_train, 8, k, 0.05, 1, "constant", epochs=1,
-                                     norm="batch") for k in (1, 2))
+    one, two = (
+        ch8.train_classifier(split.x_train, split.y_train, 8, k, 0.05, 1, "constant", epochs=1, norm="batch")
+        for k in (1, 2)
+    )
     assert ch8.max_parameter_difference(one, two) > 0.01
     with pytest.raises(ValueError, match="does not divide"):
         ch8.train_classifier(split.x_train, split.y_train, 8, 3, 0.05, 1, "constant")
@@ -140,8 +155,7 @@ def test_scaling_claims_hold_on_seeds_3_to_5(split):
     for opt in ("SGD", "Adam"):
         assert all(a < b for a, b in zip(acc(opt, same), acc(opt, base)))
     assert all(c < a < b for a, b, c in zip(acc("SGD", sgd_rule), acc("SGD", base), acc("SGD", same)))
-    assert all(c < a and b - a < 0.03 for a, b, c in zip(acc("Adam", sqrt_rule), acc("Adam", base),
-                                                           acc("Adam", same)))
+    assert all(c < a and b - a < 0.03 for a, b, c in zip(acc("Adam", sqrt_rule), acc("Adam", base), acc("Adam", same)))
     assert sum(acc("Adam", linear)) < sum(acc("Adam", same))
     assert any(a > b for a, b in zip(acc("SGD", same, "constant"), acc("SGD", base, "constant")))
     assert any(a < c for a, c in zip(acc("Adam", sqrt_rule, "constant"), acc("Adam", same, "constant")))
@@ -151,9 +165,17 @@ def test_scaling_claims_hold_on_seeds_3_to_5(split):
 def test_base_rates_are_the_best_of_the_grid(split):
     """The chapter's base rates: the best mean validation accuracy at batch 16, cosine decay, seeds 0–2."""
     for opt, grid in (("SGD", (0.01, 0.02, 0.05, 0.1)), ("Adam", (0.001, 0.003, 0.006, 0.012))):
-        means = {lr: sum(ch8.accuracy(ch8.train_classifier(split.x_train, split.y_train, 16, 1, lr, s, "cosine", 4,
-                                                           optimizer=opt), split.x_val, split.y_val)
-                         for s in (0, 1, 2)) for lr in grid}
+        means = {
+            lr: sum(
+                ch8.accuracy(
+                    ch8.train_classifier(split.x_train, split.y_train, 16, 1, lr, s, "cosine", 4, optimizer=opt),
+                    split.x_val,
+                    split.y_val,
+                )
+                for s in (0, 1, 2)
+            )
+            for lr in grid
+        }
         assert max(means, key=means.__getitem__) == ch8.BASE_LR[opt], (opt, means)
     with pytest.raises(ValueError, match="square-root rule"):
         ch8.optimizer_for("Adam", [torch.zeros(1)], 0.1, kappa=10, adam_sde=True)
@@ -164,8 +186,7 @@ def test_the_scaling_study_in_one_pass_is_the_accumulated_study(split):
     """The chapter computes the batch of 64 in one pass: the same accuracies as K = 4 micro-batches of 16."""
     kwargs = dict(seeds=(0,), epochs=1)
     one_pass = ch8.scaling_study(split.x_train, split.y_train, split.x_val, split.y_val, **kwargs)
-    accumulated = ch8.scaling_study(split.x_train, split.y_train, split.x_val, split.y_val, accumulate=True,
-                                    **kwargs)
+    accumulated = ch8.scaling_study(split.x_train, split.y_train, split.x_val, split.y_val, accumulate=True, **kwargs)
     assert one_pass == accumulated
 
 
@@ -205,8 +226,9 @@ def test_exercise_solution_numbers():
     assert ex.grade_recompute_momentum(0.183, m=0.02, k=5)
     assert coupled.recompute_momentum(0.02, 5, reruns=0) == pytest.approx(1 - 0.98**5)
     router_probs = torch.tensor([[0.6, 0.4]] * 4, dtype=torch.float64)
-    assert float(coupled.switch_aux_loss(router_probs, torch.tensor([0.75, 0.25], dtype=torch.float64))) == \
-        pytest.approx(1.1)
+    assert float(
+        coupled.switch_aux_loss(router_probs, torch.tensor([0.75, 0.25], dtype=torch.float64))
+    ) == pytest.approx(1.1)
     assert ex.grade_switch_aux(1.1, fractions=(0.75, 0.25), probs=(0.6, 0.4))
 
 
@@ -247,6 +269,7 @@ def test_memory_meter_counts_each_storage_once_and_skips_what_every_method_holds
     a, b = (torch.randn(256, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
     graph = ch8.peak_saved_bytes(lambda: ch8.loss(a, b).backward())
     assert 0.5 * wide["GradCache"] < graph <= wide["GradCache"] < wide["plain accumulation"], (graph, wide)
+
     # the summary: GradCache's share of the full batch's graph is under a tenth here (K = 8), rises again at large
     # K (its loss graph over the Kb × Kb similarities grows as K², the full batch's graph as K) to about a fifth at
     # K = 32, and is larger with a narrower encoder
@@ -275,8 +298,9 @@ def test_grad_cache_and_plain_accumulation_pass_gradients_through_a_shared_trunk
     assert all(torch.allclose(p.grad, g, rtol=1e-12, atol=1e-14) for p, g in zip(params, full))
     leaf = torch.randn(8, 12, dtype=torch.float64, requires_grad=True)
     reference = leaf.detach().clone().requires_grad_()
-    expected = torch.autograd.grad(ch8.loss(tower(reference[:, :6]), tower(reference[:, 6:].float().double())),
-                                   reference)[0]
+    expected = torch.autograd.grad(
+        ch8.loss(tower(reference[:, :6]), tower(reference[:, 6:].float().double())), reference
+    )[0]
     coupled.grad_cache_backward([tower, tower], [leaf[:, :6], leaf[:, 6:].float().double()], 4, ch8.loss)
     assert torch.allclose(leaf.grad, expected, rtol=1e-6, atol=1e-9)  # the cast rounds the view to float32
     with torch.inference_mode():
@@ -354,8 +378,9 @@ def test_dropout_masks_at_fixed_k_times_b_agree_on_the_cpu():
     nets = []
     for k in (1, 4):
         torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                  torch.nn.Linear(32, 3)).double()
+        net = torch.nn.Sequential(
+            torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 3)
+        ).double()
         for xb, yb in zip(x.chunk(k), y.chunk(k)):
             (torch.nn.functional.cross_entropy(net(xb), yb) / k).backward()
         nets.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))

@@ -190,8 +190,18 @@ RUNS = {
     ),
     "student-edition-elsewhere": Run(
         ("make student STUDENT_REPO=https://github.com/you/course-student STUDENT_BRANCH=main",),
-        ("{py}", "-m", "gradaccum.book.course", "student", "--out", "{tmp}/student", "--repository",
-         "https://github.com/you/course-student", "--branch", "main"),
+        (
+            "{py}",
+            "-m",
+            "gradaccum.book.course",
+            "student",
+            "--out",
+            "{tmp}/student",
+            "--repository",
+            "https://github.com/you/course-student",
+            "--branch",
+            "main",
+        ),
         r"wrote \d+ notebooks",
         "the CLI call `make student` makes with those variables (its site build is test_course's), into a "
         "temporary folder",
@@ -298,11 +308,15 @@ def test_coverage_lists_are_not_stale():
         source = (ROOT / path).read_text()
         # the test spells the command's words, holds the whole command as a string, or runs it from a template
         # per chapter ("... {stem} ...")
-        templates = [t.replace("{stem}", stem) for t in re.findall(r'"([^"\n]*\{stem\}[^"\n]*)"', source)
-                     for stem in re.findall(r"\b\d\d_[a-z_]+\b", command)[:1]]
+        templates = [
+            t.replace("{stem}", stem)
+            for t in re.findall(r'"([^"\n]*\{stem\}[^"\n]*)"', source)
+            for stem in re.findall(r"\b\d\d_[a-z_]+\b", command)[:1]
+        ]
         whole = f'"{command}"' in source or f"'{command}'" in source
-        assert f"def {name}(" in source and (all(f'"{word}"' in source for word in command.split()[1:])
-                                             or whole or command in templates), test
+        assert f"def {name}(" in source and (
+            all(f'"{word}"' in source for word in command.split()[1:]) or whole or command in templates
+        ), test
 
 
 def _tiny_notebook(path: Path, stored: str | None = None) -> None:

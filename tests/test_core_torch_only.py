@@ -64,8 +64,9 @@ def _blocked_run(tmp_path: Path, code: str) -> subprocess.CompletedProcess:
     (torch asks ``importlib.util.find_spec`` about optional libraries, so a finder that raises would break torch,
     not test the core)."""
     env = shadow_packages(tmp_path, BLOCKED, "blocked for this test: ")
-    return subprocess.run([sys.executable, "-c", BLOCK_BOOK + code], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK_BOOK + code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
 
 
 @pytest.mark.slow
@@ -96,22 +97,31 @@ def test_fresh_environment_with_only_torch(tmp_path: Path):
     py = venv / "bin" / "python"
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     version = torch.__version__.split("+")[0]
-    subprocess.run([str(py), "-m", "pip", "install", "-q", f"torch=={version}", "setuptools>=77"], check=True,
-                   timeout=900, env=env)
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", f"torch=={version}", "setuptools>=77"], check=True, timeout=900, env=env
+    )
     repo = tmp_path / "repo"  # a copy: building in place would leave build/ and egg-info behind
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".venv", "_build", ".git", "*.egg-info", "__pycache__",
-                                                              "chapters", ".hypothesis"))
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-build-isolation", str(repo)], check=True,
-                   timeout=600, env=env)
-    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
-                            check=True, env=env).stdout.lower()
+    shutil.copytree(
+        ROOT,
+        repo,
+        ignore=shutil.ignore_patterns(
+            ".venv", "_build", ".git", "*.egg-info", "__pycache__", "chapters", ".hypothesis"
+        ),
+    )
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-build-isolation", str(repo)], check=True, timeout=600, env=env
+    )
+    listed = subprocess.run(
+        [str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True, env=env
+    ).stdout.lower()
     for absent in ("numpy", "scikit-learn", "matplotlib", "ipywidgets"):
         assert f"\n{absent}==" not in "\n" + listed, f"{absent} was installed with the core:\n{listed}"
     result = subprocess.run([str(py), "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "core OK" in result.stdout
-    cli = subprocess.run([str(py), "-m", "gradaccum.check", "--demo"], capture_output=True, text=True, timeout=120,
-                         cwd=tmp_path)
+    cli = subprocess.run(
+        [str(py), "-m", "gradaccum.check", "--demo"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert cli.returncode == 2 and "gradaccum[book]" in cli.stderr, (cli.returncode, cli.stderr)
 
 

@@ -96,8 +96,13 @@ def test_dropout_masks_are_replayed():
 
 
 @settings(max_examples=25, deadline=None)
-@given(widths=st.lists(st.integers(2, 9), min_size=1, max_size=3), k=st.integers(1, 6), b=st.integers(2, 5),
-       seed=st.integers(0, 10_000), temperature=st.floats(0.05, 2.0))
+@given(
+    widths=st.lists(st.integers(2, 9), min_size=1, max_size=3),
+    k=st.integers(1, 6),
+    b=st.integers(2, 5),
+    seed=st.integers(0, 10_000),
+    temperature=st.floats(0.05, 2.0),
+)
 def test_grad_cache_on_generated_encoders(widths, k, b, seed, temperature):
     xa, xb = pair(k * b, seed)
     encs = [encoder(6, widths, seed), encoder(6, widths, seed + 1)]
@@ -108,8 +113,13 @@ def test_grad_cache_on_generated_encoders(widths, k, b, seed, temperature):
 
 
 @settings(max_examples=25, deadline=None)
-@given(widths=st.lists(st.integers(2, 9), min_size=1, max_size=3), k=st.integers(1, 6), b=st.integers(1, 5),
-       seed=st.integers(0, 10_000), temperature=st.floats(0.05, 2.0))
+@given(
+    widths=st.lists(st.integers(2, 9), min_size=1, max_size=3),
+    k=st.integers(1, 6),
+    b=st.integers(1, 5),
+    seed=st.integers(0, 10_000),
+    temperature=st.floats(0.05, 2.0),
+)
 def test_micro_batch_info_nce_is_plain_accumulation_in_one_pass(widths, k, b, seed, temperature):
     """The masked one-pass loss: the value and the gradient of plain accumulation (b = 1 included: no negative, a
     zero loss), on generated encoders and temperatures."""
@@ -230,15 +240,19 @@ def test_parameters_inside_the_loss_get_their_full_batch_gradient():
     xa, xb = pair(16, seed=7)
     encs = [encoder(6, [8, 5], 0), encoder(6, [8, 5], 1)]
     twins = [copy.deepcopy(e) for e in encs]
-    scale, scale_ref = nn.Parameter(torch.tensor(2.0, dtype=torch.float64)), nn.Parameter(
-        torch.tensor(2.0, dtype=torch.float64))
+    scale, scale_ref = (
+        nn.Parameter(torch.tensor(2.0, dtype=torch.float64)),
+        nn.Parameter(torch.tensor(2.0, dtype=torch.float64)),
+    )
 
     def clip_loss(s):
         def loss(a, b):
             logits = s * torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T
             labels = torch.arange(len(a))
-            return (torch.nn.functional.cross_entropy(logits, labels)
-                    + torch.nn.functional.cross_entropy(logits.T, labels)) / 2
+            return (
+                torch.nn.functional.cross_entropy(logits, labels) + torch.nn.functional.cross_entropy(logits.T, labels)
+            ) / 2
+
         return loss
 
     clip_loss(scale_ref)(twins[0](xa), twins[1](xb)).backward()
@@ -284,9 +298,9 @@ def test_grad_cache_refuses_encoders_whose_forward_changes_a_buffer():
     stateful = {
         "spectral_norm": lambda e: (nn.utils.spectral_norm(e[0]), e)[1],
         "parametrized spectral_norm": lambda e: (nn.utils.parametrizations.spectral_norm(e[0]), e)[1],
-        "InstanceNorm1d": lambda e: nn.Sequential(e, nn.Unflatten(1, (1, 5)),
-                                                  nn.InstanceNorm1d(1, track_running_stats=True).double(),
-                                                  nn.Flatten()),
+        "InstanceNorm1d": lambda e: nn.Sequential(
+            e, nn.Unflatten(1, (1, 5)), nn.InstanceNorm1d(1, track_running_stats=True).double(), nn.Flatten()
+        ),
         "counter": lambda e: nn.Sequential(e, _Counter()),
         "counter replacing its buffer": lambda e: nn.Sequential(e, _Counter(replace=True)),
     }
@@ -321,8 +335,13 @@ def test_the_checkpoint_wrapper_also_keeps_instance_norm_statistics():
     def net() -> nn.Sequential:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            return nn.Sequential(nn.Linear(6, 6), nn.Unflatten(1, (2, 3)),
-                                 nn.InstanceNorm1d(2, track_running_stats=True), nn.Flatten(), nn.Linear(6, 1)).double()
+            return nn.Sequential(
+                nn.Linear(6, 6),
+                nn.Unflatten(1, (2, 3)),
+                nn.InstanceNorm1d(2, track_running_stats=True),
+                nn.Flatten(),
+                nn.Linear(6, 1),
+            ).double()
 
     plain, ckpt, kept = net(), net(), net()
     for xb in x.chunk(2):
@@ -381,10 +400,14 @@ def test_coupled_tools_refuse_nan_and_wrong_types():
     probs = torch.softmax(torch.randn(12, 4, dtype=torch.float64), 1)
     a, b = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     calls = [
-        (lambda: coupled.switch_aux_loss(probs, torch.tensor([float("nan"), 1.0, 0.0, 0.0], dtype=torch.float64)),
-         "summing to 1"),
-        (lambda: coupled.window_fractions(lambda x: torch.full((len(x), 4), float("nan")), [torch.randn(5, 6)], 4),
-         "inf or NaN"),
+        (
+            lambda: coupled.switch_aux_loss(probs, torch.tensor([float("nan"), 1.0, 0.0, 0.0], dtype=torch.float64)),
+            "summing to 1",
+        ),
+        (
+            lambda: coupled.window_fractions(lambda x: torch.full((len(x), 4), float("nan")), [torch.randn(5, 6)], 4),
+            "inf or NaN",
+        ),
         (lambda: coupled.window_fractions(lambda x: x, [], 4), "no micro-batches"),
         (lambda: coupled.info_nce(a, b, 1e-320), "overflows"),
         (lambda: coupled.info_nce(a, b.float()), "one dtype"),
@@ -481,6 +504,7 @@ def test_switch_aux_loss_takes_a_low_precision_softmax(dtype):
 
 def test_grad_cache_refuses_an_encoder_that_scales_its_input_in_place():
     """Sixth review: x.div_(4) in forward scaled the input twice (step 1 and the replay): 56% off, silently."""
+
     class Scale(nn.Module):
         def __init__(self):
             super().__init__()

@@ -28,7 +28,7 @@ def snippets(nb):
     for text in course.solution_texts(nb):
         words = plain(text).split()
         for start in range(0, max(1, len(words) - 7), 4):
-            fragment = " ".join(words[start:start + 8])
+            fragment = " ".join(words[start : start + 8])
             if len(fragment.split()) == 8 and fragment not in rest:
                 out.append(fragment)
                 break
@@ -114,8 +114,10 @@ def test_nbgrader_conversion_grades_with_the_checkers():
         assert answer_cell["metadata"]["nbgrader"]["grade_id"].startswith("ex-ch1-")
         assert re.search(r"### BEGIN SOLUTION\nanswer = .+\n### END SOLUTION\nexercises\.grade_", answer_cell["source"])
     assert all("### BEGIN SOLUTION" in a["source"] and a["metadata"]["nbgrader"]["points"] == 2 for a in arguments)
-    assert all("### BEGIN HIDDEN TESTS\nassert " in t["source"] and "exercises" not in t["source"].split("HIDDEN")[1]
-               for t in tests), "hidden tests compare with the answer written out"
+    assert all(
+        "### BEGIN HIDDEN TESTS\nassert " in t["source"] and "exercises" not in t["source"].split("HIDDEN")[1]
+        for t in tests
+    ), "hidden tests compare with the answer written out"
     from gradaccum.book import exercises
 
     first_test = tests[0]["source"]
@@ -137,8 +139,10 @@ def test_nbgrader_layout(tmp_path):
 
 def test_instructor_page_lists_every_exercise_and_its_checker():
     page = (ROOT / "instructor.md").read_text()
-    listed = {label: re.findall(r"`(\w+)`", checkers) for label, checkers in
-              re.findall(r"\{ref\}`(ex-ch\d-[a-z0-9-]+)` \| ((?:`\w+`(?:, )?)+|open)", page)}
+    listed = {
+        label: re.findall(r"`(\w+)`", checkers)
+        for label, checkers in re.findall(r"\{ref\}`(ex-ch\d-[a-z0-9-]+)` \| ((?:`\w+`(?:, )?)+|open)", page)
+    }
     for stem in STEMS:
         nb, label = load(stem), None
         for cell in nb["cells"]:
@@ -177,14 +181,18 @@ def test_no_auto_checked_answer_is_printed_or_stated(stem):
 
     student = course.student_notebook(load(stem))
     text = _visible_text(student)
-    calls = [c for cell in student["cells"] if course.is_exercise_cell(cell) for c in course.checker_calls(
-        course._source(cell))]
+    calls = [
+        c
+        for cell in student["cells"]
+        if course.is_exercise_cell(cell)
+        for c in course.checker_calls(course._source(cell))
+    ]
     assert calls
     leaks = []
     for name, kwargs in calls:
         expected, _ = exercises.expected_answer(getattr(exercises, name), **kwargs)
         for form in course.answer_forms(expected):
             for m in re.finditer(rf"(?<![\d.]){re.escape(form)}(?![\d])", text):
-                context = text[max(0, m.start() - 60):m.end() + 20]
+                context = text[max(0, m.start() - 60) : m.end() + 20]
                 leaks.append(f"{name}{kwargs} = {expected!r} shown as {form!r}: …{context}…")
     assert not leaks, "\n".join(leaks[:10])

@@ -43,11 +43,24 @@ class _Deep(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
-                          nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
-            for _ in range(2))
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * c, 16, bias=False),
-                                  nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 10))
+            nn.Sequential(
+                nn.Conv2d(c, c, 3, padding=1, bias=False),
+                nn.BatchNorm2d(c),
+                nn.ReLU(inplace=True),
+                nn.Conv2d(c, c, 3, padding=1, bias=False),
+                nn.BatchNorm2d(c),
+            )
+            for _ in range(2)
+        )
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(4 * c, 16, bias=False),
+            nn.BatchNorm1d(16),
+            nn.ReLU(),
+            nn.Dropout(0.2),
+            nn.Linear(16, 10),
+        )
 
     def forward(self, x):
         h = self.stem(x)
@@ -276,8 +289,12 @@ def test_what_a_trace_would_get_wrong_is_refused_or_retraced():
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="changes autograd's mode"):
         fullbatch_bn.full_batch_stats_gradient(_Gate("no_grad"), F.mse_loss, x, y, 4, True, True)
-    assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(_Gate("no_grad"), F.mse_loss, x, y, 4, True),
-                          _reference(_Gate("no_grad"), x, y), rtol=1e-10, atol=1e-12)
+    assert torch.allclose(
+        fullbatch_bn.full_batch_stats_gradient(_Gate("no_grad"), F.mse_loss, x, y, 4, True),
+        _reference(_Gate("no_grad"), x, y),
+        rtol=1e-10,
+        atol=1e-12,
+    )
     for cache in (False, True):  # a functional batch norm would stay per micro-batch: refused either way
         with pytest.raises(ValueError, match="not a BatchNorm module"):
             fullbatch_bn.full_batch_stats_gradient(_Gate("functional"), F.mse_loss, x, y, 4, True, cache)
@@ -295,8 +312,12 @@ def test_what_a_trace_would_get_wrong_is_refused_or_retraced():
     # a plain attribute the forward reads changes between calls: traced again, exact again
     fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
     model.temp = 3.0
-    assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
-                          _reference(model, x, y), rtol=1e-10, atol=1e-12)
+    assert torch.allclose(
+        fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
+        _reference(model, x, y),
+        rtol=1e-10,
+        atol=1e-12,
+    )
 
 
 class _Configured(nn.Module):
@@ -325,8 +346,12 @@ def test_a_changed_dict_entry_or_global_is_never_served_from_a_stale_trace():
     for change in (lambda: model.cfg.update(act="tanh"), lambda: _SCALE.__setitem__(0, 3.0)):
         fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
         change()
-        assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
-                              _reference(model, x, y), rtol=1e-10, atol=1e-12)
+        assert torch.allclose(
+            fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
+            _reference(model, x, y),
+            rtol=1e-10,
+            atol=1e-12,
+        )
     _SCALE[0] = 1.0
 
 

@@ -92,7 +92,7 @@ def test_the_cells_whose_output_is_not_compared_are_listed_with_a_reason(stem):
             assert "explorer(" in source(cells[i]) or "interactive" in source(cells[i]), cell_id
         if reason == KERNELS:
             names = data_names(source(cells[i])) - imported
-            checks = [source(c) for c in cells[i + 1:] if "assert" in source(c)]
+            checks = [source(c) for c in cells[i + 1 :] if "assert" in source(c)]
             assert any(names & used_names(check) for check in checks), f"{cell_id}: assert its claims in a later cell"
 
 
@@ -154,8 +154,11 @@ def test_code_cells_fit_the_page_and_are_formatted():
             assert not long, f"{stem}: lines wider than the page: {long[:2]}"
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff, "ruff is in requirements.txt: make install brings it"
-    proc = subprocess.run([ruff, "format", "--check", "--line-length", "80", *(str(ROOT / "chapters" / f"{s}.ipynb")
-                           for s in STEMS)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [ruff, "format", "--check", "--line-length", "80", *(str(ROOT / "chapters" / f"{s}.ipynb") for s in STEMS)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
