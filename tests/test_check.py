@@ -31,8 +31,9 @@ from gradaccum.check_fingerprints import CODES
 
 @pytest.fixture(scope="module")
 def demo_results():
-    """Every demo case checked once (half a minute), per worker, and only when a test here asks for it: not at import,
-    where every collection (each xdist worker's, `--collect-only`'s) paid for it."""
+    """Every demo case checked once per worker, when a test here first asks for it (seconds, after conftest's
+    one-thread set-up), not at import, where every collection paid for it: each xdist worker's, `--collect-only`'s
+    (half a minute idle, over a minute on a loaded machine)."""
     return check_demo.run_demo()
 
 
@@ -41,7 +42,6 @@ def by_name(demo_results):
     return {r.name: r for r in demo_results}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(check_demo.DEMO_EXPECTED))
 def test_each_demo_case_gets_exactly_its_verdict(name, by_name):
     result = by_name[name]
@@ -60,7 +60,6 @@ def test_demo_cases_are_usable_as_returned_and_match_the_expectations():
     assert report.codes == ["token_normalization"]
 
 
-@pytest.mark.slow
 def test_chapter_6_assertions_still_hold(by_name):
     """The demo reports name each planted cause in words a reader recognises (chapter 6 prints them)."""
     for name, cause in [
@@ -106,7 +105,6 @@ def test_linear_lr_constructor_step_is_not_counted(digits, loss_fn):
     assert report.ok and report.counts["scheduler.step"] == 1 and report.counts["optimizer.step"] == 1, str(report)
 
 
-@pytest.mark.slow
 def test_missing_1_over_k_reports_k_minus_1_and_cosine_1(by_name):
     result = by_name["missing 1/K"]
     report = result.report
@@ -115,7 +113,6 @@ def test_missing_1_over_k_reports_k_minus_1_and_cosine_1(by_name):
     assert "= K − 1, cosine 1.0000" in report.findings[0].evidence
 
 
-@pytest.mark.slow
 def test_scaler_update_every_micro_batch_is_a_finding_not_a_crash(by_name):
     report = by_name["scaler.update() after every micro-batch"].report
     assert report.codes[:2] == ["step_raised", "scaler_update_inside_window"]
@@ -158,7 +155,6 @@ def test_a_label_smoothing_loss_with_a_custom_padding_id_is_probed_too():
     assert report.codes == ["token_normalization"], str(report)
 
 
-@pytest.mark.slow
 def test_clip_grad_norm_imported_by_name_is_recorded(by_name):
     report = by_name["clip once after unscale_ (correct)"].report
     assert report.counts["clip"] == 1 and report.ok
@@ -294,7 +290,6 @@ def test_bad_input(digits, loss_fn):
         C.check(model, loss_fn, x.reshape(10, 64), y, 2)
 
 
-@pytest.mark.slow
 def test_report_is_json_ready(demo_results):
     for result in demo_results:
         data = json.loads(json.dumps(result.report.to_dict()))
