@@ -15,7 +15,7 @@ SITE_STAMP := $(VENV)/.site-installed
 # test file) are skipped quietly, as pip skips them.
 COMPILE = -$(PY) -m compileall -q -q -j 0 src $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-.PHONY: help install book test unit lint nbval nbval-loaded portability outputs budgets gpu-check binder-check student kernel nbgrader clean
+.PHONY: help install book test unit unit-all lint nbval nbval-loaded portability outputs budgets gpu-check binder-check student kernel nbgrader clean
 
 # `make help` prints every target with the text after its `##`.
 help: ## this list
@@ -57,9 +57,16 @@ test: $(STAMP) ## every test: lint + types, unit, commands, fresh install, site 
 	$(PY) -m pytest tests chapters --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n 2 --dist loadfile
 
-# The package's tests only: no notebook, no site build, no shown command, no new virtual environment.
-unit: $(STAMP) ## the package's tests only (fast: no notebook run, site build, shown command, fresh install or lint)
-	$(PY) -m pytest tests -p no:cacheprovider -m "not site and not commands and not install and not nbgrader and not lint"
+# The package's tests only (core, checker, book layer): no notebook run, no site build, no shown command, no new
+# virtual environment, no lint. `make unit` also leaves out the tests marked slow (over 5 s each on the 2-core
+# machine: studies on other seeds, runs in several processes, subprocess round trips); `make unit-all` keeps them.
+# Both on two workers (pytest-xdist, tests spread one by one); `make test` runs every one of them too.
+UNIT_MARKS := not site and not commands and not install and not nbgrader and not lint
+unit: $(STAMP) ## the package's fast tests on two workers, slow ones left out (under 2 minutes on 2 cores)
+	$(PY) -m pytest tests -p no:cacheprovider -n 2 -m "not slow and $(UNIT_MARKS)"
+
+unit-all: $(STAMP) ## the package's tests on two workers, slow ones included (no notebook, site, command or install)
+	$(PY) -m pytest tests -p no:cacheprovider -n 2 -m "$(UNIT_MARKS)"
 
 lint: $(STAMP) ## ruff (package, tests, scripts, notebooks), mypy (package), the layering contract (import-linter)
 	$(VENV)/bin/ruff check src tests scripts benchmarks chapters conftest.py

@@ -68,6 +68,7 @@ def chromium_available() -> bool:
 @contextmanager
 def serve(root: Path) -> Iterator[str]:
     """Serve ``root`` on 127.0.0.1 at a free port; yields the base URL."""
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
             pass
@@ -90,9 +91,16 @@ def browser(width: int, height: int) -> Iterator[object]:
 
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or ""
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                f"--window-size={width},{height}", "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
-                "--force-device-scale-factor=1", "--hide-scrollbars"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+        "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+        "--force-device-scale-factor=1",
+        "--hide-scrollbars",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
@@ -147,10 +155,13 @@ def inspect_page(driver, url: str, path: str, screenshot: Path | None = None) ->
     report.settled = settled
     # Jupyter Book's index.html is a bare redirect with no icon link: Chromium may ask for /favicon.ico before it
     # follows it (a race; seen once). That request is not the page's; every other error counts.
-    report.console_errors = [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"
-                             and not (path == "index.html" and "/favicon.ico - " in entry["message"])]
+    report.console_errors = [
+        entry["message"]
+        for entry in driver.get_log("browser")
+        if entry["level"] == "SEVERE" and not (path == "index.html" and "/favicon.ico - " in entry["message"])
+    ]
     text = data["text"]
-    report.raw_tex = [text[max(0, i - 30):i + 30] for d in RAW_TEX for i in _find_all(text, d)][:10]
+    report.raw_tex = [text[max(0, i - 30) : i + 30] for d in RAW_TEX for i in _find_all(text, d)][:10]
     report.widget_heights = data["widgets"]
     report.widget_errors = data["widgetErrors"]
     report.formulas = data["mathjax"]
@@ -165,8 +176,10 @@ def inspect_page(driver, url: str, path: str, screenshot: Path | None = None) ->
         driver.execute_script("window.scrollTo(0, 0);")
         driver.save_screenshot(str(screenshot))
         # and the page's first kernel-free explorer, as a reader finds it
-        if driver.execute_script("const e = document.querySelector('.ga-explorer'); if (!e) return false; "
-                                 "e.scrollIntoView({block: 'start'}); window.scrollBy(0, -70); return true;"):
+        if driver.execute_script(
+            "const e = document.querySelector('.ga-explorer'); if (!e) return false; "
+            "e.scrollIntoView({block: 'start'}); window.scrollBy(0, -70); return true;"
+        ):
             driver.save_screenshot(str(screenshot.with_name(screenshot.stem + "-explorer.png")))
     return report
 
@@ -202,9 +215,14 @@ def move_every_control(driver) -> list[dict]:
                 el.send_keys(forward)
                 moves.append(driver.execute_script(PICTURE, root) != first)
                 el.send_keys(back)
-        out.append({"height": root.rect["height"], "moves": moves,
-                    "restored": driver.execute_script(PICTURE, root) == first,
-                    "ready": root.get_attribute("data-ready") == "1"})
+        out.append(
+            {
+                "height": root.rect["height"],
+                "moves": moves,
+                "restored": driver.execute_script(PICTURE, root) == first,
+                "ready": root.get_attribute("data-ready") == "1",
+            }
+        )
     return out
 
 
@@ -219,8 +237,11 @@ def _find_all(text: str, needle: str) -> list[int]:
 def pages(site: Path) -> list[str]:
     """Every HTML page of the built site, relative to its root (Sphinx's search and index pages excepted)."""
     skip = {"search.html", "genindex.html"}
-    return sorted(str(p.relative_to(site)) for p in site.rglob("*.html")
-                  if p.name not in skip and "_static" not in p.parts and "_sources" not in p.parts)
+    return sorted(
+        str(p.relative_to(site))
+        for p in site.rglob("*.html")
+        if p.name not in skip and "_static" not in p.parts and "_sources" not in p.parts
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -229,9 +250,20 @@ def main(argv: list[str]) -> int:
     with serve(site) as base, browser(width, 900) as driver:
         for path in pages(site):
             r = inspect_page(driver, base + path, path)
-            print(json.dumps({"page": path, "console": r.console_errors[:3], "raw_tex": r.raw_tex[:3],
-                              "widgets": r.widget_heights, "formulas": r.formulas, "overflow": r.overflow_px,
-                              "too_wide": r.too_wide[:3]}, ensure_ascii=False))
+            print(
+                json.dumps(
+                    {
+                        "page": path,
+                        "console": r.console_errors[:3],
+                        "raw_tex": r.raw_tex[:3],
+                        "widgets": r.widget_heights,
+                        "formulas": r.formulas,
+                        "overflow": r.overflow_px,
+                        "too_wide": r.too_wide[:3],
+                    },
+                    ensure_ascii=False,
+                )
+            )
     return 0
 
 

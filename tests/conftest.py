@@ -37,8 +37,13 @@ def _build(source: Path, out: Path, blocked: Path) -> Path:
     blocked.mkdir(parents=True, exist_ok=True)
     env = shadow_packages(blocked, ("torch", "gradaccum", "sklearn"), "the site build must not import ")
     jb = Path(sys.executable).with_name("jupyter-book")
-    proc = subprocess.run([str(jb), "build", str(source), "--path-output", str(out), "-n", "-W", "--keep-going"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [str(jb), "build", str(source), "--path-output", str(out), "-n", "-W", "--keep-going"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert not re.search(r"\bWARNING\b", log), log[-4000:]

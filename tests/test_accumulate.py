@@ -112,9 +112,11 @@ def test_train_is_deterministic_and_learns(digits):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"batch_size": 64, "k": 3, "epochs": 1}, "multiple of K"),
-     ({"batch_size": 64, "k": 2, "epochs": 0}, "epochs"),
-     ({"batch_size": 4096, "k": 2, "epochs": 1}, "exceeds")],
+    [
+        ({"batch_size": 64, "k": 3, "epochs": 1}, "multiple of K"),
+        ({"batch_size": 64, "k": 2, "epochs": 0}, "epochs"),
+        ({"batch_size": 4096, "k": 2, "epochs": 1}, "exceeds"),
+    ],
 )
 def test_train_bad_arguments(kwargs, match, digits):
     with pytest.raises(ValueError, match=match):

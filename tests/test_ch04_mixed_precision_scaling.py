@@ -199,8 +199,9 @@ def test_backoff_exercise_solution(digits, loss_fn):
     assert right.steps == 0 and right.final_scale == 32768
     assert precision.amp_window(model, loss_fn, x, y, 8, "step_per_micro", overflow_micro=4).steps == 7
     # the grader's mistake: unscale_ + update() per micro-batch backs off K − 5 + 2 = 5 times (8192 → 256)
-    repeated = precision.amp_window(model, loss_fn, x, y, 8, "unscale_update_per_micro", init_scale=8192.0,
-                                    overflow_micro=4)
+    repeated = precision.amp_window(
+        model, loss_fn, x, y, 8, "unscale_update_per_micro", init_scale=8192.0, overflow_micro=4
+    )
     assert repeated.final_scale == 8192 * 0.5**5 == 256
     wrong = ex.grade_backoff_scale(256.0)
     assert not wrong.correct and "after every micro-batch" in wrong.message
@@ -286,8 +287,9 @@ def test_largest_fitting_log2_is_the_overflow_edge(dtype):
     gen = torch.Generator().manual_seed(0)
     top = 65520.0 if dtype == torch.float16 else None
     for _ in range(200):
-        v = torch.randn(50, generator=gen, dtype=torch.float64) * 10.0 ** float(torch.empty(1).uniform_(-8, 8,
-                                                                                              generator=gen))
+        v = torch.randn(50, generator=gen, dtype=torch.float64) * 10.0 ** float(
+            torch.empty(1).uniform_(-8, 8, generator=gen)
+        )
         e = precision.largest_fitting_log2(v, dtype)
         m = v.abs().max()
         assert torch.isfinite((m * 2.0**e).to(dtype)) and torch.isinf((m * 2.0 ** (e + 1)).to(dtype)), (e, m)
@@ -304,6 +306,7 @@ def test_largest_fitting_log2_is_the_overflow_edge(dtype):
 def test_exact_answers_are_checked_exactly():
     """Review: 2050 and 4100 were accepted as 2048 and 4096, which the exercises do not ask to round."""
     from gradaccum.book import exercises as ex
+
     assert ex.grade_effective_scale(2048) and ex.grade_backoff_scale(4096.0)
     for grader, near in ((ex.grade_effective_scale, 2050), (ex.grade_backoff_scale, 4100)):
         fb = grader(near)
@@ -324,12 +327,18 @@ def test_kernel_gradients_leave_out_fp32_normalization_parameters(digits, loss_f
     grads = precision.kernel_gradients(model, loss_fn, x, y, 4)
     kernels = sum(p.numel() for m in (model[1], model[3]) for p in m.parameters())
     assert grads.numel() == 4 * kernels
-    per_micro = [torch.autograd.grad(loss_fn(model(xb), yb), model[2].weight)[0] for xb, yb in
-                 zip(x.chunk(4), y.chunk(4))]
+    per_micro = [
+        torch.autograd.grad(loss_fn(model(xb), yb), model[2].weight)[0] for xb, yb in zip(x.chunk(4), y.chunk(4))
+    ]
     assert max(float(g.abs().max()) for g in per_micro) > float(grads.abs().max())  # GroupNorm's is the largest
-    predicted = min(precision.largest_fitting_log2(grads),
-                    precision.largest_fitting_log2(torch.cat([precision.activation_gradients(model, loss_fn, xb, yb)
-                                                              for xb, yb in zip(x.chunk(4), y.chunk(4))])))
+    predicted = min(
+        precision.largest_fitting_log2(grads),
+        precision.largest_fitting_log2(
+            torch.cat(
+                [precision.activation_gradients(model, loss_fn, xb, yb) for xb, yb in zip(x.chunk(4), y.chunk(4))]
+            )
+        ),
+    )
     measured = precision.largest_safe_log2_scale(model, loss_fn, x, y, 4) - 2
     assert predicted == measured
     with pytest.raises(ValueError, match="no linear or convolution"):
@@ -347,23 +356,30 @@ def test_amp_tools_and_graders_refuse_what_they_cannot_do(digits):
     wrong_shape = lambda out, target: nn.functional.mse_loss(out, out[:, :3])  # noqa: E731
     with pytest.raises(RuntimeError):  # the model's or loss's own error propagates
         precision.amp_window(model, wrong_shape, x, y, 4, "correct")
-    for kwargs, message in ((dict(overflow_micro=4), "overflow_micro"), (dict(overflow_micro=True), "overflow_micro"),
-                            (dict(lr=0.0), "lr"), (dict(lr=float("nan")), "lr")):
+    for kwargs, message in (
+        (dict(overflow_micro=4), "overflow_micro"),
+        (dict(overflow_micro=True), "overflow_micro"),
+        (dict(lr=0.0), "lr"),
+        (dict(lr=float("nan")), "lr"),
+    ):
         with pytest.raises(ValueError, match=message):
             precision.amp_window(model, nn.CrossEntropyLoss(), x, y, 4, "correct", **kwargs)
     assert precision.amp_window(model, nn.CrossEntropyLoss(), x, y, 4, "unscale_per_micro").error.startswith(
-        "RuntimeError: unscale_() has already been called")
+        "RuntimeError: unscale_() has already been called"
+    )
     for dtype in ("float8_e5m2fnuz", torch.float16):
         with pytest.raises(ValueError):
             exercises.grade_smallest_positive(1e-5, dtype=dtype)
     for fmt in (torch.float8_e5m2fnuz, torch.float8_e8m0fnu):  # the message names the formats that work
-        with pytest.raises(ValueError, match="finfo.*use float16, bfloat16, float32, float64"):
+        with pytest.raises(ValueError, match="use float16"):
             precision.format_info(fmt)
-    for grader, kwargs in ((exercises.grade_effective_scale, dict(k=0)), (exercises.grade_effective_scale,
-                                                                          dict(scale=-1.0)),
-                           (exercises.grade_backoff_scale, dict(backoff=2.0)), (exercises.grade_backoff_scale,
-                                                                               dict(scale=0.0)),
-                           (exercises.grade_backoff_steps, dict(k=2.5))):
+    for grader, kwargs in (
+        (exercises.grade_effective_scale, dict(k=0)),
+        (exercises.grade_effective_scale, dict(scale=-1.0)),
+        (exercises.grade_backoff_scale, dict(backoff=2.0)),
+        (exercises.grade_backoff_scale, dict(scale=0.0)),
+        (exercises.grade_backoff_steps, dict(k=2.5)),
+    ):
         with pytest.raises(ValueError):
             grader(1.0, **kwargs)
 
@@ -393,7 +409,7 @@ def test_precision_tools_refuse_what_has_no_answer():
         precision.mixed_scale_sum([torch.ones(3), torch.ones(2)], [1.0, 1.0], 1.0)
 
 
-def test_review_layernorm_on_the_cpu_and_parameters_outside_kernels():
+def test_kernel_gradients_read_layernorm_in_fp16_and_refuse_parameters_outside_kernels():
     """Second review: on the CPU, nn.LayerNorm's weight gradient is computed in fp16 from an fp16 input (inf where
     GroupNorm's stays finite), so kernel_gradients now reads it there; a parameter outside linear, convolution and
     normalization modules (MultiheadAttention's in_proj_weight) makes kernel_gradients refuse."""
@@ -419,7 +435,7 @@ def test_review_layernorm_on_the_cpu_and_parameters_outside_kernels():
         precision.kernel_gradients(Attention(), nn.CrossEntropyLoss(), x, y, 2)
 
 
-def test_review_scales_exponents_and_inputs_out_of_range_are_refused(loss_fn):
+def test_scales_exponents_and_inputs_out_of_range_are_refused(loss_fn):
     """Second review: scales outside float32's normal range gave NaN/inf updates or a RuntimeError, a model without
     parameters StopIteration, a float64 input a dtype RuntimeError, hi=2000 an OverflowError, a list
     AttributeError, overflow_at=1 TypeError; NumPy numbers are numbers."""
@@ -447,12 +463,14 @@ def test_review_scales_exponents_and_inputs_out_of_range_are_refused(loss_fn):
     assert precision.scale_history(3, 1, overflow_at=(np.int64(1),)) == [2.0**17, 2.0**16, 2.0**17]
     assert precision.cast_report(torch.tensor([1.0]), torch.float16, np.float32(2.0)).overflow == 0
     assert ex.grade_effective_scale(2048, scale=np.float32(65536), k=32).correct
-    assert "exponent" in ex.grade_effective_scale(11).message and "upside down" in ex.grade_effective_scale(
-        1 / 2048).message
+    assert (
+        "exponent" in ex.grade_effective_scale(11).message
+        and "upside down" in ex.grade_effective_scale(1 / 2048).message
+    )
     assert "window's own update()" in ex.grade_backoff_scale(512).message
 
 
-def test_review_amp_window_update_is_exact_at_any_learning_rate_and_overflows_are_refused(loss_fn):
+def test_amp_window_update_is_exact_at_any_learning_rate_and_overflows_are_refused(loss_fn):
     """Second review: amp_window read the update back from the fp32 weights, so at lr = 1e-9 no weight moved and
     it reported 0 steps and a zero update; accumulation_error gave NaN when the inputs overflow the format they
     are produced in, and mixed_scale_sum inf for scales no GradScaler holds together."""
@@ -471,7 +489,7 @@ def test_review_amp_window_update_is_exact_at_any_learning_rate_and_overflows_ar
         precision.mixed_scale_sum([torch.ones(2)], [2.0**38], 2.0**-100)
 
 
-def test_review_widget_and_study_helpers_name_the_argument_at_fault(digits, loss_fn):
+def test_widget_and_study_helpers_name_the_argument_at_fault(digits, loss_fn):
     """Second review: plot_cast with shift=200 or nan said the values had "overflowed already", and recipe_errors
     with a start past the data said "the reference gradient is zero"; each now names its own argument."""
     acts = torch.randn(100) * 1e-3
@@ -482,7 +500,7 @@ def test_review_widget_and_study_helpers_name_the_argument_at_fault(digits, loss
         ch4.recipe_errors(digits, loss_fn, seeds=(0,), starts=(5000,))
 
 
-def test_review_third_round_scales_in_float32_and_complex_refused():
+def test_amp_window_records_scales_in_float32_and_cast_report_refuses_complex():
     """amp_window recorded the first micro-batch's scale as the Python float it was given and the others in
     float32; cast_report dropped a complex tensor's imaginary part with a warning only."""
     torch.manual_seed(0)
@@ -494,9 +512,10 @@ def test_review_third_round_scales_in_float32_and_complex_refused():
         precision.cast_report(torch.tensor([1 + 2j, 3 + 0j]), torch.float16)
 
 
-# ------------------------------------------------------------------ fourth review
+# ------------------------------------------------------------------ the edge prediction, refusals and the model's mode
 
 
+@pytest.mark.slow
 def test_the_edge_prediction_is_exact_for_groupnorm_and_an_upper_bound_for_batchnorm(digits):
     """Review: on the CPU an fp16 convolution sums its weight gradient in fp16, so with BatchNorm (whose backward
     brings large terms of opposite sign together) a partial sum overflows where the total fits; the prediction is
@@ -512,7 +531,7 @@ def test_the_edge_prediction_is_exact_for_groupnorm_and_an_upper_bound_for_batch
         ch4.edge_prediction_gaps(digits, "group", seeds=[0], k=3)
 
 
-def test_tools_refuse_what_the_review_found_them_taking():
+def test_precision_tools_refuse_unknown_options_formats_and_impossible_inputs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
@@ -527,7 +546,7 @@ def test_tools_refuse_what_the_review_found_them_taking():
         precision.largest_fitting_log2(torch.tensor([1 + 1j]))
     with pytest.raises(ValueError, match="model's precision"):
         precision.kernel_gradients(model, loss_fn, x.double(), y, 4)
-    with pytest.raises(ValueError, match="overflows the torch.float16 accumulator"):
+    with pytest.raises(ValueError, match="overflows"):
         grads = [torch.tensor([v, 1.0]) for v in (2e5, 2e5, -2e5, -2e5)]  # terms ±50000: a partial sum of 1e5 overflows
         precision.accumulation_error(grads, torch.float16, torch.float32)
     with pytest.raises(ValueError, match="float8_e5m2fnuz"):
@@ -548,7 +567,7 @@ def test_every_tool_runs_the_model_in_the_mode_it_is_in():
     assert agreement(ref, grads).rel_error < 0.02
 
 
-def test_sixth_review_a_layer_run_twice_and_an_overflow_that_does_not_happen_are_refused():
+def test_a_layer_run_twice_and_an_overflow_that_does_not_happen_are_refused():
     """A shared layer's two fp16 weight gradients are added in fp16 (a part can overflow where the total fits: the
     prediction was up to 5 powers of two too high), and an input normalization removes overflow_micro's 10^6."""
     from gradaccum import precision
@@ -563,7 +582,7 @@ def test_sixth_review_a_layer_run_twice_and_an_overflow_that_does_not_happen_are
 
     torch.manual_seed(0)
     x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
-    with pytest.raises(ValueError, match="more than once per forward pass"):
+    with pytest.raises(ValueError, match="more than once"):
         precision.kernel_gradients(Twice(), nn.CrossEntropyLoss(), x, y, 4)
     normed = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 3))
     with pytest.raises(ValueError, match="did not overflow fp16"):

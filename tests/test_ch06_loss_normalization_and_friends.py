@@ -102,11 +102,16 @@ def test_window_log(lm):
     assert log.last_micro < log.token_mean
 
 
+@pytest.mark.slow
 def test_dropout_masks_match_in_distribution_only(digits, loss_fn):
     x, y = digits.x_train[:32], digits.y_train[:32]
     two = book_models.dropout_mlp(2)
-    same = lambda net, k: agreement(windows.dropout_gradient(net, loss_fn, x, y, 1, 0),  # noqa: E731
-                                    windows.dropout_gradient(net, loss_fn, x, y, k, 0)).rel_error
+    same = lambda net, k: (  # noqa: E731
+        agreement(
+            windows.dropout_gradient(net, loss_fn, x, y, 1, 0),
+            windows.dropout_gradient(net, loss_fn, x, y, k, 0),
+        ).rel_error
+    )
     # one layer: whether one (32, 32) draw equals four (8, 32) draws depends on the mask layout and the torch
     # build, so it is not tested
     assert same(two, 4) > 0.3 and same(two, 2) > 0.3  # a second layer interleaves the draws
@@ -132,6 +137,7 @@ def test_warmup_exercise_solution():
     assert wrong.index(1.0) + 1 == 125 and wrong[123] < 1.0
 
 
+@pytest.mark.slow
 def test_partial_step_ratio(digits, loss_fn):
     """ex-ch6-partial: 3 micro-batches of K = 8 divided by K: gradient and SGD step 3/8; Adam's step about 1 early,
     noticeably smaller after 200 windows."""
@@ -168,7 +174,7 @@ def test_window_tools_refuse_what_they_cannot_compute(lm):
     x, y = book_data.encode_batch(lines[:8], vocab)
     own = windows.count_tokens(y)
     for bad in (True, 3.7, 0, "12", torch.tensor(2.0)):
-        with pytest.raises(ValueError, match="total_tokens must be a positive integer"):
+        with pytest.raises(ValueError, match="total_tokens"):
             windows.window_backward(model, x, y, 4, total_tokens=bad)
     with pytest.raises(ValueError, match="less than the"):
         windows.window_backward(model, x, y, 4, total_tokens=own - 1)
@@ -192,11 +198,11 @@ def test_window_tools_refuse_what_they_cannot_compute(lm):
         windows.adam_step_count(3, 0, False)
     with pytest.raises(ValueError, match="windows must be"):
         windows.adam_step_count(-1, 2, False)
-    with pytest.raises(ValueError, match=r"windows must be .*a NumPy integer"):
+    with pytest.raises(ValueError, match="NumPy integer"):
         windows.adam_step_count(np.int64(3), 2, False)
     with pytest.raises(ValueError, match="steps >= 2"):
         windows.mask_agreement(windows.dropout_masks(1, 4, (5,)))
-    with pytest.raises(ValueError, match=r"a NumPy integer: pass int\(\.\.\.\) of it"):
+    with pytest.raises(ValueError, match="NumPy integer"):
         windows.window_backward(model, x, y, np.int64(4))
     assert windows.adam_step_count(0, 4, True) == 0
 
@@ -209,12 +215,14 @@ def test_window_tools_refuse_bad_input_with_what_to_pass():
     model = nn.Linear(2, 2)
     x, y = torch.randn(16, 2), torch.randint(0, 2, (16,))
     ratio = functools.partial(windows.partial_step_ratio, model, nn.CrossEntropyLoss(), x, y)
-    for kwargs, message in ((dict(b=2, k=4, present=3, optimizer="sgd", lr=0.0), "learning rate"),
-                            (dict(b=2, k=4, present=3, optimizer="sgd", lr=float("nan")), "learning rate"),
-                            (dict(b=0, k=4, present=3, optimizer="sgd", lr=0.1), "micro-batch size"),
-                            (dict(b=2.5, k=4, present=3, optimizer="sgd", lr=0.1), "micro-batch size"),
-                            (dict(b=2, k=4, present=2.0, optimizer="sgd", lr=0.1), "partial window"),
-                            (dict(b=2, k=4, present=3, optimizer="sgd", lr=0.1, warm_windows=-3), "warm_windows")):
+    for kwargs, message in (
+        (dict(b=2, k=4, present=3, optimizer="sgd", lr=0.0), "learning rate"),
+        (dict(b=2, k=4, present=3, optimizer="sgd", lr=float("nan")), "learning rate"),
+        (dict(b=0, k=4, present=3, optimizer="sgd", lr=0.1), "micro-batch size"),
+        (dict(b=2.5, k=4, present=3, optimizer="sgd", lr=0.1), "micro-batch size"),
+        (dict(b=2, k=4, present=2.0, optimizer="sgd", lr=0.1), "partial window"),
+        (dict(b=2, k=4, present=3, optimizer="sgd", lr=0.1, warm_windows=-3), "warm_windows"),
+    ):
         with pytest.raises(ValueError, match=message):
             ratio(**kwargs)
     with pytest.raises(ValueError, match="optimizer_steps"):
@@ -252,8 +260,12 @@ def test_graders_refuse_impossible_exercises_and_round_warmups_up():
     for kwargs in (dict(present=16, k=16), dict(present=20, k=16), dict(present=0, k=16), dict(present=1, k=1.5)):
         with pytest.raises(ValueError):
             exercises.grade_partial_scale(0.5, **kwargs)
-    for kwargs in (dict(sums=(1.0, 2.0, 3.0), tokens=(1, 2)), dict(sums=(1.0, 2.0), tokens=(0, 2)),
-                   dict(sums=(1.0, 2.0), tokens=(-1, 2)), dict(sums=(1.0,), tokens=(3,))):
+    for kwargs in (
+        dict(sums=(1.0, 2.0, 3.0), tokens=(1, 2)),
+        dict(sums=(1.0, 2.0), tokens=(0, 2)),
+        dict(sums=(1.0, 2.0), tokens=(-1, 2)),
+        dict(sums=(1.0,), tokens=(3,)),
+    ):
         with pytest.raises(ValueError):
             exercises.grade_window_token_loss(0.5, **kwargs)
     message = exercises.grade_window_token_loss((0.3 + 0.5) / 2, sums=(30.0, 10.0), tokens=(100, 20)).message
@@ -290,6 +302,7 @@ def test_when_the_full_rate_is_first_used_depends_on_convention_and_order():
     assert [_first_full_rate_step(c, True) for c in (plus_one, plain)] == [125, 126]
 
 
+@pytest.mark.slow
 def test_partial_step_study_in_two_processes_is_the_sequential_one(lm):
     """The chapter runs the late study in two spawned processes: the same ratios, to the bit."""
     lines, vocab, _ = lm
@@ -302,7 +315,7 @@ def test_partial_step_study_in_two_processes_is_the_sequential_one(lm):
         ch6.partial_step_run("MLP", "adam", 0, 0, digits.x_train, digits.y_train, vocab)
 
 
-def test_review_window_tools_refuse_flags_targets_and_steps_they_cannot_use():
+def test_window_tools_refuse_flags_targets_and_steps_they_cannot_use():
     """Second review: truthy strings and None switched flags on or off, a float seed drew seed 0's masks, an int
     shape or a list of masks raised TypeError/AttributeError, int32 targets or padding written as -1 raised
     RuntimeError/IndexError, a NaN model gave NaN logs, and a partial window with no counted target raised
@@ -333,14 +346,15 @@ def test_review_window_tools_refuse_flags_targets_and_steps_they_cannot_use():
     ignored = nn.CrossEntropyLoss(ignore_index=0)
     with pytest.raises(ValueError, match="finite, nonzero step"):
         windows.partial_step_ratio(model, ignored, x, torch.zeros_like(y), 4, 4, 1, "sgd", 0.1)
-    ratio = windows.partial_step_ratio(model, nn.CrossEntropyLoss(), x, y, 4, 4, np.int64(1).item(), "sgd",
-                                       np.float32(0.1))  # a NumPy learning rate is a number
+    ratio = windows.partial_step_ratio(
+        model, nn.CrossEntropyLoss(), x, y, 4, 4, np.int64(1).item(), "sgd", np.float32(0.1)
+    )  # a NumPy learning rate is a number
     assert ratio == pytest.approx(0.25)
     with pytest.raises(ValueError, match="NumPy integer"):
         windows.partial_step_ratio(model, nn.CrossEntropyLoss(), x, y, 4, 4, np.int64(1), "sgd", 0.1)
 
 
-def test_review_weighted_token_loss_divides_by_the_summed_target_weights():
+def test_weighted_token_loss_divides_by_the_summed_target_weights():
     """Chapter 6's recipe for a weighted CrossEntropyLoss: the window's summed loss over its summed target weights
     is the full batch's mean (which divides by them); over the token count it is not. Label smoothing keeps it."""
     gen = torch.Generator().manual_seed(0)
@@ -353,14 +367,15 @@ def test_review_weighted_token_loss_divides_by_the_summed_target_weights():
         mean = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=smoothing)
         total = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=smoothing, reduction="sum")
         full = float(mean(logits.reshape(-1, 7), targets.reshape(-1)))
-        window_sum = sum(float(total(lg.reshape(-1, 7), tg.reshape(-1)))
-                         for lg, tg in zip(logits.chunk(2), targets.chunk(2)))
+        window_sum = sum(
+            float(total(lg.reshape(-1, 7), tg.reshape(-1))) for lg, tg in zip(logits.chunk(2), targets.chunk(2))
+        )
         counted = targets[targets != -100]
         assert abs(window_sum / float(weight[counted].sum()) - full) < 1e-12
         assert abs(window_sum / len(counted) - full) > 1e-3
 
 
-# ------------------------------------------------------------------ fourth review
+# ------------------------------------------------------------------ short micro-batches, token counts and schedules
 
 
 def test_a_short_last_micro_batch_needs_the_sample_count(digits):
@@ -430,7 +445,7 @@ def test_count_tokens_refuses_float_targets():
         count_tokens(torch.tensor([-100.0, -100.5]))
 
 
-def test_review_seven_counts_are_exact_and_weighted_probability_targets_divide_by_samples():
+def test_counts_are_graded_exactly_and_weighted_probability_targets_divide_by_samples():
     """Review 7: a count grader accepted anything within half a unit of the third significant digit (999 and 1001
     for 1000); a count now matches exactly, and the round-down slip is named. Chapter 6's weighted-loss rule is for
     class-index targets: with probability targets PyTorch's weighted mean divides by the number of samples."""
@@ -449,5 +464,15 @@ def test_review_seven_counts_are_exact_and_weighted_probability_targets_divide_b
     total = F.cross_entropy(logits, soft, weight=w, reduction="sum")
     assert torch.allclose(F.cross_entropy(logits, soft, weight=w), total / 6)
     with pytest.raises(ValueError, match="seed"):
-        windows.partial_step_ratio(nn.Linear(3, 2), nn.CrossEntropyLoss(), torch.randn(8, 3), torch.zeros(8).long(),
-                                   4, 3, 2, "sgd", 0.1, seed=-1)
+        windows.partial_step_ratio(
+            nn.Linear(3, 2),
+            nn.CrossEntropyLoss(),
+            torch.randn(8, 3),
+            torch.zeros(8).long(),
+            4,
+            3,
+            2,
+            "sgd",
+            0.1,
+            seed=-1,
+        )

@@ -60,9 +60,14 @@ def test_the_logged_loss_is_classified_by_value():
     means, token_mean = [2.0, 4.0], 2.5
     run = fw.Run("x", 2, 2)
     assert ch7._logged(run, means, token_mean) == "nothing (you log)"
-    for logged, what in [([2.0, 4.0], "each micro-batch's mean"), ([1.0, 2.0], "each micro-batch's mean ÷ K"),
-                         ([2.5], "the token mean"), ([3.0], "the mean of micro-batch means"),
-                         ([4.0], "the last micro-batch's mean"), ([9.0], "other")]:
+    for logged, what in [
+        ([2.0, 4.0], "each micro-batch's mean"),
+        ([1.0, 2.0], "each micro-batch's mean ÷ K"),
+        ([2.5], "the token mean"),
+        ([3.0], "the mean of micro-batch means"),
+        ([4.0], "the last micro-batch's mean"),
+        ([9.0], "other"),
+    ]:
         run.logged = logged
         assert ch7._logged(run, means, token_mean) == what
 
@@ -82,6 +87,7 @@ def test_behaviour_rows_have_one_cell_per_framework_and_row(digits, corpus):
     assert "as the full batch" in table["bf16 autocast: error vs fp32, against the full batch in bf16"][0]
 
 
+@pytest.mark.slow
 def test_partial_weights_follow_the_rules(digits):
     x, y = digits
     points = ch7.partial_weights(x, y, ks=(2, 3), frameworks=("lightning", "timm"))
@@ -90,11 +96,14 @@ def test_partial_weights_follow_the_rules(digits):
     assert all(w == pytest.approx(1.0, abs=1e-6) for _, _, w in points["timm"])
 
 
+@pytest.mark.slow
 def test_figures_and_the_widget_function(digits):
     x, y = digits
-    for fig in (ch7.plot_lrs({"timm": [0.1, 0.2]}, {"timm": [0.1, 0.2]}, 2),
-                ch7.plot_partial_weights({"timm": [(2, 1, 1.0)], "lightning": [(2, 1, 0.5)]}),
-                ch7.plot_epoch_weights(x, y, 5, 2)):
+    for fig in (
+        ch7.plot_lrs({"timm": [0.1, 0.2]}, {"timm": [0.1, 0.2]}, 2),
+        ch7.plot_partial_weights({"timm": [(2, 1, 1.0)], "lightning": [(2, 1, 0.5)]}),
+        ch7.plot_epoch_weights(x, y, 5, 2),
+    ):
         assert fig.axes
         plt.close(fig)
     with pytest.raises(ValueError, match="at least one micro-batch"):
@@ -152,8 +161,9 @@ def test_exercise_solution_numbers(digits, monkeypatch):
 
 def test_partial_window_curves(digits):
     x, y = digits
-    curves = ch7.partial_window_curves(x, y, seeds=(0,), schedules=("constant",), epochs=3,
-                                       frameworks=("lightning", "timm"))
+    curves = ch7.partial_window_curves(
+        x, y, seeds=(0,), schedules=("constant",), epochs=3, frameworks=("lightning", "timm")
+    )
     light, timm = curves.losses["lightning", 0, "constant"], curves.losses["timm", 0, "constant"]
     assert len(light) == len(timm) == 3
     assert all(a > b for a, b in zip(light, timm))  # the half-weight step: less progress
@@ -162,6 +172,7 @@ def test_partial_window_curves(digits):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_the_trainer_on_transformers_own_causal_lms(corpus):
     """Llama declares its shifting loss and is exact; GPT-2 (5.23.0) does not, and each step is the ratio of the
     shifted to the counted labels."""
@@ -195,25 +206,31 @@ def test_study_helpers_and_runner_refuse_input_that_would_measure_nothing():
         harness.trainer_on_causal_lm(ch7.digits_mlp(), torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, 3), 0)
 
 
-def test_review_helpers_refuse_empty_and_impossible_arguments():
+def test_helpers_refuse_empty_and_impossible_arguments():
     """bf16_full_batch_error(k=1000) used fewer samples than asked, k=0 blamed a zero reference; empty ks, seeds and
     schedules returned nothing or a NumPy error; K = 1 has no partial window."""
     from gradaccum.book import data as book_data
 
     digits = book_data.load_digits_split()
     x, y = digits.x_train.float(), digits.y_train
-    bad = [lambda: ch7.bf16_full_batch_error(x, y, k=1000), lambda: ch7.bf16_full_batch_error(x, y, k=0),
-           lambda: ch7.bf16_accumulation_ratios(x, y, ks=()), lambda: ch7.bf16_accumulation_ratios(x, y, seeds=()),
-           lambda: ch7.partial_weights(x, y, ks=()), lambda: ch7.partial_weights(x, y, ks=(1,)),
-           lambda: ch7.partial_window_curves(x, y, schedules=())]
+    bad = [
+        lambda: ch7.bf16_full_batch_error(x, y, k=1000),
+        lambda: ch7.bf16_full_batch_error(x, y, k=0),
+        lambda: ch7.bf16_accumulation_ratios(x, y, ks=()),
+        lambda: ch7.bf16_accumulation_ratios(x, y, seeds=()),
+        lambda: ch7.partial_weights(x, y, ks=()),
+        lambda: ch7.partial_weights(x, y, ks=(1,)),
+        lambda: ch7.partial_window_curves(x, y, schedules=()),
+    ]
     for call in bad:
         with pytest.raises(ValueError):
             call()
 
 
-# ------------------------------------------------------------------ fourth review
+# ------------------------------------------------------------------ transformers' heads and nanoGPT's loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_transformers_classification_heads_get_k_times_the_gradient(k):
     """Review (transformers #47688): BertForSequenceClassification and LlamaForSequenceClassification take
@@ -259,7 +276,8 @@ def test_the_nanogpt_loop_refuses_what_it_does_not_do(digits):
         fw.run("timm", frozen, nn.CrossEntropyLoss(), micro, 4)
 
 
-def test_review_seven_loss_type_is_refused_when_not_a_name():
+def test_loss_type_is_refused_when_not_a_name():
     with pytest.raises(ValueError, match="loss_type"):
-        ch7.builtin_lm_step("gpt2", torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long),
-                            None, loss_type=1)  # type: ignore[arg-type]
+        ch7.builtin_lm_step(
+            "gpt2", torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long), None, loss_type=1
+        )  # type: ignore[arg-type]

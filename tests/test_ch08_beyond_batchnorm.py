@@ -72,19 +72,29 @@ def test_contrastive_training_and_scoring(split):
     assert ch8.max_parameter_difference(a, b) < 1e-12
     # plain accumulation in one pass (the study's runs) trains the model that accumulating trains
     for k, b in ((16, 2), (4, 8)):
-        one, acc = (ch8.train_contrastive("plain", split.x_train[:128], k, b, 1, "cosine", epochs=2, one_pass=flag)
-                    for flag in (True, False))
+        one, acc = (
+            ch8.train_contrastive("plain", split.x_train[:128], k, b, 1, "cosine", epochs=2, one_pass=flag)
+            for flag in (True, False)
+        )
         assert 0 < ch8.max_parameter_difference(one, acc) < 1e-10  # computed differently, the same to rounding
-        assert ch8.max_parameter_difference(one, ch8.train_contrastive("full", split.x_train[:128], k, b, 1,
-                                                                        "cosine", epochs=2)) > 1e-3
+        assert (
+            ch8.max_parameter_difference(
+                one, ch8.train_contrastive("full", split.x_train[:128], k, b, 1, "cosine", epochs=2)
+            )
+            > 1e-3
+        )
 
 
 def test_figures_and_widget(split):
     study = {(16, 2, 0, "constant"): {"full": 0.7, "plain": 0.6}, (4, 8, 0, "constant"): {"full": 0.7, "plain": 0.72}}
     grid = ch8.error_grid(split.x_train, (2, 4), (2, 4))
     assert grid.shape == (2, 2) and (grid > 0).all()
-    for fig in (ch8.plot_contrastive(study), ch8.plot_error_grid(grid, (2, 4), (2, 4)),
-                ch8.plot_error_widget(split.x_train, 2, 4), ch8.plot_aux((1, 2), {"window": [1.0, 1.0]})):
+    for fig in (
+        ch8.plot_contrastive(study),
+        ch8.plot_error_grid(grid, (2, 4), (2, 4)),
+        ch8.plot_error_widget(split.x_train, 2, 4),
+        ch8.plot_aux((1, 2), {"window": [1.0, 1.0]}),
+    ):
         assert fig.axes
         plt.close(fig)
     with pytest.raises(ValueError, match="no negative"):
@@ -100,17 +110,23 @@ def test_aux_losses(split):
 
 def test_checkpoint_window(split):
     run = ch8.checkpoint_window(split.x_train, split.y_train, 3, 4)
-    assert run.tracked == {"no checkpointing": 3, "checkpoint": 6, "checkpoint, momentum 1 − √(1 − m)": 6,
-                           "checkpoint, statistics kept": 3}
+    assert run.tracked == {
+        "no checkpointing": 3,
+        "checkpoint": 6,
+        "checkpoint, momentum 1 − √(1 − m)": 6,
+        "checkpoint, statistics kept": 3,
+    }
     assert run.mean_error["checkpoint"] > 0.05 and run.mean_error["checkpoint, statistics kept"] < 1e-12
 
 
+@pytest.mark.slow
 def test_the_same_effective_batch_is_the_same_run(split):
-    one, two = (ch8.train_classifier(split.x_train, split.y_train, 8, k, 0.05, 1, "constant", epochs=1)
-                for k in (1, 2))
+    one, two = (ch8.train_classifier(split.x_train, split.y_train, 8, k, 0.05, 1, "constant", epochs=1) for k in (1, 2))
     assert ch8.max_parameter_difference(one, two) < 1e-12
-    one, two = (ch8.train_classifier(split.x_train, split.y_train, 8, k, 0.05, 1, "constant", epochs=1,
-                                     norm="batch") for k in (1, 2))
+    one, two = (
+        ch8.train_classifier(split.x_train, split.y_train, 8, k, 0.05, 1, "constant", epochs=1, norm="batch")
+        for k in (1, 2)
+    )
     assert ch8.max_parameter_difference(one, two) > 0.01
     with pytest.raises(ValueError, match="does not divide"):
         ch8.train_classifier(split.x_train, split.y_train, 8, 3, 0.05, 1, "constant")
@@ -120,6 +136,7 @@ def test_the_same_effective_batch_is_the_same_run(split):
         ch8.train_classifier(split.x_train, split.y_train, 8, 1, 0.05, 1, "constant", optimizer="LAMB")
 
 
+@pytest.mark.slow
 def test_scaling_claims_hold_on_seeds_3_to_5(split):
     """The chapter's claims about the scaling study (seeds 0–2), on three other seeds. Cosine decay: the same
     rate at 4× the batch ends lower with both optimizers; SGD's linear rule with warmup beats it on every seed and
@@ -138,30 +155,38 @@ def test_scaling_claims_hold_on_seeds_3_to_5(split):
     for opt in ("SGD", "Adam"):
         assert all(a < b for a, b in zip(acc(opt, same), acc(opt, base)))
     assert all(c < a < b for a, b, c in zip(acc("SGD", sgd_rule), acc("SGD", base), acc("SGD", same)))
-    assert all(c < a and b - a < 0.03 for a, b, c in zip(acc("Adam", sqrt_rule), acc("Adam", base),
-                                                           acc("Adam", same)))
+    assert all(c < a and b - a < 0.03 for a, b, c in zip(acc("Adam", sqrt_rule), acc("Adam", base), acc("Adam", same)))
     assert sum(acc("Adam", linear)) < sum(acc("Adam", same))
     assert any(a > b for a, b in zip(acc("SGD", same, "constant"), acc("SGD", base, "constant")))
     assert any(a < c for a, c in zip(acc("Adam", sqrt_rule, "constant"), acc("Adam", same, "constant")))
 
 
+@pytest.mark.slow
 def test_base_rates_are_the_best_of_the_grid(split):
     """The chapter's base rates: the best mean validation accuracy at batch 16, cosine decay, seeds 0–2."""
     for opt, grid in (("SGD", (0.01, 0.02, 0.05, 0.1)), ("Adam", (0.001, 0.003, 0.006, 0.012))):
-        means = {lr: sum(ch8.accuracy(ch8.train_classifier(split.x_train, split.y_train, 16, 1, lr, s, "cosine", 4,
-                                                           optimizer=opt), split.x_val, split.y_val)
-                         for s in (0, 1, 2)) for lr in grid}
+        means = {
+            lr: sum(
+                ch8.accuracy(
+                    ch8.train_classifier(split.x_train, split.y_train, 16, 1, lr, s, "cosine", 4, optimizer=opt),
+                    split.x_val,
+                    split.y_val,
+                )
+                for s in (0, 1, 2)
+            )
+            for lr in grid
+        }
         assert max(means, key=means.__getitem__) == ch8.BASE_LR[opt], (opt, means)
     with pytest.raises(ValueError, match="square-root rule"):
         ch8.optimizer_for("Adam", [torch.zeros(1)], 0.1, kappa=10, adam_sde=True)
 
 
+@pytest.mark.slow
 def test_the_scaling_study_in_one_pass_is_the_accumulated_study(split):
     """The chapter computes the batch of 64 in one pass: the same accuracies as K = 4 micro-batches of 16."""
     kwargs = dict(seeds=(0,), epochs=1)
     one_pass = ch8.scaling_study(split.x_train, split.y_train, split.x_val, split.y_val, **kwargs)
-    accumulated = ch8.scaling_study(split.x_train, split.y_train, split.x_val, split.y_val, accumulate=True,
-                                    **kwargs)
+    accumulated = ch8.scaling_study(split.x_train, split.y_train, split.x_val, split.y_val, accumulate=True, **kwargs)
     assert one_pass == accumulated
 
 
@@ -201,11 +226,13 @@ def test_exercise_solution_numbers():
     assert ex.grade_recompute_momentum(0.183, m=0.02, k=5)
     assert coupled.recompute_momentum(0.02, 5, reruns=0) == pytest.approx(1 - 0.98**5)
     router_probs = torch.tensor([[0.6, 0.4]] * 4, dtype=torch.float64)
-    assert float(coupled.switch_aux_loss(router_probs, torch.tensor([0.75, 0.25], dtype=torch.float64))) == \
-        pytest.approx(1.1)
+    assert float(
+        coupled.switch_aux_loss(router_probs, torch.tensor([0.75, 0.25], dtype=torch.float64))
+    ) == pytest.approx(1.1)
     assert ex.grade_switch_aux(1.1, fractions=(0.75, 0.25), probs=(0.6, 0.4))
 
 
+@pytest.mark.slow
 def test_studies_in_two_processes_are_the_sequential_ones(split):
     """The chapter's studies run in two spawned processes: the same results, to the bit, as one after the other."""
     data = (split.x_train[:256], split.y_train[:256], split.x_val, split.y_val)
@@ -218,7 +245,8 @@ def test_studies_in_two_processes_are_the_sequential_ones(split):
         ch8.scaling_study(*data, optimizers=("LAMB",), workers=2)
 
 
-def test_review_memory_meter_counts_each_storage_once_and_skips_what_every_method_holds(split):
+@pytest.mark.slow
+def test_memory_meter_counts_each_storage_once_and_skips_what_every_method_holds(split):
     """Review: the meter counted the weights and every save of the same activation, so on a deeper encoder plain
     accumulation looked like 45% of the full batch (12% when each storage is counted once). The page's other
     claim: with micro-batches of 8 (K = 32), or a narrow encoder, GradCache holds more than plain accumulation."""
@@ -241,6 +269,7 @@ def test_review_memory_meter_counts_each_storage_once_and_skips_what_every_metho
     a, b = (torch.randn(256, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
     graph = ch8.peak_saved_bytes(lambda: ch8.loss(a, b).backward())
     assert 0.5 * wide["GradCache"] < graph <= wide["GradCache"] < wide["plain accumulation"], (graph, wide)
+
     # the summary: GradCache's share of the full batch's graph is under a tenth here (K = 8), rises again at large
     # K (its loss graph over the Kb × Kb similarities grows as K², the full batch's graph as K) to about a fifth at
     # K = 32, and is larger with a narrower encoder
@@ -251,7 +280,7 @@ def test_review_memory_meter_counts_each_storage_once_and_skips_what_every_metho
     assert share(wide) < 0.1 < shares[0] < shares[1] and abs(shares[1] - 0.2) < 0.03 and share(wide) < share(narrow)
 
 
-def test_review_grad_cache_and_plain_accumulation_pass_gradients_through_a_shared_trunk():
+def test_grad_cache_and_plain_accumulation_pass_gradients_through_a_shared_trunk():
     """Review: an input computed by a trainable trunk crashed halfway (backward through the graph a second time),
     with part of the gradient already in .grad. Both tools now stop the micro-batches at the input and run one
     backward pass through the trunk at the end: exact for a trunk, a view of a leaf and a cast; inputs made under
@@ -269,8 +298,9 @@ def test_review_grad_cache_and_plain_accumulation_pass_gradients_through_a_share
     assert all(torch.allclose(p.grad, g, rtol=1e-12, atol=1e-14) for p, g in zip(params, full))
     leaf = torch.randn(8, 12, dtype=torch.float64, requires_grad=True)
     reference = leaf.detach().clone().requires_grad_()
-    expected = torch.autograd.grad(ch8.loss(tower(reference[:, :6]), tower(reference[:, 6:].float().double())),
-                                   reference)[0]
+    expected = torch.autograd.grad(
+        ch8.loss(tower(reference[:, :6]), tower(reference[:, 6:].float().double())), reference
+    )[0]
     coupled.grad_cache_backward([tower, tower], [leaf[:, :6], leaf[:, 6:].float().double()], 4, ch8.loss)
     assert torch.allclose(leaf.grad, expected, rtol=1e-6, atol=1e-9)  # the cast rounds the view to float32
     with torch.inference_mode():
@@ -279,7 +309,7 @@ def test_review_grad_cache_and_plain_accumulation_pass_gradients_through_a_share
         coupled.grad_cache_backward([tower, tower], [frozen, x2], 2, ch8.loss)
 
 
-def test_review_router_seeds_encoders_and_nested_checkpoints(split):
+def test_router_bias_across_seeds_default_dtype_and_nested_checkpoints(split):
     """Review: the page's 1% bias at K = 32 is seed 0's, at the low end of seeds 0-9 (0.7%-6.3%, median 3.0%);
     the weights depended on torch's default dtype; nested checkpoints run the forward three times only when one
     of them is reentrant."""
@@ -313,7 +343,7 @@ def test_review_router_seeds_encoders_and_nested_checkpoints(split):
         assert int(bn.num_batches_tracked) == calls, (outer, inner)
 
 
-def test_review_graders_name_k_and_read_array_parameters():
+def test_graders_name_k_and_read_array_parameters():
     """Review: answer 12 with K = 12, b = 7 was explained as NT-Xent's count only (2(b - 1) = 12 = K); the
     Switch grader's fractions as a NumPy array or tensor raised unclear errors, a float a TypeError."""
     import numpy as np
@@ -333,7 +363,7 @@ def test_review_graders_name_k_and_read_array_parameters():
         coupled.window_fractions(lambda t: t.tolist(), [torch.zeros(2, 4)], 4)
 
 
-def test_review_dropout_masks_at_fixed_k_times_b_on_the_cpu():
+def test_dropout_masks_at_fixed_k_times_b_agree_on_the_cpu():
     """Review: "the same run" at fixed K·b holds with dropout only where one batch of 16 draws the masks that four
     batches of 4 draw in turn — true of the CPU generator (the page says CUDA's need not): the masks, and one
     accumulated step of a dropout MLP against the full batch's."""
@@ -348,15 +378,16 @@ def test_review_dropout_masks_at_fixed_k_times_b_on_the_cpu():
     nets = []
     for k in (1, 4):
         torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                  torch.nn.Linear(32, 3)).double()
+        net = torch.nn.Sequential(
+            torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 3)
+        ).double()
         for xb, yb in zip(x.chunk(k), y.chunk(k)):
             (torch.nn.functional.cross_entropy(net(xb), yb) / k).backward()
         nets.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
     assert float((nets[0] - nets[1]).norm() / nets[0].norm()) < 1e-12
 
 
-def test_review_seven_graders_keep_trailing_zeros_and_name_the_weight_kept():
+def test_graders_keep_trailing_zeros_and_name_the_weight_kept():
     assert ex.grade_switch_aux(1.1).message.startswith("correct: 1.10 ")
     fb = ex.grade_recompute_momentum(0.817, m=0.02, k=5)  # 0.98^10: what the old statistics keep
     assert not fb and "old statistics keep" in fb.message

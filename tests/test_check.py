@@ -28,13 +28,23 @@ from gradaccum.book import check_demo
 from gradaccum.book.models import make_cnn
 from gradaccum.check_fingerprints import CODES
 
-RESULTS = check_demo.run_demo()
-BY_NAME = {r.name: r for r in RESULTS}
+
+@pytest.fixture(scope="module")
+def demo_results():
+    """Every demo case checked once per worker, when a test here first asks for it (seconds, after conftest's
+    one-thread set-up), not at import, where every collection paid for it: each xdist worker's, `--collect-only`'s
+    (half a minute idle, over a minute on a loaded machine)."""
+    return check_demo.run_demo()
+
+
+@pytest.fixture(scope="module")
+def by_name(demo_results):
+    return {r.name: r for r in demo_results}
 
 
 @pytest.mark.parametrize("name", list(check_demo.DEMO_EXPECTED))
-def test_each_demo_case_gets_exactly_its_verdict(name):
-    result = BY_NAME[name]
+def test_each_demo_case_gets_exactly_its_verdict(name, by_name):
+    result = by_name[name]
     assert result.as_expected, str(result.report)
     assert set(result.report.codes) == set(result.expected), str(result.report)
     if not result.expected:
@@ -50,7 +60,7 @@ def test_demo_cases_are_usable_as_returned_and_match_the_expectations():
     assert report.codes == ["token_normalization"]
 
 
-def test_chapter_6_assertions_still_hold():
+def test_chapter_6_assertions_still_hold(by_name):
     """The demo reports name each planted cause in words a reader recognises (chapter 6 prints them)."""
     for name, cause in [
         ("BatchNorm", "BatchNorm"),
@@ -60,9 +70,9 @@ def test_chapter_6_assertions_still_hold():
         ("loss scale changed inside the window", "loss scale"),
         ("mean of per-micro-batch token means", "token"),
     ]:
-        report = BY_NAME[name].report
+        report = by_name[name].report
         assert not report.ok and any(cause in f.cause for f in report.findings), name
-    assert BY_NAME["correct loop, GroupNorm"].report.ok and BY_NAME["dropout, fresh masks (correct)"].report.ok
+    assert by_name["correct loop, GroupNorm"].report.ok and by_name["dropout, fresh masks (correct)"].report.ok
 
 
 def test_every_code_the_checker_can_raise_is_documented():
@@ -95,16 +105,16 @@ def test_linear_lr_constructor_step_is_not_counted(digits, loss_fn):
     assert report.ok and report.counts["scheduler.step"] == 1 and report.counts["optimizer.step"] == 1, str(report)
 
 
-def test_missing_1_over_k_reports_k_minus_1_and_cosine_1(digits, loss_fn):
-    result = BY_NAME["missing 1/K"]
+def test_missing_1_over_k_reports_k_minus_1_and_cosine_1(by_name):
+    result = by_name["missing 1/K"]
     report = result.report
     assert report.rel_error == pytest.approx(3.0, rel=1e-9) and report.cosine == pytest.approx(1.0, abs=1e-12)
     assert report.weights == pytest.approx([1.0] * 4, rel=1e-9)
     assert "= K − 1, cosine 1.0000" in report.findings[0].evidence
 
 
-def test_scaler_update_every_micro_batch_is_a_finding_not_a_crash():
-    report = BY_NAME["scaler.update() after every micro-batch"].report
+def test_scaler_update_every_micro_batch_is_a_finding_not_a_crash(by_name):
+    report = by_name["scaler.update() after every micro-batch"].report
     assert report.codes[:2] == ["step_raised", "scaler_update_inside_window"]
     assert "No inf checks were recorded" in report.findings[0].evidence and not report.ok
 
@@ -145,8 +155,8 @@ def test_a_label_smoothing_loss_with_a_custom_padding_id_is_probed_too():
     assert report.codes == ["token_normalization"], str(report)
 
 
-def test_clip_grad_norm_imported_by_name_is_recorded(digits, loss_fn):
-    report = BY_NAME["clip once after unscale_ (correct)"].report
+def test_clip_grad_norm_imported_by_name_is_recorded(by_name):
+    report = by_name["clip once after unscale_ (correct)"].report
     assert report.counts["clip"] == 1 and report.ok
     assert any("clip_grad_norm_ with threshold 1" in n for n in report.notes)
 
@@ -280,8 +290,8 @@ def test_bad_input(digits, loss_fn):
         C.check(model, loss_fn, x.reshape(10, 64), y, 2)
 
 
-def test_report_is_json_ready():
-    for result in RESULTS:
+def test_report_is_json_ready(demo_results):
+    for result in demo_results:
         data = json.loads(json.dumps(result.report.to_dict()))
         assert data["ok"] == result.report.ok and [f["code"] for f in data["findings"]] == [
             f.code for f in result.report.findings
@@ -289,6 +299,7 @@ def test_report_is_json_ready():
         assert all(f["severity"] in ("bug", "note", "inconclusive") for f in data["findings"])
 
 
+@pytest.mark.slow
 def test_command_line_demo():
     out = subprocess.run(
         [sys.executable, "-m", "gradaccum.book.check_demo"], capture_output=True, text=True, timeout=300

@@ -104,6 +104,7 @@ def cli(folder, monkeypatch, capsys):
     return call
 
 
+@pytest.mark.slow
 def test_a_usage_error_exits_2_without_a_traceback_in_a_real_process(folder):
     """(Exit statuses 0 and 1 of a real process: the page's console examples, tests/test_check_page.py.)"""
     usage = run("loops:raises", cwd=folder)
@@ -216,6 +217,7 @@ def test_demo_json(monkeypatch, capsys):
     assert data["all_as_expected"] and data["cases"][0]["report"]["findings"][0]["code"] == "batch_coupled_layer"
 
 
+@pytest.mark.slow
 def test_the_checker_imports_and_runs_without_matplotlib_sklearn_ipywidgets():
     code = textwrap.dedent("""
         import sys

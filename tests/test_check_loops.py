@@ -33,6 +33,7 @@ def test_loop(i, digits):
     assert report.ok == (not expected), str(report)
 
 
+@pytest.mark.slow
 def test_false_positive_and_detection_figures(digits):
     """Correct loops flagged / planted bugs named exactly, over the whole matrix."""
     correct = [i for i, case in enumerate(CASES) if not case[3]]

@@ -7,6 +7,7 @@ precision, K and the micro-batch size, the data and the loop. Examples are deran
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -90,6 +91,7 @@ def _digits():
     return _CACHE["d"]
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(setup=setups(), loop=st.sampled_from(sorted(CORRECT)))
 def test_random_correct_loops_are_never_flagged(setup, loop):
@@ -98,6 +100,7 @@ def test_random_correct_loops_are_never_flagged(setup, loop):
     assert report.ok and report.codes == [], f"{loop}, K = {k}\n{report}"
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(setup=setups(random_lengths=True))
 def test_random_token_windows_normalized_by_window_tokens_are_never_flagged(setup):
@@ -111,6 +114,7 @@ BUGS = {"missing_1_over_k": bug_missing_k, "double_1_over_k": bug_double_k,
         "scheduler_step_inside_window": bug_scheduler_each}
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(setup=setups(), code=st.sampled_from(sorted(BUGS)))
 def test_random_planted_bugs_are_named(setup, code):
@@ -122,6 +126,7 @@ def test_random_planted_bugs_are_named(setup, code):
     assert report.codes == [code], f"K = {k}\n{report}"
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(setup=setups())
 def test_reseeding_is_named_whenever_the_model_draws_random_numbers(setup):
@@ -130,6 +135,7 @@ def test_reseeding_is_named_whenever_the_model_draws_random_numbers(setup):
     assert report.codes == (["rng_reseeded"] if has_dropout else []), str(report)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(setup=setups(random_lengths=True))
 def test_mean_of_token_means_is_named_when_token_counts_differ(setup):
@@ -139,6 +145,7 @@ def test_mean_of_token_means_is_named_when_token_counts_differ(setup):
     assert report.codes == (["token_normalization"] if len(set(counts)) > 1 else []), f"{counts}\n{report}"
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(setup=setups(random_lengths=True), per_micro=st.booleans())
 def test_a_clip_inside_the_window_does_not_hide_a_mean_of_token_means(setup, per_micro):

@@ -64,17 +64,22 @@ def _blocked_run(tmp_path: Path, code: str) -> subprocess.CompletedProcess:
     (torch asks ``importlib.util.find_spec`` about optional libraries, so a finder that raises would break torch,
     not test the core)."""
     env = shadow_packages(tmp_path, BLOCKED, "blocked for this test: ")
-    return subprocess.run([sys.executable, "-c", BLOCK_BOOK + code], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK_BOOK + code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
 
 
+@pytest.mark.slow
 def test_core_imports_and_checks_with_the_book_libraries_blocked(tmp_path: Path):
     result = _blocked_run(tmp_path, SCRIPT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "core OK" in result.stdout
 
 
-@pytest.mark.parametrize("module", ["sklearn", "matplotlib.pyplot", "ipywidgets", "gradaccum.book.data"])
+@pytest.mark.parametrize(
+    "module",
+    ["sklearn", "matplotlib.pyplot", "ipywidgets", pytest.param("gradaccum.book.data", marks=pytest.mark.slow)],
+)
 def test_the_blocker_really_blocks(tmp_path: Path, module: str):
     result = _blocked_run(tmp_path, f"import {module}")
     assert result.returncode != 0 and "blocked for this test" in result.stderr, result.stderr[-2000:]
@@ -92,15 +97,23 @@ def test_fresh_environment_with_only_torch(tmp_path: Path):
     py = venv / "bin" / "python"
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     version = torch.__version__.split("+")[0]
-    subprocess.run([str(py), "-m", "pip", "install", "-q", f"torch=={version}", "setuptools>=77"], check=True,
-                   timeout=900, env=env)
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", f"torch=={version}", "setuptools>=77"], check=True, timeout=900, env=env
+    )
     repo = tmp_path / "repo"  # a copy: building in place would leave build/ and egg-info behind
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".venv", "_build", ".git", "*.egg-info", "__pycache__",
-                                                              "chapters", ".hypothesis"))
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-build-isolation", str(repo)], check=True,
-                   timeout=600, env=env)
-    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
-                            check=True, env=env).stdout.lower()
+    shutil.copytree(
+        ROOT,
+        repo,
+        ignore=shutil.ignore_patterns(
+            ".venv", "_build", ".git", "*.egg-info", "__pycache__", "chapters", ".hypothesis"
+        ),
+    )
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-build-isolation", str(repo)], check=True, timeout=600, env=env
+    )
+    listed = subprocess.run(
+        [str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True, env=env
+    ).stdout.lower()
     for absent in ("numpy", "scikit-learn", "matplotlib", "ipywidgets"):
         assert f"\n{absent}==" not in "\n" + listed, f"{absent} was installed with the core:\n{listed}"
     result = subprocess.run([str(py), "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=tmp_path)

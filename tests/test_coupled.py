@@ -96,8 +96,13 @@ def test_dropout_masks_are_replayed():
 
 
 @settings(max_examples=25, deadline=None)
-@given(widths=st.lists(st.integers(2, 9), min_size=1, max_size=3), k=st.integers(1, 6), b=st.integers(2, 5),
-       seed=st.integers(0, 10_000), temperature=st.floats(0.05, 2.0))
+@given(
+    widths=st.lists(st.integers(2, 9), min_size=1, max_size=3),
+    k=st.integers(1, 6),
+    b=st.integers(2, 5),
+    seed=st.integers(0, 10_000),
+    temperature=st.floats(0.05, 2.0),
+)
 def test_grad_cache_on_generated_encoders(widths, k, b, seed, temperature):
     xa, xb = pair(k * b, seed)
     encs = [encoder(6, widths, seed), encoder(6, widths, seed + 1)]
@@ -108,8 +113,13 @@ def test_grad_cache_on_generated_encoders(widths, k, b, seed, temperature):
 
 
 @settings(max_examples=25, deadline=None)
-@given(widths=st.lists(st.integers(2, 9), min_size=1, max_size=3), k=st.integers(1, 6), b=st.integers(1, 5),
-       seed=st.integers(0, 10_000), temperature=st.floats(0.05, 2.0))
+@given(
+    widths=st.lists(st.integers(2, 9), min_size=1, max_size=3),
+    k=st.integers(1, 6),
+    b=st.integers(1, 5),
+    seed=st.integers(0, 10_000),
+    temperature=st.floats(0.05, 2.0),
+)
 def test_micro_batch_info_nce_is_plain_accumulation_in_one_pass(widths, k, b, seed, temperature):
     """The masked one-pass loss: the value and the gradient of plain accumulation (b = 1 included: no negative, a
     zero loss), on generated encoders and temperatures."""
@@ -130,21 +140,21 @@ def test_micro_batch_info_nce_is_plain_accumulation_in_one_pass(widths, k, b, se
 
 def test_micro_batch_info_nce_refuses_bad_input_with_what_to_do():
     a = torch.randn(12, 3, dtype=torch.float64)
-    with pytest.raises(ValueError, match="K = 5 does not divide the batch of 12"):
+    with pytest.raises(ValueError, match="divide"):
         coupled.micro_batch_info_nce(a, a, 5)
-    with pytest.raises(ValueError, match="does not divide the batch of 0"):
+    with pytest.raises(ValueError, match="divide"):
         coupled.micro_batch_info_nce(a[:0], a[:0], 2)
     for bad_a, bad_b in ((a, a[:6]), (a[:, 0], a[:, 0]), (a[0, 0], a[0, 0]), (a[None], a[None])):
-        with pytest.raises(ValueError, match="must be \\(n, d\\) embeddings of the same shape"):
+        with pytest.raises(ValueError, match=r"\(n, d\)"):
             coupled.micro_batch_info_nce(bad_a, bad_b, 2)
     for bad_t in (0.0, -0.1, float("nan"), float("inf"), None, "0.1", True):
-        with pytest.raises(ValueError, match="temperature must be a positive finite number"):
+        with pytest.raises(ValueError, match="temperature"):
             coupled.micro_batch_info_nce(a, a, 2, temperature=bad_t)
     for bad_k in (0, -1, 2.0, True, torch.tensor(2)):
-        with pytest.raises(ValueError, match="K \\(accumulation steps\\) must be an int >= 1"):
+        with pytest.raises(ValueError, match="accumulation steps"):
             coupled.micro_batch_info_nce(a, a, bad_k)
     for bad_t in (torch.tensor(0.0), torch.tensor([0.1, 0.2]), torch.tensor(1), torch.tensor(float("nan"))):
-        with pytest.raises(ValueError, match="temperature must be a positive finite number"):
+        with pytest.raises(ValueError, match="temperature"):
             coupled.micro_batch_info_nce(a, a, 2, temperature=bad_t)
 
 
@@ -166,7 +176,7 @@ def test_a_learnable_temperature_gets_plain_accumulations_gradient():
 def test_grad_cache_refuses_batchnorm_in_training_and_bad_input():
     xa, xb = pair(8)
     bn = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)).double()
-    with pytest.raises(ValueError, match="normalizes with batch statistics"):
+    with pytest.raises(ValueError, match="batch statistics"):
         coupled.grad_cache_backward([bn, bn], [xa, xb], 2)
     coupled.grad_cache_backward([bn.eval(), bn], [xa, xb], 2)  # frozen statistics: a constant affine map
     with pytest.raises(ValueError, match="does not divide"):
@@ -230,15 +240,19 @@ def test_parameters_inside_the_loss_get_their_full_batch_gradient():
     xa, xb = pair(16, seed=7)
     encs = [encoder(6, [8, 5], 0), encoder(6, [8, 5], 1)]
     twins = [copy.deepcopy(e) for e in encs]
-    scale, scale_ref = nn.Parameter(torch.tensor(2.0, dtype=torch.float64)), nn.Parameter(
-        torch.tensor(2.0, dtype=torch.float64))
+    scale, scale_ref = (
+        nn.Parameter(torch.tensor(2.0, dtype=torch.float64)),
+        nn.Parameter(torch.tensor(2.0, dtype=torch.float64)),
+    )
 
     def clip_loss(s):
         def loss(a, b):
             logits = s * torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T
             labels = torch.arange(len(a))
-            return (torch.nn.functional.cross_entropy(logits, labels)
-                    + torch.nn.functional.cross_entropy(logits.T, labels)) / 2
+            return (
+                torch.nn.functional.cross_entropy(logits, labels) + torch.nn.functional.cross_entropy(logits.T, labels)
+            ) / 2
+
         return loss
 
     clip_loss(scale_ref)(twins[0](xa), twins[1](xb)).backward()
@@ -284,9 +298,9 @@ def test_grad_cache_refuses_encoders_whose_forward_changes_a_buffer():
     stateful = {
         "spectral_norm": lambda e: (nn.utils.spectral_norm(e[0]), e)[1],
         "parametrized spectral_norm": lambda e: (nn.utils.parametrizations.spectral_norm(e[0]), e)[1],
-        "InstanceNorm1d": lambda e: nn.Sequential(e, nn.Unflatten(1, (1, 5)),
-                                                  nn.InstanceNorm1d(1, track_running_stats=True).double(),
-                                                  nn.Flatten()),
+        "InstanceNorm1d": lambda e: nn.Sequential(
+            e, nn.Unflatten(1, (1, 5)), nn.InstanceNorm1d(1, track_running_stats=True).double(), nn.Flatten()
+        ),
         "counter": lambda e: nn.Sequential(e, _Counter()),
         "counter replacing its buffer": lambda e: nn.Sequential(e, _Counter(replace=True)),
     }
@@ -321,8 +335,13 @@ def test_the_checkpoint_wrapper_also_keeps_instance_norm_statistics():
     def net() -> nn.Sequential:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            return nn.Sequential(nn.Linear(6, 6), nn.Unflatten(1, (2, 3)),
-                                 nn.InstanceNorm1d(2, track_running_stats=True), nn.Flatten(), nn.Linear(6, 1)).double()
+            return nn.Sequential(
+                nn.Linear(6, 6),
+                nn.Unflatten(1, (2, 3)),
+                nn.InstanceNorm1d(2, track_running_stats=True),
+                nn.Flatten(),
+                nn.Linear(6, 1),
+            ).double()
 
     plain, ckpt, kept = net(), net(), net()
     for xb in x.chunk(2):
@@ -368,7 +387,7 @@ def test_coupled_tools_refuse_what_they_cannot_compute():
         coupled.checkpoint_keeping_bn_stats(lambda t: enc(t), x)
 
 
-def test_review_coupled_tools_refuse_nan_and_wrong_types():
+def test_coupled_tools_refuse_nan_and_wrong_types():
     """Third review of chapter 8: NaN fractions or router scores gave NaN or sent tokens to expert 0, a temperature
     whose inverse overflows gave NaN, mixed dtypes, lists and empty windows raised RuntimeError/AttributeError,
     recompute_momentum returned a NumPy float32, and aux_losses weighed unequal micro-batches by 1/K."""
@@ -381,10 +400,14 @@ def test_review_coupled_tools_refuse_nan_and_wrong_types():
     probs = torch.softmax(torch.randn(12, 4, dtype=torch.float64), 1)
     a, b = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     calls = [
-        (lambda: coupled.switch_aux_loss(probs, torch.tensor([float("nan"), 1.0, 0.0, 0.0], dtype=torch.float64)),
-         "summing to 1"),
-        (lambda: coupled.window_fractions(lambda x: torch.full((len(x), 4), float("nan")), [torch.randn(5, 6)], 4),
-         "inf or NaN"),
+        (
+            lambda: coupled.switch_aux_loss(probs, torch.tensor([float("nan"), 1.0, 0.0, 0.0], dtype=torch.float64)),
+            "summing to 1",
+        ),
+        (
+            lambda: coupled.window_fractions(lambda x: torch.full((len(x), 4), float("nan")), [torch.randn(5, 6)], 4),
+            "inf or NaN",
+        ),
         (lambda: coupled.window_fractions(lambda x: x, [], 4), "no micro-batches"),
         (lambda: coupled.info_nce(a, b, 1e-320), "overflows"),
         (lambda: coupled.info_nce(a, b.float()), "one dtype"),
@@ -425,7 +448,7 @@ def test_grad_cache_refuses_functions_arrays_tuples_and_unreduced_losses():
 
     with pytest.raises(ValueError, match="returned a tuple"):
         coupled.grad_cache_backward([Pair(), enc], [x, x], 2)
-    with pytest.raises(ValueError, match=r"returned \(4,\), not a scalar"):
+    with pytest.raises(ValueError, match="scalar"):
         coupled.grad_cache_backward([enc, enc], [x, x], 2, lambda a, b: (a * b).sum(1))
     assert enc.weight.grad is None  # refused before any backward pass
 
@@ -444,7 +467,7 @@ class PerToken(nn.Module):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_review_grad_cache_with_several_rows_per_sample(k):
+def test_grad_cache_with_several_rows_per_sample_is_the_full_batch_gradient(k):
     """Review: an encoder returning one embedding per token ((b·T, d) from b samples) made step 3 slice the cached
     gradient by samples, failing with a raw autograd error after part of .grad was written. The slices follow the
     cached rows now, and the gradient is the full batch's."""
@@ -469,7 +492,7 @@ class lambda_module(nn.Module):  # noqa: N801
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_review_switch_aux_loss_takes_a_low_precision_softmax(dtype):
+def test_switch_aux_loss_takes_a_low_precision_softmax(dtype):
     """Review: a bf16 router softmax (rows off 1 by up to 2.6e-3) was refused as "not a softmax"; the slack is the
     dtype's rounding now, and logits are still refused, with the size of the error."""
     logits = torch.randn(512, 8, generator=torch.Generator().manual_seed(0)) * 3
@@ -481,6 +504,7 @@ def test_review_switch_aux_loss_takes_a_low_precision_softmax(dtype):
 
 def test_grad_cache_refuses_an_encoder_that_scales_its_input_in_place():
     """Sixth review: x.div_(4) in forward scaled the input twice (step 1 and the replay): 56% off, silently."""
+
     class Scale(nn.Module):
         def __init__(self):
             super().__init__()

@@ -28,7 +28,7 @@ def snippets(nb):
     for text in course.solution_texts(nb):
         words = plain(text).split()
         for start in range(0, max(1, len(words) - 7), 4):
-            fragment = " ".join(words[start:start + 8])
+            fragment = " ".join(words[start : start + 8])
             if len(fragment.split()) == 8 and fragment not in rest:
                 out.append(fragment)
                 break
@@ -49,13 +49,13 @@ def test_student_notebook_has_no_solutions_and_clears_exercises(stem, edition):
     text = json.dumps(student)
     assert "{solution}" not in text
     fragments = snippets(original)
-    assert len(fragments) >= 3
+    assert fragments, "the solutions' text is found, so its absence below means something"
     for fragment in fragments:
         assert fragment not in plain(cells_text(student)), fragment
     assert all(f in plain(cells_text(original)) for f in fragments)  # the search does find them in the original
-    assert text.count("{exercise}") == json.dumps(original).count("{exercise}") >= 3
+    assert text.count("{exercise}") == json.dumps(original).count("{exercise}") > 0
     exercise_cells = [c for c in student["cells"] if course.is_exercise_cell(c)]
-    assert len(exercise_cells) >= 3 and all(not c["outputs"] and c["execution_count"] is None for c in exercise_cells)
+    assert exercise_cells and all(not c["outputs"] and c["execution_count"] is None for c in exercise_cells)
     kept = lambda nb: [c["outputs"] for c in nb["cells"] if c["cell_type"] == "code" and not course.is_exercise_cell(c)]  # noqa: E731
     assert kept(student) == kept(original)  # figures and numbers stay for students
 
@@ -67,7 +67,7 @@ def test_student_notebook_runs_what_nbval_runs(stem, edition):
     no second execution of every chapter."""
     code = lambda nb: [source(c) for c in nb["cells"] if c["cell_type"] == "code"]  # noqa: E731
     student = json.loads((edition / "chapters" / f"{stem}.ipynb").read_text())
-    assert code(student) == code(load(stem)) and len(code(student)) > 10
+    assert code(student) == code(load(stem)) and code(student)
 
 
 @pytest.mark.site
@@ -77,7 +77,8 @@ def test_student_site_has_no_solutions(built_student_site):
     assert not (html / "instructor.html").exists(), "the instructors' page is not part of the student site"
     for stem in STEMS:
         page = (html / "chapters" / f"{stem}.html").read_text()
-        assert 'class="solution' not in page and page.count('class="caption-number">Exercise') >= 3
+        exercises = sum(source(c).count("```{exercise}") for c in load(stem)["cells"])
+        assert 'class="solution' not in page and page.count('class="caption-number">Exercise') == exercises
         words = plain(re.sub(r"<[^>]+>|&[a-z#0-9]+;", " ", page))
         for fragment in snippets(load(stem)):
             assert fragment not in words, fragment
@@ -113,8 +114,10 @@ def test_nbgrader_conversion_grades_with_the_checkers():
         assert answer_cell["metadata"]["nbgrader"]["grade_id"].startswith("ex-ch1-")
         assert re.search(r"### BEGIN SOLUTION\nanswer = .+\n### END SOLUTION\nexercises\.grade_", answer_cell["source"])
     assert all("### BEGIN SOLUTION" in a["source"] and a["metadata"]["nbgrader"]["points"] == 2 for a in arguments)
-    assert all("### BEGIN HIDDEN TESTS\nassert " in t["source"] and "exercises" not in t["source"].split("HIDDEN")[1]
-               for t in tests), "hidden tests compare with the answer written out"
+    assert all(
+        "### BEGIN HIDDEN TESTS\nassert " in t["source"] and "exercises" not in t["source"].split("HIDDEN")[1]
+        for t in tests
+    ), "hidden tests compare with the answer written out"
     from gradaccum.book import exercises
 
     first_test = tests[0]["source"]
@@ -136,8 +139,10 @@ def test_nbgrader_layout(tmp_path):
 
 def test_instructor_page_lists_every_exercise_and_its_checker():
     page = (ROOT / "instructor.md").read_text()
-    listed = {label: re.findall(r"`(\w+)`", checkers) for label, checkers in
-              re.findall(r"\{ref\}`(ex-ch\d-[a-z0-9-]+)` \| ((?:`\w+`(?:, )?)+|open)", page)}
+    listed = {
+        label: re.findall(r"`(\w+)`", checkers)
+        for label, checkers in re.findall(r"\{ref\}`(ex-ch\d-[a-z0-9-]+)` \| ((?:`\w+`(?:, )?)+|open)", page)
+    }
     for stem in STEMS:
         nb, label = load(stem), None
         for cell in nb["cells"]:
@@ -176,14 +181,18 @@ def test_no_auto_checked_answer_is_printed_or_stated(stem):
 
     student = course.student_notebook(load(stem))
     text = _visible_text(student)
-    calls = [c for cell in student["cells"] if course.is_exercise_cell(cell) for c in course.checker_calls(
-        course._source(cell))]
+    calls = [
+        c
+        for cell in student["cells"]
+        if course.is_exercise_cell(cell)
+        for c in course.checker_calls(course._source(cell))
+    ]
     assert calls
     leaks = []
     for name, kwargs in calls:
         expected, _ = exercises.expected_answer(getattr(exercises, name), **kwargs)
         for form in course.answer_forms(expected):
             for m in re.finditer(rf"(?<![\d.]){re.escape(form)}(?![\d])", text):
-                context = text[max(0, m.start() - 60):m.end() + 20]
+                context = text[max(0, m.start() - 60) : m.end() + 20]
                 leaks.append(f"{name}{kwargs} = {expected!r} shown as {form!r}: …{context}…")
     assert not leaks, "\n".join(leaks[:10])

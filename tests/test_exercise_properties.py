@@ -33,23 +33,35 @@ PARAMS = {
     ex.grade_window_token_loss: {},
     ex.grade_warmup_end: dict(warmup=ints(100, 10_000), k=ints(2, 64)),
     ex.grade_partial_scale: dict(present=ints(1, 15), k=ints(16, 16)),
-    ex.grade_nosync_saving: dict(k=ints(2, 64), p=ints(2, 512), megabytes=st.floats(1, 10_000),
-                                 gb_per_s=st.floats(1, 1000)),
+    ex.grade_nosync_saving: dict(
+        k=ints(2, 64), p=ints(2, 512), megabytes=st.floats(1, 10_000), gb_per_s=st.floats(1, 1000)
+    ),
     ex.grade_accelerate_warmup_end: dict(warmup=ints(100, 10_000), processes=ints(2, 64), k=ints(2, 64)),
     ex.grade_framework_partial_weight: dict(micro_batches=ints(17, 400).filter(lambda n: n % 16), k=ints(16, 16)),
     ex.grade_negatives_per_sample: dict(k=ints(2, 64), b=ints(2, 64)),
     ex.grade_recompute_momentum: dict(m=st.floats(0.001, 0.5), k=ints(1, 64)),
-    ex.grade_switch_aux: dict(fractions=st.just((0.75, 0.25)), probs=st.tuples(st.floats(0.05, 0.95)).map(
-        lambda t: (t[0], 1 - t[0]))),
-    ex.grade_accelerate_token_factor: dict(rank_tokens=ints(1, 8).flatmap(lambda p: ints(1, 8).flatmap(
-        lambda k: st.tuples(*[st.tuples(*[ints(1, 500)] * k)] * p)))),
+    ex.grade_switch_aux: dict(
+        fractions=st.just((0.75, 0.25)), probs=st.tuples(st.floats(0.05, 0.95)).map(lambda t: (t[0], 1 - t[0]))
+    ),
+    ex.grade_accelerate_token_factor: dict(
+        rank_tokens=ints(1, 8).flatmap(
+            lambda p: ints(1, 8).flatmap(lambda k: st.tuples(*[st.tuples(*[ints(1, 500)] * k)] * p))
+        )
+    ),
 }
 
 
 #: Graders of a count: the answer is matched exactly (999 is not 1000), so no rounded form of it, or of a slip, is
 #: the same answer.
-COUNTS = {ex.grade_ghost_virtual_size, ex.grade_exact_sweeps, ex.grade_backoff_steps, ex.grade_allreduce_calls,
-          ex.grade_warmup_end, ex.grade_accelerate_warmup_end, ex.grade_negatives_per_sample}
+COUNTS = {
+    ex.grade_ghost_virtual_size,
+    ex.grade_exact_sweeps,
+    ex.grade_backoff_steps,
+    ex.grade_allreduce_calls,
+    ex.grade_warmup_end,
+    ex.grade_accelerate_warmup_end,
+    ex.grade_negatives_per_sample,
+}
 
 
 @pytest.mark.parametrize("grader", list(PARAMS), ids=lambda g: g.__name__)
@@ -60,8 +72,13 @@ def test_rounded_right_answers_pass_and_every_mistake_is_named(grader, data):
     expected, digits, mistakes = ex.grading_plan(grader, **kwargs)
     count = grader in COUNTS
     shown = expected if count else ex.round_significant(expected, digits)
-    for right in (expected, shown, np.float64(expected), torch.tensor(expected, dtype=torch.float64),
-                  np.float32(shown)):
+    for right in (
+        expected,
+        shown,
+        np.float64(expected),
+        torch.tensor(expected, dtype=torch.float64),
+        np.float32(shown),
+    ):
         fb = grader(right, **kwargs)
         assert fb, (right, kwargs, fb)
     if count and expected >= 100:  # a count is exact: its neighbour is wrong even where 3 digits cannot tell
@@ -69,8 +86,13 @@ def test_rounded_right_answers_pass_and_every_mistake_is_named(grader, data):
     seen = [expected]
     for wrong, why in mistakes:
         given = (wrong,) if count else (wrong, ex.round_significant(wrong, digits))
-        if any(ex.agrees(g, s, digits) or ex.agrees(s, g, digits) or
-               ex.round_significant(g, 2) == ex.round_significant(s, 2) for g in given for s in seen):
+        if any(
+            ex.agrees(g, s, digits)
+            or ex.agrees(s, g, digits)
+            or ex.round_significant(g, 2) == ex.round_significant(s, 2)
+            for g in given
+            for s in seen
+        ):
             continue  # for these parameters the slip gives a value another case already claims
         seen.append(wrong)
         for given_value in given:
@@ -78,7 +100,10 @@ def test_rounded_right_answers_pass_and_every_mistake_is_named(grader, data):
             # the slip's explanation, alone or (when the value is also the answer rounded to fewer digits) after
             # the rounding one
             assert not fb and (fb.message == why or fb.message.endswith(f"If you did not round: {why}")), (
-                given_value, kwargs, fb)
+                given_value,
+                kwargs,
+                fb,
+            )
     for not_a_number in (np.zeros(2), torch.zeros(2), "0.5", [0.5]):
         fb = grader(not_a_number, **kwargs)
         assert not fb and fb.message
@@ -97,8 +122,9 @@ def test_a_value_both_rounded_and_a_slip_gets_both_readings_and_counts_must_be_w
     digit and also the first-order value 2Km; a count of 6.0004 negatives was accepted as 6."""
     fb = ex.grade_recompute_momentum(0.2)
     assert not fb and "agrees with the answer to 1 significant digit" in fb.message
-    assert fb.message.endswith("If you did not round: that is the first-order approximation; compound the 2K "
-                               "updates: 1 − (1 − m)^(2K).")
+    assert fb.message.endswith(
+        "If you did not round: that is the first-order approximation; compound the 2K updates: 1 − (1 − m)^(2K)."
+    )
     two_digits = ex.grade_recompute_momentum(0.18)
     assert not two_digits and "If you did not round" not in two_digits.message
     for grader, right in ((ex.grade_negatives_per_sample, 6), (ex.grade_warmup_end, 125)):

@@ -29,7 +29,7 @@ def mlp(widths: list[int], seed: int = 0, dropout: float = 0.0) -> nn.Sequential
             layers += [nn.Linear(a, b), nn.Tanh()]
             if dropout:
                 layers.append(nn.Dropout(dropout))
-        return nn.Sequential(*layers[:-2 if dropout else -1])
+        return nn.Sequential(*layers[: -2 if dropout else -1])
 
 
 def data(n: int, d: int, classes: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +64,14 @@ def test_counting_lr_counts_calls_and_warms_up_linearly():
     assert sched.calls == 5 and opt.param_groups[0]["lr"] == 1.0
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(hidden=st.lists(st.integers(1, 9), min_size=0, max_size=2), k=st.integers(1, 4), b=st.integers(1, 3),
-       seed=st.integers(0, 1000))
+@given(
+    hidden=st.lists(st.integers(1, 9), min_size=0, max_size=2),
+    k=st.integers(1, 4),
+    b=st.integers(1, 3),
+    seed=st.integers(0, 1000),
+)
 def test_every_runner_equals_the_full_batch_on_generated_models(hidden, k, b, seed):
     """The core of accumulation (no coupling, equal micro-batches): every framework's step is the full batch's."""
     x, y = data(k * b, 5, 3, seed)
@@ -98,7 +103,7 @@ def padded(n: int = 8, width: int = 12, vocab: int = 7, seed: int = 0) -> tuple[
     x = torch.randint(1, vocab, (n, width), generator=g)
     y = torch.randint(1, vocab, (n, width), generator=g)
     for i in range(n):  # lengths grow along the batch: micro-batches hold different token counts
-        y[i, 2 + i:] = IGNORE
+        y[i, 2 + i :] = IGNORE
     return x, y
 
 
@@ -113,6 +118,7 @@ class LM(nn.Module):
         return self.out(torch.tanh(self.embed(x)))
 
 
+@pytest.mark.slow
 def test_token_recipes_are_exact_and_the_default_is_the_mean_of_means():
     x, y = padded()
     total = lambda o, t: token_loss(o, t, "sum")  # noqa: E731
@@ -140,12 +146,16 @@ def test_clipping_once_and_scheduler_counts():
         assert result.scheduler_steps == (0 if name == "nanogpt" else 1), name
 
 
+@pytest.mark.slow
 def test_fp16_on_the_cpu_is_not_fp16():
     """Accelerate (and the Trainer) turn mixed precision off on the CPU; Lightning switches to bf16-mixed."""
     x, y = data(8, 5, 3)
     loss = nn.CrossEntropyLoss()
-    grads = {(n, p): fw.run(n, mlp([5, 4, 3]), loss, fw.split(x, y, 2), 2, precision=p).grads[0]
-             for n in ("accelerate", "lightning", "trainer") for p in fw.PRECISIONS}
+    grads = {
+        (n, p): fw.run(n, mlp([5, 4, 3]), loss, fw.split(x, y, 2), 2, precision=p).grads[0]
+        for n in ("accelerate", "lightning", "trainer")
+        for p in fw.PRECISIONS
+    }
     for n in ("accelerate", "trainer"):
         assert torch.equal(grads[n, "fp16"], grads[n, "fp32"]), n
     assert torch.equal(grads["lightning", "fp16"], grads["lightning", "bf16"])
@@ -160,6 +170,7 @@ def test_batchnorm_updates_k_times_per_step():
         assert fw.run(name, model(), nn.CrossEntropyLoss(), fw.split(x, y, 3), 3).bn_updates == 3, name
 
 
+@pytest.mark.slow
 def test_check_adapters():
     x, y = data(16, 5, 3)
     loss = nn.CrossEntropyLoss()
@@ -172,6 +183,7 @@ def test_check_adapters():
         fw.lightning_module_step()(model, loss, x, y, 4)
 
 
+@pytest.mark.slow
 def test_a_lightning_module_of_ones_own_is_checked():
     import pytorch_lightning as pl
 
@@ -195,6 +207,7 @@ def test_a_lightning_module_of_ones_own_is_checked():
     assert check(Module(), nn.CrossEntropyLoss(), x, y, 3, step=fw.lightning_module_step(), partial=False).ok
 
 
+@pytest.mark.slow
 def test_lightning_clipping_inside_the_step_is_read_as_before_it():
     """Lightning clips inside optimizer.step(closure), after the closure's backward and before the update: a
     correct module is correct with gradient_clip_val set, biting or not, and its isolate_rng (a restore to the
@@ -248,8 +261,9 @@ def test_seeding_calls_that_change_nothing_are_not_seeds():
 
     x, y = data(12, 5, 3)
     for how in ("restore", "new rng", "seed"):
-        report = check(mlp([5, 4, 3]), nn.CrossEntropyLoss(), x, y, 3, partial=False,
-                       step=lambda *a, how=how: step(*a, how))
+        report = check(
+            mlp([5, 4, 3]), nn.CrossEntropyLoss(), x, y, 3, partial=False, step=lambda *a, how=how: step(*a, how)
+        )
         assert report.ok, report
         seeded = [f.code for f in report.findings] == ["seed_inside_window"]
         assert seeded == (how == "seed"), (how, report)
@@ -316,19 +330,20 @@ def test_the_recorder_reads_closures_and_skips_optimizer_wrappers():
         (lambda m, x, y: fw.run("keras", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2), "unknown framework"),
         (lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 0), "K"),
         (lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, clip=-1.0), "clip"),
-        (lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, precision="fp8"),
-         "precision"),
-        (lambda m, x, y: fw.run("nanogpt", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, precision="fp16"),
-         "fp16"),
+        (lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, precision="fp8"), "precision"),
+        (lambda m, x, y: fw.run("nanogpt", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, precision="fp16"), "fp16"),
         (lambda m, x, y: fw.run("timm", "model", nn.CrossEntropyLoss(), fw.split(x, y, 2), 2), "nn.Module"),
         (lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), [], 2), "at least one"),
-        (lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), [(x[:3], y[:3]), (x[3:], y[3:])], 2),
-         "one size"),
+        (lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), [(x[:3], y[:3]), (x[3:], y[3:])], 2), "one size"),
         (lambda m, x, y: fw.split(x, y, 3), "does not divide"),
-        (lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, loss_kwargs=True),
-         "loss_kwargs is the Transformers Trainer's"),
-        (lambda m, x, y: fw.run("trainer", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, loss_kwargs=1),
-         "True or False"),
+        (
+            lambda m, x, y: fw.run("timm", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, loss_kwargs=True),
+            "loss_kwargs is the Transformers Trainer's",
+        ),
+        (
+            lambda m, x, y: fw.run("trainer", m, nn.CrossEntropyLoss(), fw.split(x, y, 2), 2, loss_kwargs=1),
+            "True or False",
+        ),
         (lambda m, x, y: fw.framework_step("keras"), "unknown framework"),
         (lambda m, x, y: harness.tiny_causal_lm("bert", 10, 8), "gpt2"),
         (lambda m, x, y: harness.trainer_on_causal_lm(m, x, y, 3), "does not divide"),
@@ -340,6 +355,7 @@ def test_bad_input_says_what_to_do(call, message):
         call(mlp([5, 3]), x, y)
 
 
+@pytest.mark.slow
 def test_two_processes():
     """The distributed measurements (chapter 7's second table half): Accelerate's scheduler steps once per process,
     every framework reduces once per optimizer step, the token recipes are exact across ranks."""
@@ -347,7 +363,11 @@ def test_two_processes():
     ranks = launch("frameworks", 2, timeout=120, x=x, y=y, k=2, windows=3, warmup=4)
     for a, b in zip(*ranks):
         assert (a.optimizer_steps, a.scheduler_steps, a.allreduces, a.lrs) == (
-            b.optimizer_steps, b.scheduler_steps, b.allreduces, b.lrs)
+            b.optimizer_steps,
+            b.scheduler_steps,
+            b.allreduces,
+            b.lrs,
+        )
     by = {r.framework: r for r in ranks[0]}
     assert by["accelerate"].scheduler_steps == 2 and by["accelerate"].lrs[:3] == pytest.approx([0.025, 0.075, 0.1])
     for name in ("lightning", "trainer", "timm"):
@@ -441,14 +461,18 @@ class InPlaceDecaySGD(torch.optim.SGD):
         return loss
 
 
-@pytest.mark.parametrize("factory", [lambda ps: ForwardingSGD(ps, lr=0.1), lambda ps: InPlaceDecaySGD(ps, lr=0.1)],
-                         ids=["forwarding-subclass", "in-place-decay"])
+@pytest.mark.parametrize(
+    "factory",
+    [lambda ps: ForwardingSGD(ps, lr=0.1), lambda ps: InPlaceDecaySGD(ps, lr=0.1)],
+    ids=["forwarding-subclass", "in-place-decay"],
+)
 def test_the_recorder_reads_the_gradient_when_the_closure_returns(factory):
     """Found by review: a closure passed positionally through a subclass's *args, and an optimizer that changes
     .grad after the closure, made correct Lightning loops look wrong."""
     x, y = data(12, 5, 3)
-    report = check(_Module.make(factory), nn.CrossEntropyLoss(), x, y, 3, step=fw.lightning_module_step(),
-                   partial=False)
+    report = check(
+        _Module.make(factory), nn.CrossEntropyLoss(), x, y, 3, step=fw.lightning_module_step(), partial=False
+    )
     assert report.ok, report
 
 
@@ -493,8 +517,15 @@ def test_adapters_leave_the_callers_accelerator_working_and_take_trainer_options
     x, y = data(12, 5, 3)
     assert check(mlp([5, 4, 3]), nn.CrossEntropyLoss(), x, y, 3, step=fw.accelerate_step(), partial=False).ok
     assert acc.device.type == "cpu" and acc.prepare(mlp([5, 3])) is not None
-    report = check(_Module.make(lambda ps: torch.optim.SGD(ps, lr=0.1)), nn.CrossEntropyLoss(), x, y, 3,
-                   step=fw.lightning_module_step(gradient_clip_val=0.5), partial=False)
+    report = check(
+        _Module.make(lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        nn.CrossEntropyLoss(),
+        x,
+        y,
+        3,
+        step=fw.lightning_module_step(gradient_clip_val=0.5),
+        partial=False,
+    )
     assert "step_raised" not in report.codes, report
     with pytest.raises(ValueError, match="unknown option"):
         fw.accelerate_step(precison="bf16")
@@ -530,7 +561,7 @@ def test_framework_tools_and_graders_refuse_impossible_input():
             exercises.grade_accelerate_token_factor(0.5, rank_tokens=tokens)
 
 
-def test_review_tools_refuse_mismatched_empty_and_late_input():
+def test_tools_refuse_mismatched_empty_and_late_input():
     """Chapter 7's review: relative_error broadcast (2, 3) against (3,) to 0.0, NaN passed through or was called a
     zero reference, empty batches trained, clip=True was a clip of 1.0, and framework options failed only inside
     check() (blamed on the reader's loop)."""

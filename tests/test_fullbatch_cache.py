@@ -43,11 +43,24 @@ class _Deep(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
-                          nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
-            for _ in range(2))
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * c, 16, bias=False),
-                                  nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 10))
+            nn.Sequential(
+                nn.Conv2d(c, c, 3, padding=1, bias=False),
+                nn.BatchNorm2d(c),
+                nn.ReLU(inplace=True),
+                nn.Conv2d(c, c, 3, padding=1, bias=False),
+                nn.BatchNorm2d(c),
+            )
+            for _ in range(2)
+        )
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(4 * c, 16, bias=False),
+            nn.BatchNorm1d(16),
+            nn.ReLU(),
+            nn.Dropout(0.2),
+            nn.Linear(16, 10),
+        )
 
     def forward(self, x):
         h = self.stem(x)
@@ -193,9 +206,9 @@ def test_refusals_say_use_cache_false():
     x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
     for model in (_KeptInPlace(), _OutputChangedThenRead()):
         _step(model.double(), x, y, 2, False)  # fine without the cache
-        with pytest.raises(ValueError, match="modified in place.*cache=False"):
+        with pytest.raises(ValueError, match="in place.*cache=False"):
             _step(model.double(), x, y, 2, True)
-    with pytest.raises(ValueError, match="is a tuple of tensors.*cache=False"):
+    with pytest.raises(ValueError, match="tuple.*cache=False"):
         _step(_TupleAcross().double(), x, y, 2, True)
     with pytest.raises(ValueError, match="takes 2 inputs.*cache=False"):
         _step(_TwoInputs().double(), x, y, 2, True)
@@ -205,10 +218,10 @@ def test_refusals_say_use_cache_false():
         _step(hooked, x, y, 2, True)
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2)).double()
     model.register_forward_hook(lambda mod, inp, out: out * 2)
-    with pytest.raises(ValueError, match="model has forward or backward hooks.*cache=False"):
+    with pytest.raises(ValueError, match="hooks.*cache=False"):
         _step(model, x, y, 2, True)
     for bad in ("cuda", 1, None):
-        with pytest.raises(ValueError, match="cache must be False, True .* or 'cpu'"):
+        with pytest.raises(ValueError, match="cache"):
             _step(nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 2)).double(), x, y, 2, bad)
 
 
@@ -276,8 +289,12 @@ def test_what_a_trace_would_get_wrong_is_refused_or_retraced():
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="changes autograd's mode"):
         fullbatch_bn.full_batch_stats_gradient(_Gate("no_grad"), F.mse_loss, x, y, 4, True, True)
-    assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(_Gate("no_grad"), F.mse_loss, x, y, 4, True),
-                          _reference(_Gate("no_grad"), x, y), rtol=1e-10, atol=1e-12)
+    assert torch.allclose(
+        fullbatch_bn.full_batch_stats_gradient(_Gate("no_grad"), F.mse_loss, x, y, 4, True),
+        _reference(_Gate("no_grad"), x, y),
+        rtol=1e-10,
+        atol=1e-12,
+    )
     for cache in (False, True):  # a functional batch norm would stay per micro-batch: refused either way
         with pytest.raises(ValueError, match="not a BatchNorm module"):
             fullbatch_bn.full_batch_stats_gradient(_Gate("functional"), F.mse_loss, x, y, 4, True, cache)
@@ -289,14 +306,18 @@ def test_what_a_trace_would_get_wrong_is_refused_or_retraced():
         fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
     hook.remove()
     hook = model.register_forward_pre_hook(lambda _m, args: (args[0] * 3 + 1,))
-    with pytest.raises(ValueError, match="pre-hook on the model changes its input"):
+    with pytest.raises(ValueError, match="pre-hook"):
         fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
     hook.remove()
     # a plain attribute the forward reads changes between calls: traced again, exact again
     fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
     model.temp = 3.0
-    assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
-                          _reference(model, x, y), rtol=1e-10, atol=1e-12)
+    assert torch.allclose(
+        fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
+        _reference(model, x, y),
+        rtol=1e-10,
+        atol=1e-12,
+    )
 
 
 class _Configured(nn.Module):
@@ -325,12 +346,16 @@ def test_a_changed_dict_entry_or_global_is_never_served_from_a_stale_trace():
     for change in (lambda: model.cfg.update(act="tanh"), lambda: _SCALE.__setitem__(0, 3.0)):
         fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True)
         change()
-        assert torch.allclose(fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
-                              _reference(model, x, y), rtol=1e-10, atol=1e-12)
+        assert torch.allclose(
+            fullbatch_bn.full_batch_stats_gradient(model, F.mse_loss, x, y, 4, True, True),
+            _reference(model, x, y),
+            rtol=1e-10,
+            atol=1e-12,
+        )
     _SCALE[0] = 1.0
 
 
-def test_review_buffers_changed_in_forward_and_layers_some_micro_batches_skip_are_refused_and_undone():
+def test_buffers_changed_in_forward_and_layers_some_micro_batches_skip_are_refused_and_undone():
     """Review: spectral_norm's power iteration (a buffer the forward changes) saw a different network in every
     pass, a wrong gradient even at K = 1; a BatchNorm only some micro-batches reach got statistics from those
     alone (exact=False) or a KeyError (exact=True); a refusal left the first micro-batches' gradients in .grad."""

@@ -225,7 +225,8 @@ archs = st.builds(
     seed=st.integers(0, 2**16),
 )
 
-# The review's four failing cases, always run first.
+# Architectures that once broke the exact scheme (in-place activations after BatchNorm, a frozen BatchNorm,
+# BatchNorm on the input, dropout), always run first.
 INPLACE_AFTER_BN = Arch(blocks=(Block(bn=BN(affine=False), act="relu_"), Block()))
 INPLACE_CONV = Arch(kind="2d", blocks=(Block(bn=BN(affine=False), act="relu_"), Block(act="relu_")))
 FROZEN_BN = Arch(blocks=(Block(), Block(bn=BN(frozen_eval=True))))
@@ -233,6 +234,7 @@ BN_ON_INPUT = Arch(input_bn=BN(), blocks=(Block(),))
 DROPOUT = Arch(blocks=(Block(dropout="before"), Block(dropout="after")))
 
 
+@pytest.mark.slow
 @settings(
     max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -345,7 +347,7 @@ def test_refusals_name_the_layer(cache):
     swap = _Swap().double()
     x_swap = x.clone()
     x_swap[0, 0], x_swap[4, 0] = 1.0, -1.0
-    with pytest.raises(ValueError, match="cannot trace this model.*cache=False" if cache else "different order"):
+    with pytest.raises(ValueError, match="cache=False" if cache else "different order"):
         _step(swap, x_swap, cache=cache)
     ghosted = nn.Sequential(nn.Linear(3, 4), ghost_bn.GhostBatchNorm(4, 2, dims=1), nn.Linear(4, 2)).double()
     with pytest.raises(ValueError, match="'1' is a GhostBatchNorm with its own forward"):

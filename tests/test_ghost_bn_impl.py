@@ -18,8 +18,14 @@ from gradaccum.ghost_bn import GhostBatchNorm, auto_impl, ghostify
 EPS = 1e-5
 
 
-def reference(x: torch.Tensor, v: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-              state: dict[str, torch.Tensor], momentum: float | None) -> torch.Tensor:
+def reference(
+    x: torch.Tensor,
+    v: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    state: dict[str, torch.Tensor],
+    momentum: float | None,
+) -> torch.Tensor:
     """Ghost BatchNorm in float64: each ghost batch of v samples normalized with its own mean and biased
     variance (over samples and positions), then the affine map; the running statistics move once, towards the
     mean over ghost batches of their means and unbiased variances (momentum None: cumulative average)."""
@@ -43,8 +49,18 @@ def reference(x: torch.Tensor, v: int, weight: torch.Tensor | None, bias: torch.
     return out
 
 
-def assert_matches_reference(impl: str, dims: int, g: int, v: int, c: int, hw: tuple[int, int], affine: bool,
-                             momentum: float | None, dtype: torch.dtype, channels_last: bool = False) -> None:
+def assert_matches_reference(
+    impl: str,
+    dims: int,
+    g: int,
+    v: int,
+    c: int,
+    hw: tuple[int, int],
+    affine: bool,
+    momentum: float | None,
+    dtype: torch.dtype,
+    channels_last: bool = False,
+) -> None:
     gen = torch.Generator().manual_seed(g * 1000 + v * 100 + c * 10 + sum(hw))
     layer = GhostBatchNorm(c, v, dims=dims, eps=EPS, momentum=momentum, affine=affine, impl=impl).to(dtype)
     with torch.no_grad():  # start from statistics and parameters that are not the defaults
@@ -53,8 +69,11 @@ def assert_matches_reference(impl: str, dims: int, g: int, v: int, c: int, hw: t
         if affine:
             layer.weight.copy_(torch.randn(c, generator=gen))
             layer.bias.copy_(torch.randn(c, generator=gen))
-    state = {"mean": layer.running_mean.double().clone(), "var": layer.running_var.double().clone(),
-             "count": torch.tensor(0)}
+    state = {
+        "mean": layer.running_mean.double().clone(),
+        "var": layer.running_var.double().clone(),
+        "count": torch.tensor(0),
+    }
     w_ref = layer.weight.detach().double().requires_grad_() if affine else None
     b_ref = layer.bias.detach().double().requires_grad_() if affine else None
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-9}
@@ -69,7 +88,8 @@ def assert_matches_reference(impl: str, dims: int, g: int, v: int, c: int, hw: t
         out = layer(x)
         if dims == 2:  # the input's memory format is kept, as BatchNorm2d keeps it
             assert out.is_contiguous(memory_format=torch.channels_last) == x.is_contiguous(
-                memory_format=torch.channels_last)
+                memory_format=torch.channels_last
+            )
         out.backward(grad.to(dtype))
         out_ref = reference(x_ref, v, w_ref, b_ref, state, momentum)
         out_ref.backward(grad)
@@ -87,24 +107,37 @@ def assert_matches_reference(impl: str, dims: int, g: int, v: int, c: int, hw: t
 IMPLS = ["group", "loop", "fold"]  # "compile" compiles per shape (seconds each): tested on a few shapes below
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(impl=st.sampled_from(IMPLS), dims=st.sampled_from([1, 2]), g=st.integers(1, 4), v=st.integers(2, 6),
-       c=st.integers(1, 4), hw=st.tuples(st.integers(1, 3), st.integers(1, 3)), affine=st.booleans(),
-       momentum=st.sampled_from([0.1, None]), dtype=st.sampled_from([torch.float32, torch.float64]),
-       channels_last=st.booleans())
+@settings(max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    impl=st.sampled_from(IMPLS),
+    dims=st.sampled_from([1, 2]),
+    g=st.integers(1, 4),
+    v=st.integers(2, 6),
+    c=st.integers(1, 4),
+    hw=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    affine=st.booleans(),
+    momentum=st.sampled_from([0.1, None]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    channels_last=st.booleans(),
+)
 def test_every_impl_matches_the_reference(impl, dims, g, v, c, hw, affine, momentum, dtype, channels_last):
     assert_matches_reference(impl, dims, g, v, c, hw, affine, momentum, dtype, channels_last and dims == 2)
 
 
-@pytest.mark.parametrize("dims, g, v, c, hw, affine, momentum, dtype, channels_last",
-                         [(2, 3, 4, 3, (2, 3), True, 0.1, torch.float64, True),
-                          (1, 3, 4, 3, (1, 1), False, None, torch.float32, False),
-                          (2, 2, 2, 1, (1, 1), True, None, torch.float32, False)])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "dims, g, v, c, hw, affine, momentum, dtype, channels_last",
+    [
+        (2, 3, 4, 3, (2, 3), True, 0.1, torch.float64, True),
+        (1, 3, 4, 3, (1, 1), False, None, torch.float32, False),
+        (2, 2, 2, 1, (1, 1), True, None, torch.float32, False),
+    ],
+)
 def test_compiled_kernel_matches_the_reference(dims, g, v, c, hw, affine, momentum, dtype, channels_last):
     assert_matches_reference("compile", dims, g, v, c, hw, affine, momentum, dtype, channels_last)
 
 
+@pytest.mark.slow
 def test_compiled_kernel_refuses_a_double_backward():
     layer = GhostBatchNorm(3, 2, dims=1, impl="compile").double()
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
@@ -118,6 +151,7 @@ def test_failed_compile_falls_back_once_with_the_same_results(monkeypatch):
     def broken(fn):
         def fail(*args):
             raise RuntimeError("no compiler here")
+
         return fail
 
     monkeypatch.setattr(ghost_bn, "_compiled", broken)
@@ -128,14 +162,22 @@ def test_failed_compile_falls_back_once_with_the_same_results(monkeypatch):
     assert_matches_reference("compile", 2, 3, 4, 3, (2, 2), True, 0.1, torch.float64)  # no second warning
 
 
-@pytest.mark.parametrize("shape, v, expected", [((256, 64, 16, 16), 32, "loop"), ((64, 16, 8, 8), 4, "group"),
-                                                ((4096, 256), 32, "fold"), ((128, 64, 16, 16), 2, "group"),
-                                                ((1024, 64, 8, 8), 4, "loop")])
+@pytest.mark.parametrize(
+    "shape, v, expected",
+    [
+        ((256, 64, 16, 16), 32, "loop"),
+        ((64, 16, 8, 8), 4, "group"),
+        ((4096, 256), 32, "fold"),
+        ((128, 64, 16, 16), 2, "group"),
+        ((1024, 64, 8, 8), 4, "loop"),
+    ],
+)
 def test_auto_picks_an_impl_with_the_same_results(shape, v, expected):
     x = torch.randn(shape, dtype=torch.float64)
     assert auto_impl(x, v) == expected
-    layers = {impl: GhostBatchNorm(shape[1], v, dims=len(shape) // 2, impl=impl).double()
-              for impl in ("auto", expected)}
+    layers = {
+        impl: GhostBatchNorm(shape[1], v, dims=len(shape) // 2, impl=impl).double() for impl in ("auto", expected)
+    }
     outs = {impl: layer(x) for impl, layer in layers.items()}
     assert torch.equal(outs["auto"], outs[expected])
     assert torch.equal(layers["auto"].running_var, layers[expected].running_var)
@@ -218,8 +260,7 @@ def test_group_keeps_half_inputs_in_their_dtype_and_statistics_in_float32():
     outs = {impl: layer(x.detach().requires_grad_()) for impl, layer in layers.items()}
     assert outs["group"].dtype == torch.bfloat16
     for name in ("running_mean", "running_var"):
-        torch.testing.assert_close(getattr(layers["group"], name), getattr(layers["fold"], name), rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(getattr(layers["group"], name), getattr(layers["fold"], name), rtol=1e-5, atol=1e-5)
     grad = torch.randn(x.shape).bfloat16()
     for out in outs.values():
         out.backward(grad)
@@ -238,6 +279,7 @@ def test_ghostify_keeps_shared_layers_shared_and_frozen_ones_frozen():
         ghostify(hooked, 2)
 
 
+@pytest.mark.slow
 def test_benchmark_quick_writes_json(tmp_path):
     main = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "ghost_bn.py"))["main"]
     path = tmp_path / "out" / "bench.json"
@@ -321,8 +363,7 @@ def test_group_without_affine_keeps_half_input_statistics_in_float32(dtype):
     outs = {impl: layer(x) for impl, layer in layers.items()}
     assert outs["group"].dtype == dtype
     for name in ("running_mean", "running_var"):
-        torch.testing.assert_close(getattr(layers["group"], name), getattr(layers["loop"], name), rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(getattr(layers["group"], name), getattr(layers["loop"], name), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["group", "loop", "fold"])
@@ -338,15 +379,16 @@ def test_zero_eps_is_refused_and_an_empty_map_leaves_the_statistics(impl):
     assert torch.equal(layer.running_var, torch.ones(3)) and torch.equal(layer.running_mean, torch.zeros(3))
 
 
-def test_review_seven_ghostify_keeps_tied_parameters_tied():
+def test_ghostify_keeps_tied_parameters_tied():
     """Review 7: two BatchNorm layers sharing their weight got two independent copies from ghostify, so the
     gradient was no longer plain accumulation's (0.12 off) and the weights drifted apart; the ghosts now hold the
     layers' own parameters."""
     from gradaccum.accumulate import accumulated_gradient
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6), nn.BatchNorm1d(6),
-                          nn.Linear(6, 3)).double()
+    model = nn.Sequential(
+        nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)
+    ).double()
     model[4].weight = model[1].weight
     model.scale = model[1].bias  # used elsewhere too
     ghost = ghostify(model, 4)
@@ -357,7 +399,7 @@ def test_review_seven_ghostify_keeps_tied_parameters_tied():
     assert torch.allclose(torch.cat([p.grad.flatten() for p in ghost.parameters()]), plain, atol=1e-14)
 
 
-def test_review_seven_far_channels_in_float32_group_shifts_loop_and_fold_inherit_batchnorm():
+def test_far_channels_in_float32_group_shifts_loop_and_fold_inherit_batchnorm():
     """Chapter 2: "in float32, for a channel whose mean is far larger than its spread, the loop and the fold inherit
     BatchNorm's own kernel error, which the group avoids by shifting such channels first"."""
     import torch.nn.functional as F

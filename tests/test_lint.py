@@ -17,7 +17,7 @@ def lint_recipe(makefile: str) -> list[list[str]]:
     lines = makefile.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("lint:"))
     recipe = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.startswith("\t"):
             break
         recipe.append(shlex.split(line.strip().replace("$(VENV)/bin/", f"{Path(sys.executable).parent}/")))
@@ -31,8 +31,9 @@ def test_lint_recipe_is_read():
 
 
 @pytest.mark.lint
-@pytest.mark.parametrize("command", lint_recipe((ROOT / "Makefile").read_text()),
-                         ids=lambda cmd: " ".join([Path(cmd[0]).name, *cmd[1:3]]))
+@pytest.mark.parametrize(
+    "command", lint_recipe((ROOT / "Makefile").read_text()), ids=lambda cmd: " ".join([Path(cmd[0]).name, *cmd[1:3]])
+)
 def test_lint(command):
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, f"{shlex.join(command)} failed:\n{proc.stdout}\n{proc.stderr}"

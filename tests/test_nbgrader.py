@@ -66,7 +66,7 @@ def _submit(release: Path, target: Path, right: bool, cheat: bool = False) -> li
     for cell in nb["cells"]:
         src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         if course.CODE_STUB in src:
-            (name, kwargs), = course.checker_calls(src)
+            ((name, kwargs),) = course.checker_calls(src)
             value = exercises.expected_answer(getattr(exercises, name), **kwargs)[0] if right else _wrong(name, kwargs)
             if not right:
                 explanations.append(getattr(exercises, name)(value, **kwargs).message)
@@ -104,13 +104,20 @@ def _session(root: Path, stems: list[str], env: dict[str, str], cheat_stem: str)
 def graded(tmp_path_factory):
     """One course folder and its gradebook, every chapter graded in one session, as one instructor's."""
     prefix = tmp_path_factory.mktemp("kernel")
-    env = dict(os.environ, JUPYTER_PATH=str(prefix / "share" / "jupyter"),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = dict(
+        os.environ,
+        JUPYTER_PATH=str(prefix / "share" / "jupyter"),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
     root = tmp_path_factory.mktemp("course")
-    _run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(prefix), "--name", course.KERNEL["name"]],
-         root, env)
-    _run([sys.executable, "-m", "gradaccum.book.course", "nbgrader", "--root", str(ROOT), "--out", str(root)],
-         root, env)
+    _run(
+        [sys.executable, "-m", "ipykernel", "install", "--prefix", str(prefix), "--name", course.KERNEL["name"]],
+        root,
+        env,
+    )
+    _run(
+        [sys.executable, "-m", "gradaccum.book.course", "nbgrader", "--root", str(ROOT), "--out", str(root)], root, env
+    )
     logs, explanations = _session(root, STEMS, env, STEMS[0])
     return {stem: root for stem in STEMS}, logs, explanations
 
@@ -125,8 +132,9 @@ def test_source_validates_and_release_keeps_instructions_not_answers(graded, ste
     released = (root / "release" / stem / f"{stem}.ipynb").read_text()
     assert "BEGIN SOLUTION" not in released and "END SOLUTION" not in released
     cells = json.loads(released)["cells"]
-    answers = ["".join(c["source"]) for c in cells if c["metadata"].get("nbgrader", {}).get("grade_id", "").count(
-        "-answer-")]
+    answers = [
+        "".join(c["source"]) for c in cells if c["metadata"].get("nbgrader", {}).get("grade_id", "").count("-answer-")
+    ]
     assert answers and all(course.CODE_STUB in a and "exercises.grade_" in a and a.startswith("# ") for a in answers)
 
 

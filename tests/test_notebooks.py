@@ -92,7 +92,7 @@ def test_the_cells_whose_output_is_not_compared_are_listed_with_a_reason(stem):
             assert "explorer(" in source(cells[i]) or "interactive" in source(cells[i]), cell_id
         if reason == KERNELS:
             names = data_names(source(cells[i])) - imported
-            checks = [source(c) for c in cells[i + 1:] if "assert" in source(c)]
+            checks = [source(c) for c in cells[i + 1 :] if "assert" in source(c)]
             assert any(names & used_names(check) for check in checks), f"{cell_id}: assert its claims in a later cell"
 
 
@@ -100,11 +100,14 @@ def test_the_cells_whose_output_is_not_compared_are_listed_with_a_reason(stem):
 def test_claims_exercises_and_checkers(stem):
     nb = load(stem)
     text = "\n".join(source(c) for c in nb["cells"])
-    assert sum("assert" in source(c) for c in code_cells(nb)) >= 5
-    assert len(re.findall(r"```\{exercise\}", text)) >= 3
-    solutions = re.findall(r"```\{solution\}[^\n]*\n:class: dropdown", text)
-    assert len(solutions) == len(re.findall(r"```\{solution\}", text)) >= 3, "solutions are folded away"
-    assert len(re.findall(r"exercises\.grade_\w+\(", text)) >= 1, "at least one auto-checked exercise"
+    assert any("assert" in source(c) for c in code_cells(nb)), "the chapter's claims are asserted in code"
+    exercises = re.findall(r"```\{exercise\}[^\n]*\n:label: (\S+)", text)
+    assert len(exercises) == len(re.findall(r"```\{exercise\}", text)) > 0, "every exercise has a label"
+    solved = re.findall(r"```\{solution\}\s*(\S+)", text)
+    assert sorted(solved) == sorted(exercises), "every exercise has one solution, and every solution its exercise"
+    folded = re.findall(r"```\{solution\}[^\n]*\n:class: dropdown", text)
+    assert len(folded) == len(solved), "solutions are folded away"
+    assert re.search(r"exercises\.grade_\w+\(", text), "at least one auto-checked exercise"
     assert "## In your framework" in text and "## Checklist" in text
     assert "{cite}" in text
 
@@ -151,8 +154,11 @@ def test_code_cells_fit_the_page_and_are_formatted():
             assert not long, f"{stem}: lines wider than the page: {long[:2]}"
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff, "ruff is in requirements.txt: make install brings it"
-    proc = subprocess.run([ruff, "format", "--check", "--line-length", "80", *(str(ROOT / "chapters" / f"{s}.ipynb")
-                           for s in STEMS)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [ruff, "format", "--check", "--line-length", "80", *(str(ROOT / "chapters" / f"{s}.ipynb") for s in STEMS)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -23,7 +23,7 @@ def test_jobs_in_two_processes_give_the_results_of_one_after_the_other():
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
 def test_a_bad_worker_count_is_refused(bad):
-    with pytest.raises(ValueError, match="workers must be a positive int"):
+    with pytest.raises(ValueError, match="workers"):
         run_jobs(seeded_draw, [dict(seed=0, n=1)], workers=bad)
 
 
@@ -41,6 +41,7 @@ def die() -> None:
     os._exit(3)
 
 
+@pytest.mark.slow
 def test_the_processes_are_kept_for_the_next_study_and_replaced_when_one_dies():
     from concurrent.futures.process import BrokenProcessPool
 

@@ -4,8 +4,9 @@ from gradaccum.book.tables import Table
 
 
 def test_text_and_html_forms_align_numbers_right_and_text_left():
-    t = Table(["norm", "b", "val acc"], [["batch", 64, "97.6% (96.4–98.3)"], ["group", 2, "-1.9%"]],
-              caption="Fingerprint")
+    t = Table(
+        ["norm", "b", "val acc"], [["batch", 64, "97.6% (96.4–98.3)"], ["group", 2, "-1.9%"]], caption="Fingerprint"
+    )
     assert repr(t).split("\n") == [
         "Fingerprint",
         "norm    b            val acc",
@@ -14,7 +15,7 @@ def test_text_and_html_forms_align_numbers_right_and_text_left():
     ]
     page = t._repr_html_()
     assert page.startswith('<table class="ga-table"><caption>Fingerprint</caption>')
-    assert "<td>batch</td><td class=\"ga-num\">64</td>" in page and page.count("<tr>") == 3
+    assert '<td>batch</td><td class="ga-num">64</td>' in page and page.count("<tr>") == 3
 
 
 def test_group_header_and_escaping():

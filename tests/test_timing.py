@@ -20,8 +20,9 @@ def test_median_time_bad_arguments():
 
 def test_interleaved_medians_alternate_and_validate():
     calls = []
-    times = timing.interleaved_medians({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
-                                       repeat=3, warmup=1)
+    times = timing.interleaved_medians(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeat=3, warmup=1
+    )
     assert calls == ["a", "b"] * 4 and set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     with pytest.raises(ValueError, match="repeat"):
         timing.interleaved_medians({}, repeat=1)
