@@ -610,7 +610,6 @@ def plot_partial_weights(weights: dict[str, list[tuple[int, int, float]]]):
             mine = [(r / k, w) for kk, r, w in points if kk == k]
             ax.plot(*zip(*mine), marker, color=COLORS[name], label=f"K = {k}", alpha=0.8)
         ax.plot([0, 1], [0, 1], color="black", linewidth=0.8, linestyle=":")
-        xlabel = "k′ / K (micro-batches in the last window)"
-        decorate(ax, xlabel, "weight" if ax is axes[0] else "", fw.LABELS[name], legend=ax is axes[0])
+        decorate(ax, "k′ / K", "weight" if ax is axes[0] else "", fw.LABELS[name], legend=ax is axes[0])
         ax.set_ylim(0, 1.1)
     return fig

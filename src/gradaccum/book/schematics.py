@@ -105,7 +105,7 @@ SCHEMATICS: dict[str, Schematic] = {
             Lane(
                 "exact scheme",
                 "right",
-                "P:statistics~pass,~layer~by~layer " + _window(4, last="P:L~sweeps~through~the~statistics S"),
+                "P:statistics~pass,~layer~by~layer P:L~sweeps~through~the~statistics " + _window(4, last="S"),
             ),
             Lane("PreciseBN, after training", "", "P:recompute~running~statistics~once"),
         ),
