@@ -110,14 +110,16 @@ class _RDrop(nn.Module):
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         z = self.b(self.drop(torch.tanh(self.a(torch.cat([t, t])))))
-        return (z[: len(t)] + z[len(t):]) / 2
+        return (z[: len(t)] + z[len(t) :]) / 2
 
 
 def with_model(model_fn: Callable[[], nn.Module], step: Any = None) -> Callable[[], Built]:
     """The reviewer's batch and loss on another model."""
+
     def build() -> Built:
         _, loss_fn, x, y = make()
         return model_fn(), loss_fn, x, y, step
+
     return build
 
 
@@ -182,9 +184,11 @@ def summed(step: Any) -> Callable[[], Built]:
 
 def token_lm(step: Any, loss_fn: Any = LAMBDA_TOKEN_LOSS) -> Callable[[], Built]:
     """The tiny character model on sequences of 1–4 and 9–12 tokens."""
+
     def build() -> Built:
         x, y = lm_batch([1, 2, 3, 4, 9, 10, 11, 12])
         return char_lm(), loss_fn, x, y, step
+
     return build
 
 
@@ -197,6 +201,7 @@ def token_lm_padding_zero(step: Any) -> Callable[[], Built]:
         x, y = lm_batch([1, 2, 3, 4, 9, 10, 11, 12])
         y = torch.where(y == -100, torch.full_like(y, 0), y)
         return char_lm(), _smoothed, x, y, step
+
     return build
 
 
@@ -206,38 +211,43 @@ def class_weighted() -> Built:
     return model, loss_fn, x, y, _sgd_step()
 
 
-
-
 def zoo_model(fam: str, step: Any, n: int) -> Callable[[], Built]:
     """The zoo family ``fam``'s model on its first ``n`` samples, under ``step``."""
+
     def build() -> Built:
         model, loss_fn, x, y = family(fam, _digits())
         return model, loss_fn, x[:n], y[:n], step
+
     return build
 
 
 # ---------------------------------------------------------------- later reviews' loops (test_check_review.py)
 
 
-value_subset = _sgd_step(clip_params=lambda m: [m[2].parameters()], threshold=0.01,
-                         clip_fn=torch.nn.utils.clip_grad_value_)
-value_each = _sgd_step(clip_params=lambda m: [m.parameters()], threshold=1e-3, clip_fn=torch.nn.utils.clip_grad_value_,
-                       clip_each=True)
+value_subset = _sgd_step(
+    clip_params=lambda m: [m[2].parameters()], threshold=0.01, clip_fn=torch.nn.utils.clip_grad_value_
+)
+value_each = _sgd_step(
+    clip_params=lambda m: [m.parameters()], threshold=1e-3, clip_fn=torch.nn.utils.clip_grad_value_, clip_each=True
+)
 running_each = _sgd_step(clip_params=lambda m: [m.parameters()], threshold=0.05, clip_each=True)
 
 
 def low_precision(dtype: torch.dtype, step: Any = None) -> Callable[[], Built]:
     """A small MLP in bf16 or fp16 (K = 8)."""
+
     def build() -> Built:
         torch.manual_seed(0)
         x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
         model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)).to(dtype)
         return model, nn.CrossEntropyLoss(), x.to(dtype), y, step
+
     return build
 
 
 def at_optimum(dtype: torch.dtype, shift: float = 0.0, step: Any = None) -> Callable[[], Built]:
     """A linear model at (or ``shift`` off) the least-squares optimum: the micro-batch gradients cancel."""
+
     def build() -> Built:
         torch.manual_seed(0)
         x = torch.randn(32, 5, dtype=dtype)
@@ -248,6 +258,7 @@ def at_optimum(dtype: torch.dtype, shift: float = 0.0, step: Any = None) -> Call
             model.weight.copy_(solution[:5].T)
             model.bias.copy_(solution[5] + shift)
         return model, nn.MSELoss(), x, y, step
+
     return build
 
 
@@ -257,6 +268,7 @@ def tanh_mlp(step: Any) -> Callable[[], Built]:
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
         xs, ys = torch.randn(16, 6, dtype=torch.float64), torch.randint(0, 3, (16,))
         return model, nn.CrossEntropyLoss(), xs, ys, step
+
     return build
 
 
@@ -266,11 +278,13 @@ def _ignore(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def padded(step: Any, first: int = 5, rows: slice | None = None) -> Callable[[], Built]:
     """The reviewer's MLP with padding targets (-100): the first ``first`` rows, or ``rows``."""
+
     def build() -> Built:
         model, _, x, y = make()
         y = y.clone()
         y[rows if rows is not None else slice(0, first)] = -100
         return model, _ignore, x, y, step
+
     return build
 
 
@@ -283,9 +297,11 @@ def token_sum_running_clip(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: t
 
 def duplicated(step: Any) -> Callable[[], Built]:
     """The reviewer's first 8 samples twice (K = 2: two equal micro-batches)."""
+
     def build() -> Built:
         model, loss_fn, x, y = make()
         return model, loss_fn, torch.cat([x[:8], x[:8]]), torch.cat([y[:8], y[:8]]), step
+
     return build
 
 
@@ -317,6 +333,7 @@ def padded_token_make() -> tuple[Any, ...]:
 
 def coupled_loss(loss_fn: Any, seed: int, dtype: torch.dtype) -> Callable[[], Built]:
     """A tanh MLP on 24 samples under a loss whose micro-batch weights follow the outputs (or not)."""
+
     def build() -> Built:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(24, 20, generator=g, dtype=dtype)
@@ -324,16 +341,25 @@ def coupled_loss(loss_fn: Any, seed: int, dtype: torch.dtype) -> Callable[[], Bu
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 5)).to(dtype)
         return model, loss_fn, x, y, None
+
     return build
 
 
-COUPLED_LOSSES = {"lse": _lse, "softmax-weighted": _softmax_weighted, "squared mean": _squared_mean,
-                  "detached softmax": _detached_softmax, "rmse": _rmse, "cross entropy": F.cross_entropy,
-                  "class-weighted": _class_weighted, "active mean": _active_mean}
+COUPLED_LOSSES = {
+    "lse": _lse,
+    "softmax-weighted": _softmax_weighted,
+    "squared mean": _squared_mean,
+    "detached softmax": _detached_softmax,
+    "rmse": _rmse,
+    "cross entropy": F.cross_entropy,
+    "class-weighted": _class_weighted,
+    "active mean": _active_mean,
+}
 
 
-def _plain_opt(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, k: int, extra: Any = None,
-               after: Any = None) -> None:
+def _plain_opt(
+    model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, k: int, extra: Any = None, after: Any = None
+) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt.zero_grad()
     for xb, yb in zip(x.chunk(k), y.chunk(k)):
@@ -380,6 +406,7 @@ def float32_token_imbalance() -> Built:
 
 def bf16_autocast(bug: str) -> Callable[[], Built]:
     """A float32 MLP under bf16 autocast; ``bug``: "reset" (zero_grad each micro-batch) or "skip" (the last)."""
+
     def step(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, k: int) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         opt.zero_grad()
@@ -399,6 +426,7 @@ def bf16_autocast(bug: str) -> Callable[[], Built]:
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
         return model, F.cross_entropy, x, y, step
+
     return build
 
 
@@ -406,6 +434,7 @@ def selecting(pick: str) -> Callable[[], Built]:
     def loss_fn(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         each = F.cross_entropy(o, t, reduction="none")
         return {"max": each.max(), "min": each.min(), "top1": each.topk(1).values.mean()}[pick]
+
     return lambda: (*make()[:1], loss_fn, *make()[2:], None)
 
 
@@ -417,6 +446,7 @@ def by_hand(scale: float) -> Any:
             for p in model.parameters():
                 p -= 0.1 * p.grad
         model.zero_grad()
+
     return step
 
 
@@ -443,6 +473,7 @@ def own_optimizer(inside: bool) -> Any:
         if not inside:
             opt.step()
         opt.zero_grad()
+
     return step
 
 
@@ -490,6 +521,7 @@ def out_of_range(dtype: torch.dtype, scale: float) -> Callable[[], Built]:
         model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1)).to(dtype)
         x, y = torch.randn(16, 5, dtype=dtype), torch.randn(16, 1, dtype=dtype)
         return model, lambda out, t: F.mse_loss(out, t) * scale, x, y, None
+
     return build
 
 
@@ -499,6 +531,7 @@ def tanh_mlp10(step: Any) -> Callable[[], Built]:
         model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 4)).double()
         x, y = torch.randn(32, 10, dtype=torch.float64), torch.randint(0, 4, (32,))
         return model, nn.CrossEntropyLoss(), x, y, step
+
     return build
 
 
@@ -509,7 +542,6 @@ def l2_in_the_loss(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Ten
 
 
 # ---------------------------------------------------------------- the issue's reports (test_check.py)
-
 
 
 class _CheckpointedBN(nn.Module):
@@ -534,14 +566,17 @@ class _CheckpointedBN(nn.Module):
         if self.how == "kept":
             return self.head(checkpoint_keeping_bn_stats(self.block, x))
         if self.how == "nested":
-            return self.head(checkpoint(lambda t: checkpoint(self.block, t, use_reentrant=False), x,
-                                        use_reentrant=False))
+            return self.head(
+                checkpoint(lambda t: checkpoint(self.block, t, use_reentrant=False), x, use_reentrant=False)
+            )
         return self.head(checkpoint(self.block, x, use_reentrant=self.how == "reentrant"))
 
 
-def digits_model(model_fn: Callable[[], nn.Module], step: Any, n: int, loss_fn: Any = None,
-                 dtype: torch.dtype | None = None) -> Callable[[], Built]:
+def digits_model(
+    model_fn: Callable[[], nn.Module], step: Any, n: int, loss_fn: Any = None, dtype: torch.dtype | None = None
+) -> Callable[[], Built]:
     """``model_fn()`` on the first ``n`` digits (cross entropy unless ``loss_fn``)."""
+
     def build() -> Built:
         d = _digits()
         x, y = d.x_train[:n], d.y_train[:n]
@@ -549,6 +584,7 @@ def digits_model(model_fn: Callable[[], nn.Module], step: Any, n: int, loss_fn: 
         if dtype is not None:
             model, x = model.to(dtype), x.to(dtype)
         return model, loss_fn or nn.CrossEntropyLoss(), x, y, step
+
     return build
 
 
@@ -558,6 +594,7 @@ def other_model_step() -> Any:
     def step(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, k: int) -> None:
         for xb, yb in zip(x.chunk(k), y.chunk(k)):
             (loss_fn(other(xb), yb) / k).backward()
+
     return step
 
 
@@ -589,6 +626,7 @@ def bf16(divide: bool) -> Any:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = loss_fn(model(xb), yb) / (k if divide else 1)
             loss.backward()
+
     return step
 
 
@@ -605,6 +643,7 @@ def optimizer_outside() -> Built:
     def step(m: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, k: int) -> None:
         plain(m, loss_fn, x, y, k)
         opt.step()
+
     return model, nn.CrossEntropyLoss(), d.x_train[:8], d.y_train[:8], step
 
 
@@ -649,6 +688,7 @@ def checkpointed_bn(step: Any = None, **options: Any) -> Callable[[], Built]:
     def build() -> Built:
         x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 3
         return _CheckpointedBN(**options), nn.CrossEntropyLoss(), x, y, step
+
     return build
 
 
@@ -657,6 +697,7 @@ def checkpointed(preserve: bool) -> Any:
         for xb, yb in zip(xs.chunk(k), ys.chunk(k)):
             out = checkpoint(model, xb, use_reentrant=False, preserve_rng_state=preserve)
             (loss_fn(out, yb) / k).backward()
+
     return step
 
 
@@ -677,8 +718,9 @@ def _ck_mlp(p: float) -> nn.Module:
 
 
 def _ck_deep(p: float) -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(p), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 3)).double()
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Dropout(p), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    ).double()
 
 
 class _Inside(nn.Module):
@@ -693,6 +735,7 @@ class _Inside(nn.Module):
 def rng_checkpoint(model: str, step: Any = None) -> Callable[[], Built]:
     """The checkpoint-RNG models: "dropout"/"plain" (6 → 8 → 3), "mlp"/"deep" with p = 0.3 or "deep0", "inside"
     with preserve_rng_state False/True ("inside-kept")."""
+
     def build() -> Built:
         torch.manual_seed(0)
         if model in ("dropout", "plain"):
@@ -700,9 +743,15 @@ def rng_checkpoint(model: str, step: Any = None) -> Callable[[], Built]:
             layers = [nn.Linear(6, 8), nn.ReLU()] + ([nn.Dropout(0.3)] if model == "dropout" else [])
             return nn.Sequential(*layers, nn.Linear(8, 3)).double(), nn.CrossEntropyLoss(), x, y, step
         x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 3, (16,))
-        made = {"mlp": lambda: _ck_mlp(0.3), "deep": lambda: _ck_deep(0.3), "deep0": lambda: _ck_deep(0.0),
-                "inside": lambda: _Inside(False), "inside-kept": lambda: _Inside(True)}[model]()
+        made = {
+            "mlp": lambda: _ck_mlp(0.3),
+            "deep": lambda: _ck_deep(0.3),
+            "deep0": lambda: _ck_deep(0.0),
+            "inside": lambda: _Inside(False),
+            "inside-kept": lambda: _Inside(True),
+        }[model]()
         return made, nn.CrossEntropyLoss(), x, y, step
+
     return build
 
 

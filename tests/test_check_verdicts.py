@@ -92,7 +92,7 @@ from _verdict_loops import (
     zoo_model,
 )
 
-from gradaccum.check import check
+from gradaccum.checker import check
 
 OK, NOT_OK, INCONCLUSIVE = "ok", "not ok", "inconclusive"
 

@@ -154,8 +154,8 @@ RUNS = {
         "test_two_node_world_fits_the_data",
     ),
     "check-your-loop": Run(
-        ("python -m gradaccum.check my_module:make -k 4",),
-        ("{py}", "-m", "gradaccum.check", "my_module:make", "-k", "4"),
+        ("python -m gradaccum.checker my_module:make -k 4",),
+        ("{py}", "-m", "gradaccum.checker", "my_module:make", "-k", "4"),
         r"OK: accumulation computes the full-batch gradient",
         "run in a folder holding a my_module.py whose make() returns a correct GroupNorm CNN and 32 digits",
         cwd="{tmp}",
@@ -206,7 +206,7 @@ RUNS = {
 
 #: Shown commands that another test file runs exactly: command → "file::test".
 ELSEWHERE = {
-    "python -m gradaccum.check --demo": "tests/test_check.py::test_command_line_demo",
+    "python -m gradaccum.checker --demo": "tests/test_check.py::test_command_line_demo",
     # instructor.md's grading session: tests/test_nbgrader.py runs each step once, for every chapter, in the course
     # folder it writes
     "nbgrader validate source/*/*.ipynb": "tests/test_nbgrader.py::graded",

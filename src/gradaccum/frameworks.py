@@ -17,7 +17,7 @@ A correct accumulated step of K equal micro-batches is :math:`\theta \leftarrow 
 summed token loss over the window's tokens, :math:`\sum_k S_k / \sum_k n_k` (chapter 6). The runners use SGD with
 learning rate ``LR`` and no momentum, so each step's recorded gradient is all the step used.
 
-The same runners are ``step`` functions for :func:`gradaccum.check.check` (:func:`accelerate_step`,
+The same runners are ``step`` functions for :func:`gradaccum.checker.check` (:func:`accelerate_step`,
 :func:`lightning_step`), so a reader can check an Accelerate loop or a Lightning module directly.
 
 The frameworks are imported only when a runner needs them: the rest of the package needs torch alone.
@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, SequentialSampler, TensorDataset
 
 from gradaccum._validate import require_k, require_nonnegative
-from gradaccum.check_instrument import flat
+from gradaccum.checker.instrument import flat
 from gradaccum.distributed import CommCounter, counting_hook, register_counter
 from gradaccum.windows import IGNORE
 
@@ -722,7 +722,7 @@ def _check_step_k(k: Any) -> None:
 
 
 def framework_step(framework: str, k: int | None = None, **options: Any) -> Callable[..., None]:
-    """A ``step(model, loss_fn, x, y, k)`` for :func:`gradaccum.check.check` that runs one window through
+    """A ``step(model, loss_fn, x, y, k)`` for :func:`gradaccum.checker.check` that runs one window through
     ``framework`` (:func:`run`'s options: ``clip``, ``precision``, ``sum_loss``).
 
     ``k``: the accumulation steps the framework is configured with. Pass the K you train with: the checker's

@@ -20,7 +20,7 @@ from gradaccum.book.data import Vocab, encode_batch, load_digits_split, spread_l
 from gradaccum.book.models import TinyLM
 from gradaccum.book.plotting import PALETTE, decorate, figure
 from gradaccum.book.tables import Table
-from gradaccum.check import check
+from gradaccum.checker import check
 from gradaccum.windows import token_loss
 
 #: Micro-batches per optimizer step in the measurements.

@@ -1,5 +1,5 @@
-"""A demonstration of :func:`gradaccum.check.check`: correct loops, and one model or loop per planted bug,
-on the book's data (the digits and the tiny character model); run by ``python -m gradaccum.check --demo``,
+"""A demonstration of :func:`gradaccum.checker.check`: correct loops, and one model or loop per planted bug,
+on the book's data (the digits and the tiny character model); run by ``python -m gradaccum.checker --demo``,
 chapter 6 and the "Check your own loop" page."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gradaccum.book.data import (
     spread_lines,
 )
 from gradaccum.book.models import make_cnn, make_lm
-from gradaccum.check import Report, Step, check, token_cross_entropy
+from gradaccum.checker import Report, Step, check, token_cross_entropy
 
 #: What :func:`demo_cases` plants: case → codes of the bugs the checker must name (empty: a correct loop).
 DEMO_EXPECTED: dict[str, tuple[str, ...]] = {

@@ -1,4 +1,4 @@
-r"""The fingerprints :func:`gradaccum.check.check` names causes by, each derived from what was measured.
+r"""The fingerprints :func:`gradaccum.checker.check` names causes by, each derived from what was measured.
 
 Notation. The window holds K micro-batches :math:`B_1,\dots,B_K`; :math:`h_j = \nabla_\theta L(\theta; B_j)` is the
 gradient of ``loss_fn`` on micro-batch j alone (randomness replayed per sample). For a loss that is a sum over
@@ -31,238 +31,40 @@ Calls that leave the gradient unchanged (a scheduler stepped per micro-batch) ar
 from __future__ import annotations
 
 import math
-import os
-import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
-from .check_instrument import Event, Pass
-
-#: Severity of a finding: a bug; a note (nothing wrong, or a limit of this check); inconclusive (no verdict).
-SEVERITIES = ("bug", "note", "inconclusive")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One cause: a stable ``code``, what it is, the measured evidence, what to do, and the chapter about it."""
-
-    code: str
-    cause: str
-    evidence: str
-    fix: str
-    chapter: int | None = None
-    severity: str = "bug"
-
-    @property
-    def expected(self) -> bool:
-        """True for notes: behaviour that is correct, or a limit of the check, rather than a bug."""
-        return self.severity == "note"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "cause": self.cause, "evidence": self.evidence, "fix": self.fix,
-                "chapter": self.chapter, "severity": self.severity}
-
-    def __str__(self) -> str:
-        tag = {"bug": "BUG", "note": "note", "inconclusive": "??"}[self.severity]
-        where = f" (chapter {self.chapter})" if self.chapter else ""
-        return f"[{tag}] {self.cause}{where}\n       evidence: {self.evidence}\n       fix: {self.fix}"
-
-
-#: Findings that leave the window's weights measurable: the partial-window probe runs only when no others were found.
-PARTIAL_OK = {"batch_coupled_layer", "scheduler_step_inside_window", "rng_reseeded"}
-
-
-def num(v: float) -> str:
-    """A number for a report: 4 significant digits (stable across machines for float64 experiments)."""
-    if v == 0 or not math.isfinite(v):
-        return f"{v:g}" if v else "0"
-    return f"{v:.4g}"
-
-
-def nums(vs: Sequence[float]) -> str:
-    return "[" + ", ".join(num(v) for v in vs) + "]"
-
-
-def ordinal_list(items: Sequence[int]) -> str:
-    items = list(items)
-    if len(items) <= 6:
-        return ", ".join(str(i) for i in items)
-    return ", ".join(str(i) for i in items[:5]) + f", … ({len(items)} in all)"
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖b − a‖ / ‖a‖ (‖b − a‖ when a = 0)."""
-    na = float(a.norm())
-    d = float((b - a).norm())
-    return d / na if na > 0 else d
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    na, nb = float(a.norm()), float(b.norm())
-    return float(a @ b) / (na * nb) if na > 0 and nb > 0 else float("nan")
-
-
-def fit_weights(basis: torch.Tensor, g: torch.Tensor) -> tuple[list[float], float, float]:
-    r"""Least-squares weights :math:`w = \arg\min\|g - \sum_j w_j h_j\|`, the relative residual, and the
-    condition number of the (normalized) Gram matrix. ``basis`` is (K, P).
-
-    A micro-batch whose gradient is exactly zero (every target ignored, all padding) contributes nothing whatever
-    its weight: its weight is undetermined, and it is given the median of the others' (so that it neither hides
-    nor invents a pattern in them); the fit and the condition number use the other micro-batches."""
-    norms = basis.norm(dim=1)
-    live = norms > 0
-    if not bool(live.any()):
-        return [0.0] * basis.shape[0], (1.0 if float(g.norm()) > 0 else 0.0), float("inf")
-    a = basis[live] / norms[live][:, None]
-    gram = a @ a.T
-    rhs = a @ g
-    eig = torch.linalg.eigvalsh(gram)
-    cond = float(eig[-1] / eig[0].clamp_min(1e-300)) if eig[0] > 0 else float("inf")
-    sol = torch.linalg.lstsq(gram, rhs[:, None]).solution[:, 0]
-    w = torch.full_like(norms, float((sol / norms[live]).median()))
-    w[live] = sol / norms[live]
-    residual = rel(g, w @ basis) if float(g.norm()) > 0 else 0.0
-    return [float(v) for v in w], residual, cond
-
-
-def clip_vec(v: torch.Tensor, c: float, kind: str = "norm", norm_type: float = 2.0) -> torch.Tensor:
-    """``clip_grad_norm_`` (coefficient min(1, c/(‖v‖+1e-6))) or ``clip_grad_value_`` on a flat vector."""
-    if kind == "value":
-        return v.clamp(-c, c)
-    norm = float(torch.linalg.vector_norm(v, ord=norm_type))
-    return v * min(1.0, c / (norm + 1e-6))
-
-
-def placements(basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "norm",
-               norm_type: float = 2.0) -> dict[str, torch.Tensor]:
-    """Chapter 3's clipping placements for micro-batch gradients ``basis`` weighted by ``f``."""
-    parts = [fj * basis[j] for j, fj in enumerate(f)]
-    running = torch.zeros_like(basis[0])
-    for p in parts:
-        running = clip_vec(running + p, c, kind, norm_type)
-    # sum() of tensors is a tensor (typeshed types it ``Tensor | Literal[0]`` for the empty case)
-    return {
-        "once": clip_vec(cast(torch.Tensor, sum(parts)), c, kind, norm_type),
-        "scaled_micro": cast(torch.Tensor, sum(clip_vec(p, c, kind, norm_type) for p in parts)),
-        "raw_micro": cast(torch.Tensor, sum(fj * clip_vec(basis[j], c, kind, norm_type) for j, fj in enumerate(f))),
-        "running": running,
-    }
-
-
-CLIP_RUNNING = "clipping inside the window, on the running .grad buffer"
-CLIP_PER_MICRO = "clipping inside the window, each micro-batch's gradient separately"
-CLIP_FIX = "clip once, after the last micro-batch (after scaler.unscale_ with a GradScaler)"
-
-#: Every finding the checker can report: code → what it means (the book page "Check your own loop" lists them).
-CODES: dict[str, str] = {
-    "missing_1_over_k": "the micro-batch losses are not divided by K: the gradient is K times the full batch's",
-    "double_1_over_k": "one 1/K too many (divided by K twice, or a summed loss divided by K): the gradient is 1/K "
-                       "of the full batch's",
-    "gradient_scaled": "the gradient is a constant multiple of the full batch's, by another factor",
-    "loss_scale_not_removed": "the gradient still carries GradScaler's loss scale",
-    "zero_grad_inside_window": "the .grad buffer is emptied between micro-batches: only the last ones count",
-    "micro_batches_missing": "some micro-batches contribute nothing, and the buffer was not emptied",
-    "clip_running_buffer": "clip_grad_norm_ on the running .grad buffer after every backward",
-    "clip_per_micro_batch": "each micro-batch's gradient clipped on its own",
-    "clip_before_unscale": "clipping ran on gradients still multiplied by the loss scale",
-    "clip_missing": "a clip threshold was given but the loop does not clip (a note when it does not bite)",
-    "clip_misplaced": "clipping after the optimizer step, or before the first backward: the step is not clipped",
-    "clip_threshold_differs": "(note) the clip threshold given differs from the one the loop's clip call uses",
-    "scaler_update_inside_window": "GradScaler.update() before the last backward: the loss scale changes inside",
-    "scaler_step_inside_window": "GradScaler.step() (an optimizer step) more than once per window",
-    "scaler_unscale_inside_window": "GradScaler.unscale_() more than once per window",
-    "optimizer_step_inside_window": "an optimizer steps more than once per window, or before the last backward",
-    "scheduler_step_inside_window": "scheduler.step() more than once per window (constructors not counted)",
-    "batch_coupled_layer": "a layer (BatchNorm, or any other) makes a sample's output depend on its batch",
-    "loss_couples_samples": "the loss is not a sum over micro-batches (in-batch negatives, batch statistics)",
-    "bn_stats_updated_twice": "BatchNorm statistics updated again when backward recomputes it (checkpointing)",
-    "checkpoint_rng_not_preserved": "checkpointing with preserve_rng_state=False recomputes dropout with new masks",
-    "token_normalization": "micro-batches weighted equally although the full batch weighs them by tokens (or "
-                           "by a weighted loss's weights)",
-    "rng_reseeded": "random draws do not depend on the state the window starts from: a seed is set inside",
-    "seed_inside_window": "(note) a seed is set inside the window, but nothing random is drawn",
-    "partial_window": "a window of K − 1 micro-batches is not normalized by its own size",
-    "partial_window_not_checked": "(note) the step refused a window of K − 1 micro-batches",
-    "step_raised": "your step raised an exception (the checker reports it instead of crashing)",
-    "model_fails_on_micro_batch": "the model raises on a micro-batch of b samples (BatchNorm with b = 1)",
-    "non_finite": "inf or NaN in the gradient",
-    "no_gradient": "the step left no gradient in the model it was given",
-    "optimizer_not_on_model": "(note) the step steps an optimizer built on another model",
-    "micro_batches_differ": "the step's forward passes do not see the K equal micro-batches once each",
-    "weights_differ": "micro-batches weighed differently from the full batch, in no known pattern",
-    "randomness_not_replayed": "(inconclusive) random draws the checker could not give each sample in every pass",
-    "autocast_precision": "(inconclusive) a small difference from a step run under torch.autocast",
-    "gradient_cancels": "(inconclusive) the micro-batch gradients cancel: the full batch's is too small to compare",
-    "gradient_out_of_range": "(inconclusive) gradients all subnormal, or too large to square in float64",
-    "unexplained": "a difference none of the fingerprints explains",
-}
-
-#: The loop the checker compares with, in four lines (what "compare your loop" means).
-CORRECT_LOOP = ("compare your loop with the correct one: optimizer.zero_grad(); for xb, yb in zip(x.chunk(K), "
-                "y.chunk(K)): (loss_fn(model(xb), yb) / K).backward(); then, once, clip (if you clip) and "
-                "optimizer.step()")
-
-PLACEMENT_TEXT = {
-    "scaled_micro": "each micro-batch's 1/K-scaled gradient clipped on its own, then summed (chapter 3's (a1))",
-    "raw_micro": "each micro-batch's raw gradient clipped, then averaged (chapter 3's (a2))",
-    "running": "the running .grad buffer clipped after every backward (chapter 3's (b))",
-}
-
-
-#: What every zero_grad_inside_window finding says the cause is.
-ZERO_GRAD_CAUSE = "zero_grad() inside the window: the gradient buffer is emptied between micro-batches"
-
-
-def _dtype_eps(name: object) -> float:
-    """Machine epsilon of the floating dtype called ``name`` ("bfloat16"), 0 for anything else."""
-    dtype = getattr(torch, str(name), None)
-    return float(torch.finfo(dtype).eps) if isinstance(dtype, torch.dtype) and dtype.is_floating_point else 0.0
-
-
-@dataclass
-class Measurements:
-    """Everything :func:`diagnose` reads."""
-
-    k: int
-    b: int
-    n: int
-    tol: float
-    wtol: float  # rounding of the fitted weights (float64: 1e-9, otherwise 1e-5)
-    basis: torch.Tensor  # (K, P) micro-batch gradients h_j
-    full: torch.Tensor  # full-batch gradient
-    target: torch.Tensor  # full batch, clipped once when a threshold applies
-    applied: torch.Tensor  # what the step produced
-    f: list[float]  # loss weights of micro-batches
-    loss_residual: float
-    tokens: list[int]
-    clip: float | None
-    clip_kind: str
-    clip_norm_type: float
-    clip_source: str | None  # "argument", "your loop" or None
-    events: list[Event]
-    passes: list[Pass]
-    error: BaseException | None
-    forwards: list[tuple[int, int]]
-    unreplayed: list[str]
-    random_draws: int
-    reseeded: tuple[int, int] | None  # (identical draws, draws compared) between two starting states
-    coupled: Callable[[], list[tuple[str, str, float]]]
-    param_slices: list[tuple[str, slice]]
-    has_step: bool
-    outside_draws: list[str] = field(default_factory=list)  # random ops the step ran outside the model's forward
-    # the loss weights f again at slightly moved outputs, when they follow the outputs smoothly: a weighting set
-    # by a batch-wide value of the outputs (check._loss_probe)
-    f_moved: list[float] | None = None
-    loss_thr: float | None = None  # what counts as equal in the loss probe (its dtype's rounding); None: thr
-
-    @property
-    def thr(self) -> float:
-        """What counts as equal when reading fingerprints (weights, fits, scales): 1e-6 for float64, 1e-2 for
-        lower precision, never below the tolerance the verdict uses."""
-        return max(1e-6 if self.wtol < 1e-6 else 1e-2, self.tol)
+from .measure import (
+    Measurements,
+    _after,
+    _counts,
+    _dtype_eps,
+    _inside,
+    _is_zero,
+    _most_per,
+    _user_frame,
+    clip_vec,
+    cosine,
+    fit_weights,
+    placements,
+    rel,
+)
+from .recorder import Event
+from .report import (
+    _DOUBLE_1_OVER_K,
+    _DOUBLE_1_OVER_K_FIX,
+    CLIP_FIX,
+    CLIP_PER_MICRO,
+    CLIP_RUNNING,
+    CORRECT_LOOP,
+    PLACEMENT_TEXT,
+    ZERO_GRAD_CAUSE,
+    Finding,
+    num,
+    nums,
+    ordinal_list,
+)
 
 
 class _Findings:
@@ -292,34 +94,6 @@ class _Findings:
 
     def list(self) -> list[Finding]:
         return list(self.by_code.values())
-
-
-def _user_frame(err: BaseException) -> str:
-    """Where in the user's code an exception was raised: the innermost frame outside torch and gradaccum."""
-    frames = traceback.extract_tb(err.__traceback__)
-    skip = (os.sep + "torch" + os.sep, os.sep + "gradaccum" + os.sep + "check")
-    mine = [f for f in frames if not any(s in f.filename for s in skip)]
-    if not mine:
-        return ""
-    f = mine[-1]
-    return f" at {os.path.basename(f.filename)}:{f.lineno} in {f.name}"
-
-
-def _after(event: Event) -> str:
-    return "before the first backward" if event.after == 0 else f"after micro-batch {event.after}"
-
-
-def _counts(events: list[Event], kind: str) -> list[Event]:
-    return [e for e in events if e.kind == kind]
-
-
-def _is_zero(v: torch.Tensor) -> bool:
-    return float(v.abs().max()) == 0.0 if v.numel() else True
-
-
-def _inside(events: list[Event], last: int) -> list[Event]:
-    """Events before the last backward pass of the window."""
-    return [e for e in events if e.after < last]
 
 
 def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
@@ -447,14 +221,6 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     if out.value_clip_bit:
         out.remove({"unexplained"})
     return out.list(), info
-
-
-def _most_per(events: list[Event], key: str) -> int:
-    """The most calls any one object made (the optimizer or scheduler named by ``key`` in each event's detail)."""
-    counts: dict[Any, int] = {}
-    for e in events:
-        counts[e.detail.get(key)] = counts.get(e.detail.get(key), 0) + 1
-    return max(counts.values(), default=0)
 
 
 def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
@@ -916,15 +682,6 @@ def _backward_weight_findings(m: Measurements, out: _Findings, loop_error: float
         out.add("double_1_over_k", _DOUBLE_1_OVER_K, evidence, _DOUBLE_1_OVER_K_FIX, 6)
 
 
-#: The ``double_1_over_k`` finding's cause and fix. Two loops give a step 1/K of the full batch's: a mean loss
-#: divided by K twice, and a loss with ``reduction="sum"`` divided by K once (its micro-batch sums already add up to
-#: the full batch's sum).
-_DOUBLE_1_OVER_K = ("one 1/K too many: the gradient is K times too small (1/K applied twice, or a summed loss "
-                    "divided by K)")
-_DOUBLE_1_OVER_K_FIX = ("divide by K once, and only a mean: either each micro-batch's loss, or the gradients before "
-                        "the step; a loss_fn with reduction='sum' needs no 1/K at all for micro-batches of equal size")
-
-
 def _outside_randomness(m: Measurements, out: _Findings) -> None:
     """Random draws the checker could not replay per sample (no batch dimension, or outside the model's forward):
     the full batch and the micro-batches do not see the same random numbers, so no verdict."""
@@ -1015,3 +772,4 @@ def _scale_findings(m: Measurements, out: _Findings, s: float, loop_error: float
     elif not token:
         out.add("gradient_scaled", "the gradient is scaled by a constant factor", head + added,
                 "find where your loop multiplies or divides the loss or the gradients", 6)
+
