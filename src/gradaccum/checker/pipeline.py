@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -25,16 +27,16 @@ from .run import (
     CANCELLATION,
     CANCELLATION_LIMIT,
     Step,
-    _bn_rerun_finding,
     _loss_probe,
-    _recorder_error_finding,
     _references,
     _Refs,
     _Restore,
+    _Run,
     _run_step,
     _trainable,
     _unpreserved_finding,
 )
+from .run_rules import RUN_RULES, Clipping, RunContext, resolve
 
 
 def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None = None,
@@ -61,8 +63,8 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
     try:
         with torch.random.fork_rng(devices=devices):
             _check_outputs(model, loss_fn, x, y)
-            report = _check(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b,
-                            fixed_tol=tolerance is not None)
+            report = _check(_Job(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b,
+                                 fixed_tol=tolerance is not None))
             if restore.grads_changed():
                 raise ValueError(
                     "your loss_fn or step wrote gradients into the model you passed to check: the checker runs your "
@@ -148,210 +150,228 @@ def _out_of_range(basis: torch.Tensor, model: nn.Module, k: int) -> str | None:
     return None
 
 
-def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None,
-           clip: float | None, tol: float, wtol: float, seed: int, partial: bool, n: int, b: int,
-           switched: bool = False, fixed_tol: bool = False) -> Report:
-    report = Report(k, float("nan"), float("nan"), tol, micro_batch=b, batch=n,
+@dataclass
+class _Job:
+    """One comparison: the caller's arguments, the batch's sizes and the tolerances in force (``switched``: the
+    model's modes were set from the step's; ``fixed_tol``: the caller gave the tolerance)."""
+
+    model: nn.Module
+    loss_fn: Callable
+    x: torch.Tensor
+    y: torch.Tensor
+    k: int
+    step: Step | None
+    clip: float | None
+    tol: float
+    wtol: float
+    seed: int
+    partial: bool
+    n: int
+    b: int
+    switched: bool = False
+    fixed_tol: bool = False
+
+
+def _check(job: _Job) -> Report:
+    """The pipeline: references → run the step → measurements → findings (rules, then precedence) → report."""
+    report = Report(job.k, float("nan"), float("nan"), job.tol, micro_batch=job.b, batch=job.n,
                     counts=dict.fromkeys(COUNTED, 0))
-    refs = _references(model, loss_fn, x, y, k, seed)
-    if refs.error is not None:
-        err = refs.error
-        report.findings.append(Finding(
-            "model_fails_on_micro_batch", f"the model fails on a micro-batch of {b} sample(s)",
-            f"micro-batch {refs.micro}: {type(err).__name__}: {str(err).strip().splitlines()[0]}",
-            "use larger micro-batches (BatchNorm needs more than one value per channel) or a per-sample "
-            "normalization such as GroupNorm", 1))
+    refs = _references(job.model, job.loss_fn, job.x, job.y, job.k, job.seed)
+    early = _reference_findings(job, refs)
+    if early is None:
+        early = _cancellation(job, refs, report)
+    if early is not None:
+        report.findings = resolve(early)
         return report
-    if refs.unreplayed:
-        # a random op that looked per-sample in the full batch (a dimension equal to its size) but not in the
-        # micro-batches, e.g. a feature mask torch.rand(16) when the batch has 16 samples: its randomness is not
-        # per sample, so the full batch and the micro-batches cannot be given the same draws
-        report.findings.append(Finding(
-            "randomness_not_replayed", "randomness the checker could not replay per sample",
-            f"{len(refs.unreplayed)} random draw(s) in the model's forward could not be cut into samples in every "
-            f"pass, e.g. {refs.unreplayed[0]} (a draw per sample has a dimension equal to the batch size in the full "
-            f"batch of {n} and in each micro-batch of {b})", "rerun with that randomness switched off (dropout "
-            "p = 0) to compare like with like, or draw it with a batch dimension (torch.rand(x.shape[0], ...))", 6,
-            "inconclusive"))
-        return report
-    if refs.recomputed:
-        report.findings.append(Finding(
-            "randomness_not_replayed", "randomness in a forward pass that backward recomputes (activation "
-            "checkpointing with dropout)", f"{len(refs.recomputed)} random draw(s) during backward, e.g. "
-            f"{refs.recomputed[0]}: the checker gives every sample its own masks in the forward pass, but cannot "
-            "give the recomputation the same ones", "rerun with dropout off (p = 0) or without activation "
-            "checkpointing to compare like with like", 6, "inconclusive"))
-        # the comparison is out of reach, but a checkpoint that does not restore the random state is still a bug
-        unpreserved = _unpreserved_finding(_run_step(model, loss_fn, x, y, k, step or accumulate_backward, seed,
-                                                     plans=refs.plans))
-        if unpreserved is not None:
-            report.findings.insert(0, unpreserved)
-        return report
-    reach = _out_of_range(refs.basis, model, k)
-    if reach is not None:
-        report.findings.append(Finding(
-            "gradient_out_of_range", "the gradients lie outside the range the comparison can measure", reach,
-            "check with the loss at ordinary magnitudes (leave out a constant factor such as a loss scale): the "
-            "loop's structure, which the check names, does not depend on it", 1, "inconclusive"))
-        return report
-    # rounding grows with the terms summed, not with their sum: where the micro-batch gradients cancel (near an
-    # optimum) the full batch's gradient is far shorter than they are, and the default tolerance is widened by
-    # the excess over CANCELLATION (a typical window's micro-batch gradients are a few times their mean)
-    spread = float(refs.basis.norm(dim=1).mean()) / max(float(refs.full.norm()), 1e-300)
-    if not fixed_tol and not switched and spread > CANCELLATION_LIMIT:
-        report.findings.append(Finding(
-            "gradient_cancels", "the micro-batch gradients cancel: the full batch's gradient is too small to "
-            "compare with", f"the micro-batch gradients are {spread:.3g}× longer on average than the full batch's "
-            f"(as at an optimum): any difference is dominated by their rounding", "check from a state away from the "
-            "optimum (the untrained model, an earlier checkpoint), or pass the tolerance you accept", 1,
-            "inconclusive"))
-        return report
-    if not fixed_tol and not switched and spread > CANCELLATION:
-        tol, wtol = tol * spread / CANCELLATION, wtol * spread / CANCELLATION
-        report.tolerance = tol
-        report.notes.append(f"cancellation: the micro-batch gradients are {spread:.3g}× longer on average than the "
-                            f"full batch's (they cancel, as near an optimum), so rounding is relative to them: the "
-                            f"tolerance is widened to {tol:.2g}")
-    run = _run_step(model, loss_fn, x, y, k, step or accumulate_backward, seed, plans=refs.plans)
+    run = _run_step(job.model, job.loss_fn, job.x, job.y, job.k, job.step or accumulate_backward, job.seed,
+                    plans=refs.plans)
     if run.transformed:
         report.notes.append(f"torch.func: {run.transformed} forward pass(es) of your step ran inside torch.func "
                             "transforms (vmap, grad); the gradient they produce is compared, but their random draws "
                             "(dropout) are not replayed per sample, and they are not counted as micro-batches")
-    given_modes = [m_.training for m_ in model.modules()]
-    if run.modes is not None and run.modes != given_modes and not switched:
-        # the step switched modes (model.train() on a model handed over in eval mode, as from_pretrained returns
-        # it): the full batch must run in the mode the step's forward passes ran in (once: a step that flips the
-        # mode it finds is compared in the mode of this first run)
-        moved = copy.deepcopy(model)
-        for module, training in zip(moved.modules(), run.modes):
-            module.training = training
-        inner = _check(moved, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b, switched=True,
-                       fixed_tol=True)
-        changed = [(name or "(the model)", now) for (name, _), was, now in
-                   zip(model.named_modules(), given_modes, run.modes) if was != now]
-        parts = [f"{len(group)} module(s) in {mode} mode (e.g. {', '.join(group[:3])})"
-                 for mode, group in (("training", [c for c, now in changed if now]),
-                                     ("evaluation", [c for c, now in changed if not now])) if group]
-        inner.notes.insert(0, f"mode: your step puts {' and '.join(parts)} before its forward passes; the full "
-                              "batch was computed in the modes your step uses")
-        return inner
+    switched = _in_the_steps_modes(job, run)
+    if switched is not None:
+        return switched
+    clipping = _clipping(job, run, refs, report)
+    m = _measurements(job, run, refs, clipping)
+    findings, info = diagnose(m)
+    ctx = RunContext(job.k, job.b, job.tol, job.step is not None, run, refs.full, clipping,
+                     {f.code for f in findings})
+    for rule in RUN_RULES:
+        found = rule(ctx, findings)
+        if found is not None:
+            findings.append(found)
+    report.findings = resolve(findings)
+    _fill(report, run, clipping, info)
+    if job.step is not None and job.partial and job.k >= 2 and run.error is None and set(report.codes) <= PARTIAL_OK:
+        extra = _partial_window(job.model, job.loss_fn, job.x, job.y, job.k, job.b, job.step, job.seed, refs,
+                                clipping.clip, clipping.kind, clipping.norm_type, job.wtol, job.tol, job.fixed_tol)
+        if extra is not None:
+            report.findings.append(extra)
+    return report
+
+
+def _reference_findings(job: _Job, refs: _Refs) -> list[Finding] | None:
+    """The verdict when the references themselves cannot be compared (a model that fails on a micro-batch,
+    randomness that cannot be replayed per sample), or None."""
+    if refs.error is not None:
+        err = refs.error
+        return [Finding(
+            "model_fails_on_micro_batch", f"the model fails on a micro-batch of {job.b} sample(s)",
+            f"micro-batch {refs.micro}: {type(err).__name__}: {str(err).strip().splitlines()[0]}",
+            "use larger micro-batches (BatchNorm needs more than one value per channel) or a per-sample "
+            "normalization such as GroupNorm", 1)]
+    if refs.unreplayed:
+        # a random op that looked per-sample in the full batch (a dimension equal to its size) but not in the
+        # micro-batches, e.g. a feature mask torch.rand(16) when the batch has 16 samples: its randomness is not
+        # per sample, so the full batch and the micro-batches cannot be given the same draws
+        return [Finding(
+            "randomness_not_replayed", "randomness the checker could not replay per sample",
+            f"{len(refs.unreplayed)} random draw(s) in the model's forward could not be cut into samples in every "
+            f"pass, e.g. {refs.unreplayed[0]} (a draw per sample has a dimension equal to the batch size in the full "
+            f"batch of {job.n} and in each micro-batch of {job.b})", "rerun with that randomness switched off "
+            "(dropout p = 0) to compare like with like, or draw it with a batch dimension (torch.rand(x.shape[0], "
+            "...))", 6, "inconclusive")]
+    if refs.recomputed:
+        found = [Finding(
+            "randomness_not_replayed", "randomness in a forward pass that backward recomputes (activation "
+            "checkpointing with dropout)", f"{len(refs.recomputed)} random draw(s) during backward, e.g. "
+            f"{refs.recomputed[0]}: the checker gives every sample its own masks in the forward pass, but cannot "
+            "give the recomputation the same ones", "rerun with dropout off (p = 0) or without activation "
+            "checkpointing to compare like with like", 6, "inconclusive")]
+        # the comparison is out of reach, but a checkpoint that does not restore the random state is still a bug
+        unpreserved = _unpreserved_finding(_run_step(job.model, job.loss_fn, job.x, job.y, job.k,
+                                                     job.step or accumulate_backward, job.seed, plans=refs.plans))
+        return found + ([unpreserved] if unpreserved is not None else [])
+    return None
+
+
+def _cancellation(job: _Job, refs: _Refs, report: Report) -> list[Finding] | None:
+    """Gradients out of range, or cancelling beyond :data:`CANCELLATION_LIMIT`: the inconclusive finding. Between
+    :data:`CANCELLATION` and the limit, the tolerances are widened in proportion (a note says so) and None."""
+    reach = _out_of_range(refs.basis, job.model, job.k)
+    if reach is not None:
+        return [Finding(
+            "gradient_out_of_range", "the gradients lie outside the range the comparison can measure", reach,
+            "check with the loss at ordinary magnitudes (leave out a constant factor such as a loss scale): the "
+            "loop's structure, which the check names, does not depend on it", 1, "inconclusive")]
+    # rounding grows with the terms summed, not with their sum: where the micro-batch gradients cancel (near an
+    # optimum) the full batch's gradient is far shorter than they are, and the default tolerance is widened by
+    # the excess over CANCELLATION (a typical window's micro-batch gradients are a few times their mean)
+    spread = float(refs.basis.norm(dim=1).mean()) / max(float(refs.full.norm()), 1e-300)
+    if not job.fixed_tol and not job.switched and spread > CANCELLATION_LIMIT:
+        return [Finding(
+            "gradient_cancels", "the micro-batch gradients cancel: the full batch's gradient is too small to "
+            "compare with", f"the micro-batch gradients are {spread:.3g}× longer on average than the full batch's "
+            f"(as at an optimum): any difference is dominated by their rounding", "check from a state away from the "
+            "optimum (the untrained model, an earlier checkpoint), or pass the tolerance you accept", 1,
+            "inconclusive")]
+    if not job.fixed_tol and not job.switched and spread > CANCELLATION:
+        job.tol, job.wtol = job.tol * spread / CANCELLATION, job.wtol * spread / CANCELLATION
+        report.tolerance = job.tol
+        report.notes.append(f"cancellation: the micro-batch gradients are {spread:.3g}× longer on average than the "
+                            f"full batch's (they cancel, as near an optimum), so rounding is relative to them: the "
+                            f"tolerance is widened to {job.tol:.2g}")
+    return None
+
+
+def _in_the_steps_modes(job: _Job, run: _Run) -> Report | None:
+    """When the step switched modes (model.train() on a model handed over in eval mode, as from_pretrained returns
+    it), the check again with the full batch in the modes the step's forward passes ran in (once: a step that
+    flips the mode it finds is compared in the mode of this first run); else None."""
+    given_modes = [m_.training for m_ in job.model.modules()]
+    if run.modes is None or run.modes == given_modes or job.switched:
+        return None
+    moved = copy.deepcopy(job.model)
+    for module, training in zip(moved.modules(), run.modes):
+        module.training = training
+    inner = _check(dataclasses.replace(job, model=moved, switched=True, fixed_tol=True))
+    changed = [(name or "(the model)", now) for (name, _), was, now in
+               zip(job.model.named_modules(), given_modes, run.modes) if was != now]
+    parts = [f"{len(group)} module(s) in {mode} mode (e.g. {', '.join(group[:3])})"
+             for mode, group in (("training", [c for c, now in changed if now]),
+                                 ("evaluation", [c for c, now in changed if not now])) if group]
+    inner.notes.insert(0, f"mode: your step puts {' and '.join(parts)} before its forward passes; the full "
+                          "batch was computed in the modes your step uses")
+    return inner
+
+
+def _clipping(job: _Job, run: _Run, refs: _Refs, report: Report) -> Clipping:
+    """How the reference is clipped: at the threshold given, else at the loop's own (one threshold), per group
+    when the loop clips groups once; clip calls that cannot reach the applied gradient are set apart."""
     # a clip call with an infinite threshold only measures the norm (a common way to log it): not a clip
     clips = [e for e in run.events if e.kind == "clip" and not _measures_only(e)]
-    kind, norm_type, source = "norm", 2.0, None
-    thresholds = {(e.detail.get("fn"), e.detail.get("max_norm", e.detail.get("clip_value")),
-                   e.detail.get("norm_type", 2.0)) for e in clips}
-    given = clip
-    if clip is not None:
-        source = "the clip argument"
+    c = Clipping(given=job.clip, clip=job.clip, clips=clips, target=refs.full, thresholds={
+        (e.detail.get("fn"), e.detail.get("max_norm", e.detail.get("clip_value")), e.detail.get("norm_type", 2.0))
+        for e in clips})
+    if job.clip is not None:
+        c.source = "the clip argument"
         # v is None when the loop's threshold was not a number (e.g. a tensor); num(None) raises: left as is
-        loop = ", ".join(f"{fn} with threshold {num(v)}"  # type: ignore[arg-type]
-                         for fn, v, _ in sorted(thresholds, key=str))
-        report.notes.append(f"clipping: the full batch is clipped once at threshold {num(clip)} (the clip argument)"
-                            + (f"; your loop calls {loop}" if loop else "; your loop makes no clip call"))
-    else:
-        if len(thresholds) == 1:
-            fn, value, norm_type = next(iter(thresholds))
-            if value is not None:
-                clip, source = value, "your loop's threshold"
-                kind = "value" if fn == "clip_grad_value_" else "norm"
-                report.notes.append(f"clipping: your loop calls {fn} with threshold {num(clip)}; the full batch is "
-                                    "clipped once at the same threshold")
+        loop = ", ".join(f"{fn} with threshold {num(v)}"
+                         for fn, v, _ in sorted(c.thresholds, key=str))
+        report.notes.append(f"clipping: the full batch is clipped once at threshold {num(job.clip)} (the clip "
+                            "argument)" + (f"; your loop calls {loop}" if loop else "; your loop makes no clip call"))
+    elif len(c.thresholds) == 1:
+        fn, value, c.norm_type = next(iter(c.thresholds))
+        if value is not None:
+            c.clip, c.source = value, "your loop's threshold"
+            c.kind = "value" if fn == "clip_grad_value_" else "norm"
+            report.notes.append(f"clipping: your loop calls {fn} with threshold {num(c.clip)}; the full batch is "
+                                "clipped once at the same threshold")
     # clip calls that cannot reach the gradient the step applies (after the last step, or on the empty buffer
     # before the first backward): a bug when no other clip does, harmless beside a clip that does
-    misplaced = [(e, where) for e, where in _misplaced_clips(run.events) if not _measures_only(e)]
-    placed = [e for e in clips if all(e is not c for c, _ in misplaced)]
-    if misplaced and not placed and given is None:
-        clip, source = None, None  # compare with the unclipped full batch
+    c.misplaced = [(e, where) for e, where in _misplaced_clips(run.events) if not _measures_only(e)]
+    c.placed = [e for e in clips if all(e is not m for m, _ in c.misplaced)]
+    if c.misplaced and not c.placed and c.given is None:
+        c.clip, c.source = None, None  # compare with the unclipped full batch
         report.notes = [n for n in report.notes if not n.startswith("clipping:")]
-    target = clip_vec(refs.full, clip, kind, norm_type) if clip is not None else refs.full
-    same = given is None or all(e.detail.get("max_norm", e.detail.get("clip_value")) == given for e in placed)
-    by_group = _clipped_by_group(refs.full, placed, model, len(run.passes)) if same else None
+    c.target = clip_vec(refs.full, c.clip, c.kind, c.norm_type) if c.clip is not None else refs.full
+    same = c.given is None or all(e.detail.get("max_norm", e.detail.get("clip_value")) == c.given for e in c.placed)
+    by_group = _clipped_by_group(refs.full, c.placed, job.model, len(run.passes)) if same else None
     if by_group is not None:
-        target = by_group
+        c.target = by_group
         report.notes = [n for n in report.notes if not n.startswith("clipping:")]
-        report.notes.append(f"clipping: your loop clips {len(placed)} group(s) of parameters on their own, once, "
+        report.notes.append(f"clipping: your loop clips {len(c.placed)} group(s) of parameters on their own, once, "
                             "after the last backward; the full batch is clipped the same way")
+    return c
+
+
+def _measurements(job: _Job, run: _Run, refs: _Refs, c: Clipping) -> Measurements:
+    """What the rules read: the references, the run, the loss probe, whether the draws depend on the start state."""
     reseeded = None
     seeds = [e for e in run.events if e.kind == "seed"]
     draws = run.replayed + len(run.unreplayed)
-    if step is not None and run.error is None and (draws or seeds):
-        a = _run_step(model, loss_fn, x, y, k, step, seed, mode="record", start=seed + 1)
-        c = _run_step(model, loss_fn, x, y, k, step, seed, mode="record", start=seed + 2)
-        if a.error is None and c.error is None:
-            reseeded = identical_draws(a.draws, c.draws)
+    if job.step is not None and run.error is None and (draws or seeds):
+        first = _run_step(job.model, job.loss_fn, job.x, job.y, job.k, job.step, job.seed, mode="record",
+                          start=job.seed + 1)
+        second = _run_step(job.model, job.loss_fn, job.x, job.y, job.k, job.step, job.seed, mode="record",
+                           start=job.seed + 2)
+        if first.error is None and second.error is None:
+            reseeded = identical_draws(first.draws, second.draws)
     # misplaced and measuring-only clip calls are reported apart (or not at all)
-    shown_events = [e for e in run.events if e.kind != "clip" or any(e is c for c in placed)]
-    probe = _loss_probe(loss_fn, refs.out, y, k, b)
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    shown_events = [e for e in run.events if e.kind != "clip" or any(e is p for p in c.placed)]
+    probe = _loss_probe(job.loss_fn, refs.out, job.y, job.k, job.b)
+    names = [name for name, p in job.model.named_parameters() if p.requires_grad]
     slices, start = [], 0
-    for name, p in zip(names, _trainable(model)):
+    for name, p in zip(names, _trainable(job.model)):
         slices.append((name, slice(start, start + p.numel())))
         start += p.numel()
-    rtol = 1e-9 if wtol < 1e-6 else 1e-4
-    m = Measurements(
-        k=k, b=b, n=n, tol=tol, wtol=wtol, basis=refs.basis, full=refs.full, target=target, applied=run.applied,
-        f=probe.weights, loss_residual=probe.residual, tokens=probe.tokens, f_moved=probe.moved, loss_thr=probe.thr,
-        clip=clip, clip_kind=kind, clip_norm_type=norm_type, clip_source=source, events=shown_events,
-        passes=run.passes, error=run.error, forwards=run.forwards, unreplayed=run.unreplayed, random_draws=draws,
-        reseeded=reseeded, coupled=lambda: coupled_modules(model, x, b, SampleRNG(seed), rtol),
-        param_slices=slices, has_step=step is not None, outside_draws=run.outside)
-    findings, info = diagnose(m)
-    codes = {f.code for f in findings}
-    if given is not None and run.error is None:
-        if not clips and "clip_missing" not in codes:
-            findings.append(Finding(
-                "clip_missing", "a clip threshold was given but your loop makes no clip call",
-                f"threshold {num(given)} (the clip argument); the full-batch gradient's norm "
-                f"{num(float(refs.full.norm()))} is below it, so this window is not affected, but larger gradients "
-                "will be clipped in the reference and not in your loop", "clip once per window, after the last "
-                "backward (after scaler.unscale_), or drop the clip argument", 3, "note"))
-        differ = sorted({v for _, v, _ in thresholds if v is not None and v != given})
-        if differ:
-            findings.insert(0, Finding(
-                "clip_threshold_differs", "the clip threshold you gave is not the one your loop uses",
-                f"you gave {num(given)}; your loop's clip call(s) use {', '.join(num(v) for v in differ)}: the "
-                "comparison clips the full batch at the threshold you gave, so a difference below may come from "
-                "the two thresholds alone", f"rerun with --clip {num(differ[0])} (or without --clip: the checker "
-                "then reads the threshold from your loop)", 3, "note"))
-    if misplaced and not placed and run.error is None:
-        e, where = misplaced[0]
-        findings.insert(0, Finding(
-            "clip_misplaced", "your clip call does not clip the gradient the optimizer step applies",
-            f"{e.detail.get('fn', 'clip')} ran {where}: the step applied the gradient as it was before any clip",
-            "clip once per window after the last backward (after scaler.unscale_) and before optimizer.step()",
-            3))
-    bugs = [f for f in findings if f.severity == "bug"]
-    if run.unlocated and run.replayed and bugs and run.error is None and rel(target, run.applied) > tol:
-        # micro-batches that are not consecutive slices of x (strided, shuffled): their samples could not be found,
-        # so they may have drawn other masks than in the full batch
-        findings = [f for f in findings if f.severity != "bug"] + [Finding(
-            "randomness_not_replayed", "dropout in micro-batches the checker could not place in the batch",
-            f"{run.unlocated} forward pass(es) of your step got inputs that are not consecutive rows of x (e.g. "
-            f"x[j::K], or a shuffle), and the forward draws random numbers: their samples may have been given other "
-            f"masks than in the full batch (without that, the findings would be: {', '.join(f.code for f in bugs)})",
-            "split the window into consecutive micro-batches as the checker does (x.chunk(K)), or rerun with "
-            "dropout off to compare like with like", 6, "inconclusive")]
-    if step is not None and run.error is None and run.forwards and not bugs:
-        sizes = sorted({size for _, size in run.forwards})
-        if sizes != [b]:
-            findings.append(Finding(
-                "micro_batches_differ", "your step's micro-batches are not the K you passed",
-                f"its forward passes saw {len(run.forwards)} batch(es) of size(s) {sizes}, not K = {k} "
-                f"micro-batches of {b}; this window's gradient is still the full batch's", "pass the K your loop "
-                "uses (-k), so that the check (and its partial window) tests the loop you run", 6, "note"))
-    twice = _bn_rerun_finding(run.bn_reruns) if run.error is None else None
-    if twice is not None:
-        findings.append(twice)
-    unpreserved = _unpreserved_finding(run)
-    if unpreserved is not None:
-        findings.insert(0, unpreserved)
-    broken = _recorder_error_finding(run)
-    if broken is not None:
-        findings.append(broken)
-    report.findings = findings
+    rtol = 1e-9 if job.wtol < 1e-6 else 1e-4
+    model, x, b, seed = job.model, job.x, job.b, job.seed
+    return Measurements(
+        k=job.k, b=job.b, n=job.n, tol=job.tol, wtol=job.wtol, basis=refs.basis, full=refs.full, target=c.target,
+        applied=run.applied, f=probe.weights, loss_residual=probe.residual, tokens=probe.tokens, f_moved=probe.moved,
+        loss_thr=probe.thr, clip=c.clip, clip_kind=c.kind, clip_norm_type=c.norm_type, clip_source=c.source,
+        events=shown_events, passes=run.passes, error=run.error, forwards=run.forwards, unreplayed=run.unreplayed,
+        random_draws=draws, reseeded=reseeded, coupled=lambda: coupled_modules(model, x, b, SampleRNG(seed), rtol),
+        param_slices=slices, has_step=job.step is not None, outside_draws=run.outside)
+
+
+def _fill(report: Report, run: _Run, c: Clipping, info: dict[str, Any]) -> None:
+    """The report's measurements: weights, error and cosine, warnings, events, counts, the randomness note."""
     report.weights, report.expected_weights = info.get("weights"), info.get("expected_weights")
     if run.error is None:
-        report.rel_error, report.cosine = rel(target, run.applied), cosine(target, run.applied)
+        report.rel_error, report.cosine = rel(c.target, run.applied), cosine(c.target, run.applied)
     report.warnings = run.warnings
     report.events = [str(e) for e in run.events]
     report.counts = {"backward": len(run.passes)}
@@ -360,12 +380,6 @@ def _check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor
     if run.replayed:
         report.notes.append(f"randomness: {run.replayed} random op call(s) (dropout) in the window's forward passes "
                             "were replayed per sample, so the full batch and the micro-batches use the same masks")
-    if step is not None and partial and k >= 2 and run.error is None and set(report.codes) <= PARTIAL_OK:
-        extra = _partial_window(model, loss_fn, x, y, k, b, step, seed, refs, clip, kind, norm_type, wtol, tol,
-                                fixed_tol)
-        if extra is not None:
-            report.findings.append(extra)
-    return report
 
 
 def _measures_only(event: Event) -> bool:
