@@ -206,3 +206,31 @@ class Report:
 
     __repr__ = __str__
 
+
+class _Findings:
+    """Findings by code, in the order they were raised; a second report of the same code adds evidence."""
+
+    def __init__(self) -> None:
+        self.by_code: dict[str, Finding] = {}
+        # a clip_grad_value_ inside the window that bit: it changes the gradient's direction, so a gradient that is
+        # no combination of the micro-batch gradients is explained by it, not "unexplained"
+        self.value_clip_bit = False
+
+    def add(self, code: str, cause: str, evidence: str, fix: str, chapter: int | None, severity: str = "bug") -> None:
+        if code in self.by_code:
+            old = self.by_code[code]
+            if evidence and evidence not in old.evidence:
+                self.by_code[code] = Finding(code, old.cause, old.evidence + "; " + evidence, old.fix, old.chapter,
+                                             old.severity)
+            return
+        self.by_code[code] = Finding(code, cause, evidence, fix, chapter, severity)
+
+    def remove(self, codes: set[str]) -> None:
+        for code in codes:
+            self.by_code.pop(code, None)
+
+    def __contains__(self, code: str) -> bool:
+        return code in self.by_code
+
+    def list(self) -> list[Finding]:
+        return list(self.by_code.values())

@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import torch
 
+from .calls import _event_findings
 from .measure import (
     Measurements,
     _after,
@@ -42,58 +43,30 @@ from .measure import (
     _dtype_eps,
     _inside,
     _is_zero,
-    _most_per,
     _user_frame,
     clip_vec,
     cosine,
     fit_weights,
-    placements,
     rel,
 )
-from .recorder import Event
 from .report import (
-    _DOUBLE_1_OVER_K,
-    _DOUBLE_1_OVER_K_FIX,
-    CLIP_FIX,
-    CLIP_PER_MICRO,
-    CLIP_RUNNING,
     CORRECT_LOOP,
-    PLACEMENT_TEXT,
     ZERO_GRAD_CAUSE,
     Finding,
+    _Findings,
     num,
     nums,
     ordinal_list,
 )
-
-
-class _Findings:
-    """Findings by code, in the order they were raised; a second report of the same code adds evidence."""
-
-    def __init__(self) -> None:
-        self.by_code: dict[str, Finding] = {}
-        # a clip_grad_value_ inside the window that bit: it changes the gradient's direction, so a gradient that is
-        # no combination of the micro-batch gradients is explained by it, not "unexplained"
-        self.value_clip_bit = False
-
-    def add(self, code: str, cause: str, evidence: str, fix: str, chapter: int | None, severity: str = "bug") -> None:
-        if code in self.by_code:
-            old = self.by_code[code]
-            if evidence and evidence not in old.evidence:
-                self.by_code[code] = Finding(code, old.cause, old.evidence + "; " + evidence, old.fix, old.chapter,
-                                             old.severity)
-            return
-        self.by_code[code] = Finding(code, cause, evidence, fix, chapter, severity)
-
-    def remove(self, codes: set[str]) -> None:
-        for code in codes:
-            self.by_code.pop(code, None)
-
-    def __contains__(self, code: str) -> bool:
-        return code in self.by_code
-
-    def list(self) -> list[Finding]:
-        return list(self.by_code.values())
+from .weights import (
+    _alpha_pattern,
+    _backward_weight_findings,
+    _clip_placement,
+    _other_sizes,
+    _scale_findings,
+    _token_finding,
+    _token_from_backwards,
+)
 
 
 def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
@@ -223,210 +196,6 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     return out.list(), info
 
 
-def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
-    events, k = m.events, m.k
-    opt = [e for e in _counts(events, "optimizer.step")]
-    own = [e for e in opt if not e.detail.get("via_scaler")]
-    sstep = _counts(events, "scaler.step")
-    # several optimizers (one per parameter group, e.g. Muon beside AdamW) each step once per window, with one
-    # scheduler each and one GradScaler for all: counted per optimizer (per scheduler)
-    if _most_per(own, "opt") > 1 or _inside(own, last):
-        out.add("optimizer_step_inside_window", "optimizer.step() inside the accumulation window",
-                f"optimizer.step() ran {len(own)}× in one window of {k} micro-batches "
-                f"({', '.join(_after(e) for e in own[:4])}{', …' if len(own) > 4 else ''}): every call applies a "
-                "partial gradient and the later micro-batches see changed weights",
-                "step the optimizer once per window, after the last micro-batch's backward", 6)
-    if _most_per(sstep, "opt") > 1 or _inside(sstep, last):
-        out.add("scaler_step_inside_window", "scaler.step() (an optimizer step) inside the accumulation window",
-                f"scaler.step(optimizer) ran {len(sstep)}× in one window of {k} micro-batches "
-                f"({', '.join(_after(e) for e in sstep[:4])}); after an overflow only that micro-batch's step "
-                "is skipped", "scaler.step(optimizer) and scaler.update() once per window, after the last backward",
-                4)
-    sched = _counts(events, "scheduler.step")
-    if _most_per(sched, "sched") > 1 or _inside(sched, last):
-        out.add("scheduler_step_inside_window", "scheduler.step() inside the accumulation window",
-                f"{len(sched)} scheduler step(s) in one window of {k} micro-batches "
-                f"({', '.join(_after(e) for e in sched[:4])}{', …' if len(sched) > 4 else ''}; the step a "
-                "scheduler's constructor makes is not counted): warmup and decay run up to "
-                f"{k}× too fast", "step the scheduler once per optimizer step, after it", 6)
-    updates = _counts(events, "scaler.update")
-    if (len(updates) > 1 or _inside(updates, last)) and m.error is None:
-        scales = [p.scale for p in m.passes if p.scale is not None]
-        changed = f"; loss scale at each backward {nums(scales)}" if len(set(scales)) > 1 else ""
-        out.add("scaler_update_inside_window", "scaler.update() inside the window: the loss scale changes "
-                "inside the window", f"scaler.update() called {len(updates)}×, {len(_inside(updates, last))} "
-                f"before the last backward{changed}", "call scaler.update() once per window, after scaler.step()",
-                4)
-    unscales = _counts(events, "scaler.unscale_")
-    if (_most_per(unscales, "opt") > 1 or _inside(unscales, last)) and "scaler_unscale_inside_window" not in out:
-        out.add("scaler_unscale_inside_window", "scaler.unscale_() inside the window",
-                f"unscale_() called {len(unscales)}×, {len(_inside(unscales, last))} before the last backward",
-                "unscale_ once, after the last backward, then clip, then scaler.step", 4)
-    clips = _counts(events, "clip")
-    scaled = [e for e in clips if e.detail.get("scaled")]
-    if scaled:
-        e = scaled[0]
-        seen = e.detail.get("norm_before", float("nan"))
-        out.add("clip_before_unscale", "clipping before scaler.unscale_(): the threshold is applied to scaled "
-                "gradients", f"{e.detail.get('fn', 'clip')} ran {_after(e)} on gradients still multiplied by the "
-                f"loss scale (it saw a norm of {num(seen)}) and scaled them by {num(e.detail.get('factor', 1.0))}",
-                "call scaler.unscale_(optimizer) first, then clip, then scaler.step(optimizer)", 3)
-    inside = [e for e in clips if e.after < last]
-    if inside:
-        # the placement: per micro-batch when the buffer held one micro-batch only at each clip
-        per_micro = _trace_per_micro(m, inside)
-        factors = [e.detail.get("factor", 1.0) for e in inside]
-        bites = any(abs(f - 1) > 1e-12 for f in factors)
-        by_value = all(e.detail.get("fn") == "clip_grad_value_" for e in inside)
-        effect = ((f"it clipped entries of the gradient (its norm changed by {nums(factors[:6])}×)" if by_value else
-                   f"it scaled the gradient by {nums(factors[:6])}") if bites else
-                  "it did not change this window's gradient (every norm was below the threshold) but will when "
-                  "gradients grow")
-        evidence = (f"{len(clips)} clip call(s), {len(inside)} before the last backward "
-                    f"({', '.join(_after(e) for e in inside[:4])}); {effect}")
-        if per_micro:
-            out.add("clip_per_micro_batch", CLIP_PER_MICRO, evidence, CLIP_FIX, 3)
-        else:
-            out.add("clip_running_buffer", CLIP_RUNNING, evidence, CLIP_FIX, 3)
-        out.value_clip_bit = out.value_clip_bit or (bites and by_value)
-    if m.reseeded is not None and m.reseeded[0] > 0:
-        same, compared = m.reseeded
-        seeds = _counts(events, "seed")
-        calls = (f"; seeding calls in the window: {len(seeds)} ({', '.join(_after(e) for e in seeds[:4])})"
-                 if seeds else "")
-        out.add("rng_reseeded", "the RNG is re-seeded inside the window",
-                f"{same} of {compared} random draws (dropout masks) were identical when the window started from two "
-                f"different random states{calls}: the masks repeat from window to window",
-                "seed once, at the start of training; never inside the accumulation loop", 6)
-    elif _counts(events, "seed") and m.random_draws == 0:
-        out.add("seed_inside_window", "a seed is set inside the window", f"{len(_counts(events, 'seed'))} seeding "
-                "call(s); this window draws no random numbers, so nothing repeats yet",
-                "seed once, at the start of training (dropout added later would repeat its masks)", 6, "note")
-    foreign = [e for e in opt if not e.detail.get("owns_params", True)]
-    if foreign:
-        out.add("optimizer_not_on_model", "your step steps an optimizer that holds none of the model's parameters",
-                "the checker runs your step on a copy of the model; an optimizer built outside step holds the "
-                "original's parameters", "build the optimizer (and scheduler) inside step from model.parameters(), "
-                "or leave them out of step", None, "note")
-
-
-def _token_finding(m: Measurements, out: _Findings, e: list[float], w: list[float], how: str = "") -> None:
-    """A loop that weighs micro-batches equally (``w``) where the full batch weighs them unequally (``e``): by
-    their token counts (a mean of per-micro-batch token means), or by some other total the loss divides by (a
-    class-weighted mean). ``how`` says where ``w`` was read."""
-    total_e, total_t = sum(e), sum(m.tokens)
-    by_tokens = bool(total_e and total_t) and all(
-        abs(ej / total_e - tj / total_t) <= 1e-6 for ej, tj in zip(e, m.tokens))
-    if len(set(m.tokens)) > 1 and by_tokens:
-        out.add("token_normalization", "mean of per-micro-batch token means: micro-batches weighted equally, "
-                "not by their token counts", f"tokens per micro-batch {m.tokens}: the full batch weighs "
-                f"micro-batch gradients by their tokens, {nums(e)}; your loop weighs them equally, {nums(w)}{how}",
-                "reduction='sum' and divide by the tokens of the whole window (num_items_in_batch), all-reduced "
-                "across ranks", 6)
-    else:
-        # the same number of targets everywhere, yet the loss weighs micro-batches unequally: a weighted loss
-        counted = (f"each micro-batch has {m.tokens[0]} target(s)" if len(set(m.tokens)) == 1 else
-                   f"micro-batches have {m.tokens} target(s), not in proportion to these weights")
-        out.add("token_normalization", "a mean of per-micro-batch weighted means: micro-batches weighted "
-                "equally, not by their total weight", f"{counted}, yet the full batch weighs micro-batch "
-                f"gradients {nums(e)}: the loss divides by a total that differs between micro-batches (e.g. "
-                f"CrossEntropyLoss(weight=...) divides by the summed class weights of the targets); your loop "
-                f"weighs them equally, {nums(w)}{how}", "sum each micro-batch's weighted loss (reduction='sum') and "
-                "divide by the total weight of the whole window's targets", 6)
-
-
-def _token_from_backwards(m: Measurements, out: _Findings, loop_error: float, cos: float,
-                          clips: list[Event]) -> None:
-    r"""A clip inside the window rescales the buffer, so the step's fitted weights mix the clip with the loss's
-    weighting. What each backward pass added, :math:`\alpha_j` (read before any clip), is the loss's alone: equal
-    :math:`\alpha_j` where the full batch's :math:`f_j` differ is a per-micro-batch mean, named alongside the clip
-    (and a mean :math:`\alpha` K or 1/K times the mean :math:`f` a missing or doubled 1/K)."""
-    pattern = _alpha_pattern(m)
-    if pattern is None or not pattern[1]:
-        return
-    if "token_normalization" not in out:
-        _token_finding(m, out, list(m.f), pattern[2], " (what each backward added, read before your clip)")
-    _scale_findings(m, out, pattern[0], loop_error, cos, clips, token=True,
-                    what="on average, the backward passes' weights are")
-
-
-def _clip_placement(m: Measurements, out: _Findings, clips: list[Event], weights: str) -> bool:
-    """Whether the step equals one of chapter 3's clip placements (other than clipping once) computed from the
-    micro-batch gradients at the loop's threshold; if so, the placement is named (the measured gradient decides
-    between the running buffer and per micro-batch) and True returned."""
-    c, kind, norm_type = _loop_clip(m, clips)
-    inside = [e for e in clips if e.after < len(m.passes)]
-    if c is None or not inside:  # no clip inside the window: none of these placements
-        return False
-    matches = [name for name, vec in placements(m.basis, m.f, c, kind, norm_type).items()
-               if name != "once" and rel(vec, m.applied) <= m.thr]
-    if not matches:
-        return False
-    # several can match (duplicate micro-batches make the running buffer and raw per-micro-batch clips one
-    # vector): then the placement the buffer trace shows stands
-    traced = "clip_per_micro_batch" if _trace_per_micro(m, inside) else "clip_running_buffer"
-    agreeing = [name for name in matches
-                if ("clip_running_buffer" if name == "running" else "clip_per_micro_batch") == traced]
-    matched = (agreeing or matches)[0]
-    evidence = f"your gradient equals {PLACEMENT_TEXT[matched]} at threshold {num(c)} to rounding; {weights}"
-    if matched == "running":
-        out.remove({"clip_per_micro_batch"})
-        out.add("clip_running_buffer", CLIP_RUNNING, evidence, CLIP_FIX, 3)
-    else:
-        out.remove({"clip_running_buffer"})
-        out.add("clip_per_micro_batch", CLIP_PER_MICRO, evidence, CLIP_FIX, 3)
-    return True
-
-
-def _alpha_pattern(m: Measurements) -> tuple[float, bool, list[float]] | None:
-    r"""What each backward pass added, :math:`\alpha_j`, against the full batch's :math:`f_j`, over the
-    micro-batches that carry weight (:math:`f_j \ne 0`): ``(scale, equal, alphas)`` when the :math:`\alpha_j`
-    are proportional to the :math:`f_j` (``equal`` False; scale the common ratio) or equal where the :math:`f_j`
-    differ (``equal`` True, a per-micro-batch mean; scale the mean :math:`\alpha` over the mean :math:`f`); None
-    when neither, or when they cannot be read."""
-    alphas = _per_backward(m)
-    present = [j for j in range(m.k) if m.f[j] != 0]
-    if alphas is None or len(present) < 1 or any(math.isnan(alphas[j]) for j in present):
-        return None
-    f, a = [m.f[j] for j in present], [alphas[j] for j in present]
-    ratio = [aj / fj for aj, fj in zip(a, f)]
-    r_mean = sum(ratio) / len(ratio)
-    if r_mean != 0 and max(abs(r / r_mean - 1) for r in ratio) <= m.thr:
-        return r_mean, False, alphas
-    a_mean = sum(a) / len(a)
-    f_equal = max(f) - min(f) <= m.thr * max(abs(v) for v in f)
-    if len(present) > 1 and not f_equal and a_mean != 0 and max(abs(v / a_mean - 1) for v in a) <= m.thr:
-        return a_mean / (sum(m.f) / m.k), True, alphas
-    return None
-
-
-def _per_micro_with(m: Measurements, alphas: list[float]) -> bool:
-    """Whether the step is each backward's contribution clipped on its own and added up (the per-micro-batch
-    placement with the measured weights): then those weights are what reached the step."""
-    clips = [e for e in _counts(m.events, "clip") if e.after < len(m.passes)]
-    c, kind, norm_type = _loop_clip(m, clips)
-    if not clips or c is None:
-        return False
-    weights = [0.0 if math.isnan(a) else a for a in alphas]
-    return rel(placements(m.basis, weights, c, kind, norm_type)["scaled_micro"], m.applied) <= m.thr
-
-
-def _trace_per_micro(m: Measurements, inside: list[Event]) -> bool:
-    """Whether the buffer trace shows clips per micro-batch: at each clip after the first the buffer held that
-    micro-batch only, and after each clip it was emptied (K = 2 has only the second kind of evidence)."""
-    later = [e for e in inside if e.after >= 2]  # the first clip always sees one micro-batch only
-    emptied = all(e.after < len(m.passes) and _is_zero(m.passes[e.after].before) for e in inside)
-    return bool(inside) and all(_held_one(m, e) for e in later) and (bool(later) or emptied)
-
-
-def _held_one(m: Measurements, e: Event) -> bool:
-    """Whether, at clip event e, the buffer held only the latest micro-batch (it was emptied before it)."""
-    j = e.after  # clip came after backward j (1-based)
-    if j > len(m.passes):
-        return False
-    return j == 1 or _is_zero(m.passes[j - 1].before)
-
-
 def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, model_error: float) -> None:
     diffs = []
     for name, sl in m.param_slices:
@@ -472,14 +241,6 @@ def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, mod
                 "the other samples of its batch", f"no single layer couples samples, but the model as a whole does: "
                 f"the ideal accumulation differs from the full batch by {num(model_error)} (most in {layers})",
                 "look for operations across the batch dimension in forward (means, sorting, in-batch attention)", 1)
-
-
-def _other_sizes(m: Measurements, out: _Findings, sizes: list[int]) -> None:
-    """The step's forward passes saw batches of other sizes than the K equal micro-batches (another K)."""
-    out.add("micro_batches_differ", "your step's micro-batches are not the K equal parts of the batch",
-            f"its forward passes saw {len(m.forwards)} batch(es) of size(s) {sizes}; K = {m.k} micro-batches of "
-            f"{m.b} were expected", "pass the K your loop uses (-k), and split the window into K equal, "
-            "consecutive micro-batches", 6)
 
 
 def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[float], residual: float, cond: float,
@@ -637,51 +398,6 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
             CORRECT_LOOP, 6)
 
 
-def _backward_weight_findings(m: Measurements, out: _Findings, loop_error: float, cos: float) -> None:
-    r"""Missing or doubled 1/K read from what each backward pass added, :math:`\alpha_j` (before any clipping),
-    against the full batch's weights :math:`f_j`: :math:`\alpha_j = K f_j` for all j is a missing 1/K,
-    :math:`\alpha_j = f_j / K` a doubled one. Used only when the step applies the buffer the last backward left,
-    rescaled by nothing but its clip calls, or each backward's contribution clipped on its own and added up (so a
-    loop that divides the gradients after the window is not blamed)."""
-    k = m.k
-    alphas = _per_backward(m)
-    if k < 2 or alphas is None or not m.passes:
-        return
-    p = m.passes[-1]
-    left = p.after / p.scale if p.scale else p.after
-    factor = 1.0
-    for ev in _counts(m.events, "clip"):
-        if ev.after == len(m.passes):
-            factor *= ev.detail.get("factor", 1.0)
-    pattern = _alpha_pattern(m)  # the weights each backward added, proportional to the full batch's
-    if pattern is None or pattern[1]:
-        return
-    if rel(left * factor, m.applied) > m.thr and not _per_micro_with(m, alphas):
-        return
-    mean = pattern[0]
-    clips = _counts(m.events, "clip")
-    before = " (measured before any clipping)" if clips else ""
-    evidence = (f"each backward added {nums(alphas)}× its micro-batch's gradient{before}; "
-                f"the full batch weighs them {nums(m.f)}: the micro-batch weights are {num(mean)}× the full "
-                "batch's")
-    if not clips:
-        kminus1 = " = K − 1" if abs(loop_error - (k - 1)) <= m.thr * (k - 1) else ""
-        evidence += (f" (your step against the ideal accumulation Σ f_j h_j: relative error "
-                     f"{num(loop_error)}{kminus1}, cosine {cos:.4f})")
-    if clips:
-        c = ", ".join(sorted({num(e.detail.get("max_norm", e.detail.get("clip_value", float("nan"))))
-                              for e in clips}))
-        evidence += (f"; your clipping (threshold {c}) rescales the step and hides part or all of this from it "
-                     f"(your step against the ideal accumulation: relative error {num(loop_error)}), but the "
-                     "weights hold whenever the threshold does not bite")
-    if abs(mean - k) <= m.thr * k:
-        out.add("missing_1_over_k", "missing 1/K: the micro-batch losses are not divided by K", evidence,
-                "divide each micro-batch's loss by K before backward (or the gradients by K once, before the step)",
-                6)
-    elif abs(mean - 1 / k) <= m.thr / k:
-        out.add("double_1_over_k", _DOUBLE_1_OVER_K, evidence, _DOUBLE_1_OVER_K_FIX, 6)
-
-
 def _outside_randomness(m: Measurements, out: _Findings) -> None:
     """Random draws the checker could not replay per sample (no batch dimension, or outside the model's forward):
     the full batch and the micro-batches do not see the same random numbers, so no verdict."""
@@ -698,78 +414,4 @@ def _outside_randomness(m: Measurements, out: _Findings) -> None:
                 "rerun with that randomness switched off (or moved into the data pipeline, before step) to compare "
                 "like with like", 6, "inconclusive")
 
-
-def _loop_clip(m: Measurements, clips: list[Event]) -> tuple[float | None, str, float]:
-    if m.clip is not None:
-        return m.clip, m.clip_kind, m.clip_norm_type
-    for e in clips:
-        if "max_norm" in e.detail:
-            return e.detail["max_norm"], "norm", e.detail.get("norm_type", 2.0)
-        if "clip_value" in e.detail:
-            return e.detail["clip_value"], "value", 2.0
-    return None, "norm", 2.0
-
-
-def _per_backward(m: Measurements) -> list[float] | None:
-    """How much of its micro-batch's gradient each backward pass added (divided by the loss scale in force)."""
-    if len(m.passes) != m.k:
-        return None
-    alphas = []
-    for j, p in enumerate(m.passes):
-        h = m.basis[j]
-        hh = float(h @ h)
-        if hh == 0:  # all padding, say: it adds nothing whatever its weight
-            alphas.append(math.nan)
-            continue
-        a = float((p.after - p.before) @ h) / hh
-        alphas.append(a / p.scale if p.scale else a)
-    return alphas
-
-
-def _scale_findings(m: Measurements, out: _Findings, s: float, loop_error: float, cos: float, clips: list[Event],
-                    token: bool = False, what: str = "the gradient is") -> None:
-    """Findings for a gradient that is ``s`` times what it should be (same direction). ``what`` names the
-    measured quantity ``s`` is read from (the fitted micro-batch weights, or the whole gradient)."""
-    k = m.k
-    close = lambda a, b: abs(a - b) <= m.thr * abs(b)  # noqa: E731
-    # clip_grad_norm_ divides by the norm + 1e-6: a clip that bit moves the step by up to 1e-6 / norm of itself
-    slack = sum(1e-6 / n for n in (e.detail.get("norm_before", math.nan) for e in clips) if n > 0)
-    full = float(m.full.norm())
-    if m.clip is not None and full > 0:  # the reference's own clip has the same term
-        slack += 1e-6 / full
-    if close(s, 1.0) or abs(s - 1) <= 2 * slack:
-        return
-    named = [c for c in ("missing_1_over_k", "double_1_over_k") if c in out]
-    if named:  # already named from the per-backward weights (a clip may have rescaled the step): add the fit
-        after = " after clipping" if clips else ""
-        out.add(named[0], "", f"fitted on the step{after}, {what} {num(s)}× the full batch's", "", 6)
-        return
-    alphas = _per_backward(m)
-    added = (f"; each backward added {nums(alphas)}× its micro-batch's gradient (the full batch weighs them "
-             f"{nums(m.f)})" if alphas else "")
-    kminus1 = " = K − 1" if k > 1 and abs(loop_error - (k - 1)) <= m.thr * (k - 1) else ""
-    head = (f"{what} {num(s)}× the full batch's (your step against the ideal accumulation Σ f_j h_j of this model: "
-            f"relative error {num(loop_error)}{kminus1}, cosine {cos:.4f})")
-    scalers = [p.scale for p in m.passes if p.scale is not None]
-    if k > 1 and close(s, k):
-        out.add("missing_1_over_k", "missing 1/K: the micro-batch losses are not divided by K",
-                head + added, "divide each micro-batch's loss by K before backward (or the gradients by K once, "
-                "before the step)", 6)
-    elif k > 1 and close(s, 1 / k):
-        out.add("double_1_over_k", _DOUBLE_1_OVER_K, head + added, _DOUBLE_1_OVER_K_FIX, 6)
-    elif scalers and close(s, scalers[-1]):
-        out.add("loss_scale_not_removed", "the gradient still carries the loss scale",
-                head + f"; the loss scale is {num(scalers[-1])}" + added,
-                "scaler.unscale_(optimizer) (or scaler.step(optimizer), which unscales) before using the gradients",
-                4)
-    elif m.clip is not None and not clips and s > 1:
-        out.add("clip_missing", "your loop does not clip", head + f"; the full-batch gradient's norm "
-                f"{num(float(m.full.norm()))} exceeds the threshold {num(m.clip)} ({m.clip_source})",
-                "clip once per window, after the last backward (after scaler.unscale_), or drop clip=", 3)
-    elif any(e.detail.get("scaled") for e in clips):
-        out.add("clip_before_unscale", "", f"the step applies {num(s)}× the gradient clipped once after unscaling",
-                "", 3)
-    elif not token:
-        out.add("gradient_scaled", "the gradient is scaled by a constant factor", head + added,
-                "find where your loop multiplies or divides the loss or the gradients", 6)
 
