@@ -284,42 +284,57 @@ class CallRecorder:
         return None
 
     def _call(self, frame: Any, name: str) -> None:
+        """Dispatch a call by name (and, for methods, by the object it runs on) to the handler that records it."""
         filename = frame.f_code.co_filename
         if name in _CLIP_NAMES:
             if filename.endswith("clip_grad.py"):
-                loc = frame.f_locals
-                outer = self._push(frame, "clip", None)
-                if outer:
-                    detail = {"fn": name, "scaled": self.grads_scaled, "before": flat(self.params)}
-                    for key in ("max_norm", "clip_value", "norm_type"):
-                        value = _as_float(loc.get(key))
-                        if value is not None:
-                            detail[key] = value
-                    self._open[id(frame)] = ("clip", self._event("clip", **detail))
+                self._on_clip(frame, name)
             return
         if name == "checkpoint":
             if filename.endswith(_CHECKPOINT_FILE):
-                kwargs = frame.f_locals.get("kwargs") or {}
-                if not kwargs.get("preserve_rng_state", True):  # torch then recomputes under new random draws
-                    self._event("checkpoint", preserve_rng_state=False)
-                    fn = frame.f_locals.get("function")
-                    module = isinstance(fn, nn.Module)
-                    code = _code_of(type(fn).forward if module else fn)
-                    if code is not None:
-                        self._unpreserved.setdefault(code, set()).add(id(fn) if module else None)
+                self._on_checkpoint(frame)
             return
         if name in _SEED_NAMES:
-            obj = self._self(frame)
-            is_rng = (filename.endswith(("torch/random.py", "cuda/random.py", "torch/cuda/random.py"))
-                      or (name == "seed" and obj is not None and type(obj).__module__ == "random"))
-            if is_rng and not _from_the_toolkit(frame.f_back) and not _changes_nothing(frame, name):
-                if self._push(frame, "seed"):
-                    self._event("seed", fn=name)
+            self._on_seed(frame, name, filename)
             return
         obj = self._self(frame)
-        if obj is None:
-            return
+        if obj is not None:
+            self._on_method(frame, name, obj)
 
+    def _on_clip(self, frame: Any, name: str) -> None:
+        """A clip function of torch's: the event, with its threshold and the gradient before it."""
+        loc = frame.f_locals
+        outer = self._push(frame, "clip", None)
+        if outer:
+            detail = {"fn": name, "scaled": self.grads_scaled, "before": flat(self.params)}
+            for key in ("max_norm", "clip_value", "norm_type"):
+                value = _as_float(loc.get(key))
+                if value is not None:
+                    detail[key] = value
+            self._open[id(frame)] = ("clip", self._event("clip", **detail))
+
+    def _on_checkpoint(self, frame: Any) -> None:
+        """torch's checkpoint with preserve_rng_state=False: the event, and the code whose recomputation draws anew."""
+        kwargs = frame.f_locals.get("kwargs") or {}
+        if not kwargs.get("preserve_rng_state", True):  # torch then recomputes under new random draws
+            self._event("checkpoint", preserve_rng_state=False)
+            fn = frame.f_locals.get("function")
+            module = isinstance(fn, nn.Module)
+            code = _code_of(type(fn).forward if module else fn)
+            if code is not None:
+                self._unpreserved.setdefault(code, set()).add(id(fn) if module else None)
+
+    def _on_seed(self, frame: Any, name: str, filename: str) -> None:
+        """A seeding call of torch's or ``random``'s that the reader's loop makes (not torch's or gradaccum's own)."""
+        obj = self._self(frame)
+        is_rng = (filename.endswith(("torch/random.py", "cuda/random.py", "torch/cuda/random.py"))
+                  or (name == "seed" and obj is not None and type(obj).__module__ == "random"))
+        if is_rng and not _from_the_toolkit(frame.f_back) and not _changes_nothing(frame, name):
+            if self._push(frame, "seed"):
+                self._event("seed", fn=name)
+
+    def _on_method(self, frame: Any, name: str, obj: Any) -> None:
+        """A method call: scheduler constructors, autocast, GradScaler, scheduler and optimizer steps, zero_grad."""
         if name == "__init__":
             if isinstance(obj, LRScheduler):
                 self._push(frame, "sched_init")
@@ -329,14 +344,7 @@ class CallRecorder:
                 self._event("autocast", dtype=str(getattr(obj, "fast_dtype", "")).replace("torch.", ""))
             return
         if isinstance(obj, torch.amp.GradScaler) and name in ("scale", "unscale_", "step", "update"):
-            self.scaler = obj
-            if name == "unscale_":
-                self.grads_scaled = False
-            if self._push(frame, "scaler"):
-                scale = getattr(obj, "_scale", None)
-                optimizer = frame.f_locals.get("optimizer")
-                self._event(f"scaler.{name}", scale=float(scale) if scale is not None else None,
-                            opt=id(optimizer) if optimizer is not None else None)
+            self._on_scaler(frame, name, obj)
             return
         if name == "step" and isinstance(obj, LRScheduler):
             outer = self._push(frame, "sched")
@@ -344,39 +352,58 @@ class CallRecorder:
                 self._event("scheduler.step", cls=type(obj).__name__, sched=id(obj))
             return
         if name == "step" and isinstance(obj, torch.optim.Optimizer):
-            if _wraps_optimizer(obj):
-                # a framework's wrapper (Accelerate's skips step() until the window is complete): its optimizer's
-                # own step is what counts — unless the wrapper changes the parameters without calling one
-                if not self._depth.get("opt") and self._push(frame, "wrap"):
-                    count = sum(e.kind == "optimizer.step" for e in self.events)
-                    self._open[id(frame)] = ("wrap", (obj, flat(self.params), _values(self.params), count))
-                return
-            if self._push(frame, "opt"):
-                owns = any(id(p) in self.param_ids for g in obj.param_groups for p in g["params"])
-                self._read(obj)
-                self._stepping = obj
-                event = self._event("optimizer.step", cls=type(obj).__name__,
-                                    via_scaler=bool(self._depth.get("scaler")), owns_params=owns, opt=id(obj))
-                # A closure runs inside step() (Lightning's last forward and backward): the gradient the step
-                # applies is the one when the closure returns (after any clip it makes), and the backward passes
-                # before the step are counted then. Without a closure we can name, backward passes that ran
-                # inside step() mean the same, and the gradient is read when step() returns.
-                self._closure_code = _code_of(_closure_argument(frame))
-                self._closure_event = event
-                self._open[id(frame)] = ("opt", (event, self.backwards))
+            self._on_optimizer_step(frame, obj)
             return
         if name == "zero_grad" and isinstance(obj, torch.optim.Optimizer) and _wraps_optimizer(obj):
             return
         if name == "zero_grad" and isinstance(obj, (torch.optim.Optimizer, nn.Module)):
-            if self._push(frame, "zero_grad"):
-                if not any(e.kind == "optimizer.step" for e in self.events) and self.backwards and not torch.equal(
-                        self._start, _values(self.params)):
-                    # no optimizer has stepped, yet the parameters moved: an update written by hand (p -= lr * p.grad)
-                    # applied the gradient the buffer holds now
-                    self._read(None)
-                    self._event("optimizer.step", cls="(an update written by hand)", via_scaler=False,
-                                owns_params=True)
-                self._event("zero_grad", cls=type(obj).__name__)
+            self._on_zero_grad(frame, obj)
+
+    def _on_scaler(self, frame: Any, name: str, obj: Any) -> None:
+        """GradScaler.scale, unscale_, step, update: the event, with the loss scale in force."""
+        self.scaler = obj
+        if name == "unscale_":
+            self.grads_scaled = False
+        if self._push(frame, "scaler"):
+            scale = getattr(obj, "_scale", None)
+            optimizer = frame.f_locals.get("optimizer")
+            self._event(f"scaler.{name}", scale=float(scale) if scale is not None else None,
+                        opt=id(optimizer) if optimizer is not None else None)
+
+    def _on_optimizer_step(self, frame: Any, obj: Any) -> None:
+        """An optimizer's step (a framework's wrapper: the step of the optimizer it wraps counts)."""
+        if _wraps_optimizer(obj):
+            # a framework's wrapper (Accelerate's skips step() until the window is complete): its optimizer's
+            # own step is what counts — unless the wrapper changes the parameters without calling one
+            if not self._depth.get("opt") and self._push(frame, "wrap"):
+                count = sum(e.kind == "optimizer.step" for e in self.events)
+                self._open[id(frame)] = ("wrap", (obj, flat(self.params), _values(self.params), count))
+            return
+        if self._push(frame, "opt"):
+            owns = any(id(p) in self.param_ids for g in obj.param_groups for p in g["params"])
+            self._read(obj)
+            self._stepping = obj
+            event = self._event("optimizer.step", cls=type(obj).__name__,
+                                via_scaler=bool(self._depth.get("scaler")), owns_params=owns, opt=id(obj))
+            # A closure runs inside step() (Lightning's last forward and backward): the gradient the step
+            # applies is the one when the closure returns (after any clip it makes), and the backward passes
+            # before the step are counted then. Without a closure we can name, backward passes that ran
+            # inside step() mean the same, and the gradient is read when step() returns.
+            self._closure_code = _code_of(_closure_argument(frame))
+            self._closure_event = event
+            self._open[id(frame)] = ("opt", (event, self.backwards))
+
+    def _on_zero_grad(self, frame: Any, obj: Any) -> None:
+        """zero_grad on an optimizer or module (after an update written by hand, that update is read first)."""
+        if self._push(frame, "zero_grad"):
+            if not any(e.kind == "optimizer.step" for e in self.events) and self.backwards and not torch.equal(
+                    self._start, _values(self.params)):
+                # no optimizer has stepped, yet the parameters moved: an update written by hand (p -= lr * p.grad)
+                # applied the gradient the buffer holds now
+                self._read(None)
+                self._event("optimizer.step", cls="(an update written by hand)", via_scaler=False,
+                            owns_params=True)
+            self._event("zero_grad", cls=type(obj).__name__)
 
     def recomputing_unpreserved(self) -> bool:
         """Whether autograd is recomputing, in a backward pass, a function checkpointed with
