@@ -1,4 +1,4 @@
-"""gradaccum.check: the demo cases, the issue's reports (each one a regression test), and the checker's promises
+"""gradaccum.checker: the demo cases, the issue's reports (each one a regression test), and the checker's promises
 (it leaves the model and the random streams alone, refuses bad input with a ValueError, reports instead of crashing).
 
 The matrix of loops and models is in test_check_loops.py, the property tests in test_check_properties.py, the
@@ -23,10 +23,11 @@ from test_check_zoo import (
 )
 from torch import nn
 
-from gradaccum import check as C
+from gradaccum import checker as C
 from gradaccum.book import check_demo
 from gradaccum.book.models import make_cnn
-from gradaccum.check_fingerprints import CODES
+from gradaccum.checker import CODES
+from gradaccum.checker.run import _bn_rerun_finding
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +77,15 @@ def test_chapter_6_assertions_still_hold(by_name):
 
 
 def test_every_code_the_checker_can_raise_is_documented():
+    import importlib
     import inspect
+    import pkgutil
 
-    from gradaccum import check_fingerprints
-
-    source = inspect.getsource(check_fingerprints) + inspect.getsource(C)
+    source = "".join(
+        inspect.getsource(importlib.import_module(f"gradaccum.checker.{m.name}"))
+        for m in pkgutil.iter_modules(C.__path__)
+        if m.name != "__main__"
+    )
     import re
 
     raised = set(re.findall(r'(?:out\.add\(|Finding\()\s*"([a-z0-9_]+)"', source))
@@ -441,8 +446,9 @@ class _CheckpointedBN(nn.Module):
         if self.how == "kept":
             return self.head(checkpoint_keeping_bn_stats(self.block, x))
         if self.how == "nested":
-            return self.head(checkpoint(lambda t: checkpoint(self.block, t, use_reentrant=False), x,
-                                        use_reentrant=False))
+            return self.head(
+                checkpoint(lambda t: checkpoint(self.block, t, use_reentrant=False), x, use_reentrant=False)
+            )
         return self.head(checkpoint(self.block, x, use_reentrant=self.how == "reentrant"))
 
 
@@ -456,10 +462,10 @@ def test_batchnorm_statistics_recomputed_in_backward_are_named():
     assert "(1 - m)^2 " in finding.evidence and "checkpoint_keeping_bn_stats" in finding.fix
     assert "bn_stats_updated_twice" in C.check(_CheckpointedBN(how="reentrant"), ce, x, y, 4).codes
     assert "bn_stats_updated_twice" in C.check(_CheckpointedBN(how="nested"), ce, x, y, 4).codes
-    thrice = C._bn_rerun_finding({"block.1": (4, 8)})  # two recomputations per forward (nested, reentrant)
+    thrice = _bn_rerun_finding({"block.1": (4, 8)})  # two recomputations per forward (nested, reentrant)
     assert thrice is not None and "(1 - m)^3 " in thrice.evidence and "(1/3)" in thrice.fix
     # layers recomputed a different number of times (one inside a nested checkpoint): one r per layer
-    mixed = C._bn_rerun_finding({"outer.bn": (4, 4), "inner.bn": (4, 8)})
+    mixed = _bn_rerun_finding({"outer.bn": (4, 4), "inner.bn": (4, 8)})
     assert mixed is not None and "'outer.bn': r = 2; 'inner.bn': r = 3" in mixed.evidence
     assert "with its own r" in mixed.fix and "(1/3)" not in mixed.fix
     # frozen statistics in the rerun, a cumulative average (momentum=None), a layer shared by design: no finding
@@ -487,6 +493,7 @@ def test_checkpoint_without_preserved_rng_state_is_named():
             for xb, yb in zip(xs.chunk(k), ys.chunk(k)):
                 out = checkpoint(model, xb, use_reentrant=False, preserve_rng_state=preserve)
                 (loss_fn(out, yb) / k).backward()
+
         return step
 
     torch.manual_seed(0)
@@ -525,9 +532,11 @@ def test_checkpoint_rng_finding_needs_the_draws_inside_the_unpreserved_checkpoin
             (loss_fn(out, yb) / k).backward()
 
     assert C.check(mlp(0.3), ce, x, y, 4, step=loss_unpreserved).codes == []
+
     def deep(p: float) -> nn.Sequential:  # checkpoint_sequential leaves its last segment alone: dropout in the first
-        return nn.Sequential(nn.Linear(8, 16), nn.Dropout(p), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
-                             nn.Linear(16, 3)).double()
+        return nn.Sequential(
+            nn.Linear(8, 16), nn.Dropout(p), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+        ).double()
 
     assert "checkpoint_rng_not_preserved" in C.check(deep(0.3), ce, x, y, 4, step=sequential_unpreserved).codes
     assert "checkpoint_rng_not_preserved" not in C.check(mlp(0.3), ce, x, y, 4, step=sequential_unpreserved).codes

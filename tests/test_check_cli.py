@@ -1,4 +1,4 @@
-"""`python -m gradaccum.check` for CI: --clip, --tolerance, --seed, --json, --no-partial; exit 0 = no bug,
+"""`python -m gradaccum.checker` for CI: --clip, --tolerance, --seed, --json, --no-partial; exit 0 = no bug,
 1 = bug found, 2 = usage error; --demo fails when a planted bug is missed or a correct loop is flagged; the checker
 imports without the book's plotting and widget stack."""
 
@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from layout import ROOT
 
-from gradaccum import check as C
+from gradaccum import checker as C
 from gradaccum.book import check_demo
 
 MODULE = textwrap.dedent("""
@@ -76,7 +76,7 @@ MODULE = textwrap.dedent("""
 
 def run(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "gradaccum.check", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gradaccum.checker", *args], capture_output=True, text=True,
                           timeout=300, cwd=cwd, env=environment)
 
 
@@ -225,7 +225,7 @@ def test_the_checker_imports_and_runs_without_matplotlib_sklearn_ipywidgets():
             sys.modules[name] = None  # any import of them raises ImportError
         import torch
         from torch import nn
-        from gradaccum.check import check
+        from gradaccum.checker import check
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.2), nn.Linear(8, 3)).double()
         x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from test_check_zoo import K, all_cases, family
 
-from gradaccum import check as C
+from gradaccum import checker as C
 
 CASES = all_cases()
 IDS = [f"{fam}: {name}" for fam, name, _, _ in CASES]

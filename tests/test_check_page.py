@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from layout import ROOT
 
-from gradaccum.check_fingerprints import CODES
+from gradaccum.checker import CODES
 
 PAGE = ROOT / "check_your_loop.md"
 BLOCK = re.compile(r"^```\{code-block\}[ \t]*(\S+)\n((?::\w+:[^\n]*\n)*)\n?(.*?)^```", re.M | re.S)

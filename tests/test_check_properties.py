@@ -30,7 +30,7 @@ from test_check_zoo import (
 )
 from torch import nn
 
-from gradaccum import check as C
+from gradaccum import checker as C
 from gradaccum.book.models import make_cnn
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None,

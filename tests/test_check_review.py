@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import clip_grad_norm_
 
-from gradaccum import check as C
+from gradaccum import checker as C
+from gradaccum.checker.report import num
 
 K = 4
 
@@ -95,7 +96,7 @@ def test_evidence_states_what_it_measured_in_a_three_bug_loop():
     assert set(report.codes) == {"scheduler_step_inside_window", "missing_1_over_k", "zero_grad_inside_window"}
     ev = by_code(report)["missing_1_over_k"].evidence
     assert "the micro-batch weights are 4× the full batch's" in ev
-    assert f"relative error {C.num(report.rel_error)}," in ev  # 1.963, the number measured
+    assert f"relative error {num(report.rel_error)}," in ev  # 1.963, the number measured
     assert "K − 1" not in ev and "gradient is 4×" not in ev
 
 
@@ -109,7 +110,7 @@ def test_noise_added_in_the_step_is_inconclusive_not_unexplained():
 
 def test_the_unexplained_fix_shows_the_correct_loop_not_an_internal_name():
     assert "accumulate_backward" not in C.__dict__.get("CORRECT_LOOP", "")
-    from gradaccum.check_fingerprints import CORRECT_LOOP
+    from gradaccum.checker.report import CORRECT_LOOP
     assert "/ K).backward()" in CORRECT_LOOP and "optimizer.step()" in CORRECT_LOOP
 
 

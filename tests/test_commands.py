@@ -154,8 +154,8 @@ RUNS = {
         "test_two_node_world_fits_the_data",
     ),
     "check-your-loop": Run(
-        ("python -m gradaccum.check my_module:make -k 4",),
-        ("{py}", "-m", "gradaccum.check", "my_module:make", "-k", "4"),
+        ("python -m gradaccum.checker my_module:make -k 4",),
+        ("{py}", "-m", "gradaccum.checker", "my_module:make", "-k", "4"),
         r"OK: accumulation computes the full-batch gradient",
         "run in a folder holding a my_module.py whose make() returns a correct GroupNorm CNN and 32 digits",
         cwd="{tmp}",

@@ -14,7 +14,8 @@ import pytest
 from layout import ROOT, shadow_packages
 
 CORE = sorted(
-    p.stem for p in (ROOT / "src" / "gradaccum").glob("*.py") if p.stem != "__init__" and not p.stem.startswith("_")
+    [p.stem for p in (ROOT / "src" / "gradaccum").glob("*.py") if p.stem != "__init__" and not p.stem.startswith("_")]
+    + [p.parent.name for p in (ROOT / "src" / "gradaccum").glob("*/__init__.py") if p.parent.name != "book"]
 )
 BLOCKED = ("sklearn", "matplotlib", "ipywidgets")
 
@@ -26,7 +27,7 @@ SCRIPT = textwrap.dedent(
         importlib.import_module("gradaccum." + name)
     import torch
     from torch import nn
-    from gradaccum.check import check
+    from gradaccum.checker import check
     from gradaccum.accumulate import split_batch
 
     torch.manual_seed(0)
@@ -119,7 +120,7 @@ def test_fresh_environment_with_only_torch(tmp_path: Path):
     result = subprocess.run([str(py), "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "core OK" in result.stdout
-    cli = subprocess.run([str(py), "-m", "gradaccum.check", "--demo"], capture_output=True, text=True, timeout=120,
+    cli = subprocess.run([str(py), "-m", "gradaccum.checker", "--demo"], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     # the demo is the book layer's: the core's --demo names its command and the extra it needs
     assert cli.returncode == 2 and "gradaccum[book]" in cli.stderr, (cli.returncode, cli.stderr)
@@ -127,7 +128,8 @@ def test_fresh_environment_with_only_torch(tmp_path: Path):
 
 
 def test_every_core_module_is_reachable_as_a_module():
-    """No name exported by the package hides a module of the same name (``gradaccum.check`` is the module)."""
+    """No name exported by the package hides a module of the same name (``gradaccum.check`` is the function, the
+    checker's package is ``gradaccum.checker``)."""
     import importlib
     import types
 
@@ -136,4 +138,5 @@ def test_every_core_module_is_reachable_as_a_module():
     for name in CORE:
         importlib.import_module(f"gradaccum.{name}")
         assert isinstance(getattr(gradaccum, name), types.ModuleType), name
+    assert callable(gradaccum.check) and gradaccum.check is importlib.import_module("gradaccum.checker").check
     assert set(gradaccum.__all__) <= set(dir(gradaccum))

@@ -15,7 +15,7 @@ from torch import nn
 from gradaccum import frameworks as fw
 from gradaccum.book import ch07_harness as harness
 from gradaccum.book.ddp_workers import launch
-from gradaccum.check import check
+from gradaccum.checker import check
 from gradaccum.windows import IGNORE, token_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -4,8 +4,9 @@ What each core module holds (the chapter of the book that derives it in brackets
 
 * :mod:`gradaccum.accumulate` — cut a batch into K micro-batches; accumulated vs full-batch gradients; a plain
   training loop; the agreement of two gradients [all chapters].
-* :mod:`gradaccum.check` — ``check(model, loss_fn, x, y, k, step=...)``: run a reader's accumulation loop and
-  name what makes it differ from one full-batch step; its command line serves CI [Check your loop].
+* :mod:`gradaccum.checker` — ``check(model, loss_fn, x, y, k, step=...)`` (exported as ``gradaccum.check``): run a
+  reader's accumulation loop and name what makes it differ from one full-batch step; its command line
+  (``python -m gradaccum.checker``) serves CI [Check your loop].
 * :mod:`gradaccum.bn_statistics` — micro-batch moments, the effective and the corrected BatchNorm momentum [1].
 * :mod:`gradaccum.ghost_bn` — ``GhostBatchNorm`` and ``ghostify`` [2].
 * :mod:`gradaccum.fullbatch_bn` — the exact full-batch-statistics scheme under accumulation [2].
@@ -25,9 +26,11 @@ The book layer, :mod:`gradaccum.book` (``pip install "gradaccum[book]"``), holds
 widgets, exercise graders, course tools and one module of experiments per chapter.
 """
 
-# Functions are exported under names that no module uses: ``gradaccum.check`` and ``gradaccum.precise_bn`` stay the
-# modules (``from gradaccum.check import check``; ``from gradaccum.precise_bn import precise_bn``).
+# Functions are exported under names that no module uses: ``gradaccum.check`` is the function (the checker's
+# package is ``gradaccum.checker``); ``gradaccum.precise_bn`` stays the module
+# (``from gradaccum.precise_bn import precise_bn``).
 from .accumulate import accumulate_backward, accumulated_gradient, agreement, full_batch_gradient, split_batch
+from .checker import check
 from .fullbatch_bn import full_batch_stats_backward
 from .ghost_bn import GhostBatchNorm, ghostify
 from .runtime import pick_device, seed_everything, setup
@@ -39,6 +42,7 @@ __all__ = [
     "accumulate_backward",
     "accumulated_gradient",
     "agreement",
+    "check",
     "full_batch_gradient",
     "full_batch_stats_backward",
     "ghostify",

@@ -12,7 +12,7 @@ A correct accumulated step of K equal micro-batches is :math:`\theta \leftarrow 
 \nabla L_k = \theta - \eta \nabla L_{\text{full}}` for a per-sample mean loss, and for a token loss the window's
 summed token loss over the window's tokens, :math:`\sum_k S_k / \sum_k n_k` (chapter 6).
 
-The ``step`` adapters for :func:`gradaccum.check.check` (:func:`framework_step`, :func:`accelerate_step`,
+The ``step`` adapters for :func:`gradaccum.checker.check` (:func:`framework_step`, :func:`accelerate_step`,
 :func:`lightning_step`, :func:`lightning_module_step`) let a reader check an Accelerate loop or a Lightning module
 directly. The frameworks are imported only when a runner needs them: the rest of the package needs torch alone.
 """
@@ -164,7 +164,7 @@ def _check_step_k(k: Any) -> None:
 
 
 def framework_step(framework: str, k: int | None = None, **options: Any) -> Callable[..., None]:
-    """A ``step(model, loss_fn, x, y, k)`` for :func:`gradaccum.check.check` that runs one window through
+    """A ``step(model, loss_fn, x, y, k)`` for :func:`gradaccum.checker.check` that runs one window through
     ``framework`` (:func:`run`'s options: ``clip``, ``precision``, ``sum_loss``).
 
     ``k``: the accumulation steps the framework is configured with. Pass the K you train with: the checker's

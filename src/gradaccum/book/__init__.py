@@ -5,5 +5,5 @@ Installed with ``pip install "gradaccum[book]"`` (scikit-learn, matplotlib, nump
 """
 
 #: The checker treats this layer's code as a user's, not as the toolkit's own: the seeds its demo loops set are the
-#: loops' (``gradaccum.check_instrument``; the core never imports this package).
+#: loops' (``gradaccum.checker.recorder``; the core never imports this package).
 USER_CODE = True

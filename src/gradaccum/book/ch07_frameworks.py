@@ -33,7 +33,7 @@ from gradaccum.book.data import Vocab, encode_batch, load_digits_split, spread_l
 from gradaccum.book.models import TinyLM
 from gradaccum.book.plotting import decorate, figure
 from gradaccum.book.tables import Table
-from gradaccum.check import check
+from gradaccum.checker import check
 from gradaccum.framework_probes import _own_accelerate_state
 from gradaccum.windows import token_loss
 

@@ -392,7 +392,7 @@ def bn_block(seed: int = 0, momentum: float = 0.1) -> nn.Sequential:
 
 class Checkpointed(nn.Module):
     """``module`` under ``torch.utils.checkpoint`` (with ``keep``:
-    :func:`gradaccum.coupled.checkpoint_keeping_bn_stats`), a model to hand to :func:`gradaccum.check.check`."""
+    :func:`gradaccum.coupled.checkpoint_keeping_bn_stats`), a model to hand to :func:`gradaccum.checker.check`."""
 
     def __init__(self, module: nn.Module, keep: bool = False):
         super().__init__()

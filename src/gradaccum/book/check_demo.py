@@ -1,4 +1,4 @@
-"""A demonstration of :func:`gradaccum.check.check`: correct loops, and one model or loop per planted bug,
+"""A demonstration of :func:`gradaccum.checker.check`: correct loops, and one model or loop per planted bug,
 on the book's data (the digits and the tiny character model); run by ``python -m gradaccum.book.check_demo``
 (exit status 0 when every verdict is as planted, 1 when one is not, 2 a usage error), chapter 6 and the "Check your
 own loop" page."""
@@ -26,7 +26,7 @@ from gradaccum.book.data import (
     spread_lines,
 )
 from gradaccum.book.models import make_cnn, make_lm
-from gradaccum.check import Report, Step, check, token_cross_entropy
+from gradaccum.checker import Report, Step, check, token_cross_entropy
 
 #: What :func:`demo_cases` plants: case → codes of the bugs the checker must name (empty: a correct loop).
 DEMO_EXPECTED: dict[str, tuple[str, ...]] = {

@@ -1,0 +1,497 @@
+"""The pipeline :func:`check` runs: validate → run the step on a copy (:mod:`.run`, under the instruments of
+:mod:`.instrument` and :mod:`.recorder`) → :class:`~.measure.Measurements` → findings (:mod:`.rules`) →
+:class:`~.report.Report`."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from gradaccum._validate import require_k
+from gradaccum.accumulate import accumulate_backward, split_batch
+from gradaccum.windows import token_loss
+
+from .instrument import SampleRNG, coupled_modules, identical_draws
+from .measure import Measurements, clip_vec, cosine, fit_weights, rel
+from .recorder import Event
+from .report import COUNTED, PARTIAL_OK, Finding, Report, num, nums
+from .rules import diagnose
+from .run import (
+    CANCELLATION,
+    CANCELLATION_LIMIT,
+    Step,
+    _loss_probe,
+    _references,
+    _Refs,
+    _Restore,
+    _Run,
+    _run_step,
+    _trainable,
+    _unpreserved_finding,
+)
+from .run_rules import RUN_RULES, Clipping, RunContext, resolve
+
+
+def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None = None,
+          clip: float | None = None, tolerance: float | None = None, seed: int = 0, partial: bool = True) -> Report:
+    """Compare one accumulated window (``step``, or plain accumulation) with one full-batch pass; name causes.
+
+    ``clip``: the threshold your loop clips to (norm); when None and your loop calls ``clip_grad_norm_`` or
+    ``clip_grad_value_``, the threshold it used is taken. The full-batch reference is then clipped once.
+    ``tolerance``: relative error that counts as equal (default 1e-9 for float64 parameters, 1e-4 for float32,
+    8 epsilons of the format for bf16 or fp16 parameters: 6.3e-2 and 7.8e-3).
+    ``seed``: seeds the per-sample randomness. ``partial``: also run ``step`` on a partial window of K − 1
+    micro-batches (as the last window of an epoch) and report a gradient that is not that window's mean.
+    """
+    _validate_arguments(model, loss_fn, x, y, k, step, clip, tolerance, seed)
+    params = _trainable(model)
+    float64 = params[0].dtype == torch.float64
+    # parameters held in bf16 or fp16 round every gradient to their format: 8 of its epsilons count as equal
+    low = 8 * max(torch.finfo(p.dtype).eps for p in params)
+    tol = float(tolerance) if tolerance is not None else (1e-9 if float64 else max(1e-4, low))
+    wtol = 1e-9 if float64 else max(1e-5, low)
+    n, b = x.shape[0], x.shape[0] // k
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+    restore = _Restore(model)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            _check_outputs(model, loss_fn, x, y)
+            report = _check(_Job(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b,
+                                 fixed_tol=tolerance is not None))
+            if restore.grads_changed():
+                raise ValueError(
+                    "your loss_fn or step wrote gradients into the model you passed to check: the checker runs your "
+                    "step, and the full batch, on copies of it, so a term computed from that model's own parameters "
+                    "(a regularizer written over it in a closure, say) lands in a gradient nobody compares. Leave "
+                    "such a term out of the check: the reference is loss_fn on the batch, so a term of the "
+                    "parameters alone is not in it even when computed from the model your step is given, and the "
+                    "loop's structure, which the check tests, does not depend on it (weight decay belongs in the "
+                    "optimizer).")
+            return report
+    finally:
+        restore()
+
+
+def _validate_arguments(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: Any, clip: Any, tolerance: Any,
+              seed: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not callable(loss_fn):
+        raise ValueError("loss_fn must be callable as loss_fn(model(x), y) and return a scalar tensor.")
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise ValueError("x and y must be tensors whose first dimension is the batch; wrap other inputs in a model "
+                         "that takes one tensor.")
+    if x.dim() == 0 or y.dim() == 0:
+        raise ValueError(f"x and y need a batch dimension (shapes {tuple(x.shape)} and {tuple(y.shape)}); for one "
+                         "sample use x[None] and y[None].")
+    require_k(k)
+    split_batch(x, y, k)
+    if step is not None and not callable(step):
+        raise ValueError("step must be a function step(model, loss_fn, x, y, k), or None for plain accumulation.")
+    for name, value in (("clip", clip), ("tolerance", tolerance)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"{name} must be a positive finite number or None, got {value!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}.")
+    if not _trainable(model):
+        raise ValueError("the model has no trainable parameters to compare gradients of.")
+    sparse = [name for name, m in model.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        raise ValueError(f"module(s) {sparse[:3]} produce sparse gradients (sparse=True), which the checker cannot "
+                         "compare; check a copy built with sparse=False: the gradient's values are the same.")
+
+
+def _check_outputs(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> None:
+    try:
+        with torch.no_grad():
+            out = copy.deepcopy(model)(x)
+    except Exception as err:
+        raise ValueError(f"model(x) raised {type(err).__name__}: {err}; the checker needs a model that runs on the "
+                         "whole batch x.") from err
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"the model must return a tensor that loss_fn can take, got {type(out).__name__}; "
+                         "wrap it so that model(x) returns the logits.")
+    if out.dim() == 0 or out.shape[0] != x.shape[0]:
+        raise ValueError(f"model(x) must return one output per sample (first dimension {x.shape[0]}), got shape "
+                         f"{tuple(out.shape)}.")
+    try:
+        with torch.no_grad():
+            loss = loss_fn(out, y)
+    except Exception as err:
+        raise ValueError(f"loss_fn(model(x), y) raised {type(err).__name__}: {str(err).strip().splitlines()[0]}; "
+                         "the checker needs a loss that takes the whole batch's output and targets (class indices "
+                         "as int64, within the number of classes).") from err
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("loss_fn(model(x), y) must return a scalar tensor (a mean or sum over the batch).")
+
+
+def _out_of_range(basis: torch.Tensor, model: nn.Module, k: int) -> str | None:
+    """Why the micro-batch gradients (``basis``, float64, one row each) cannot be compared, or None: every entry
+    below the parameters' smallest normal number (subnormal: fewer significant bits than the format, so a
+    loss times 1e-42 in float32 reads as a pattern of weights), or squared norms of the K-term sums that
+    overflow float64 (inner products and norms turn into inf and NaN)."""
+    largest = float(basis.abs().max()) if basis.numel() else 0.0
+    tiny = min(torch.finfo(p.dtype).tiny for p in _trainable(model))
+    if 0.0 < largest < tiny:
+        return (f"the largest micro-batch gradient entry is {largest:.3g}, below the smallest normal number of the "
+                f"parameters' format ({tiny:.3g}): every entry is subnormal and rounded to fewer significant bits")
+    norm = float(basis.norm(dim=1).max()) if basis.numel() else 0.0
+    if not math.isfinite(norm * norm * k * k):
+        return (f"a micro-batch gradient's norm ({norm:.3g}) squared, over K = {k} micro-batches, overflows "
+                "float64, the format the check compares in")
+    return None
+
+
+@dataclass
+class _Job:
+    """One comparison: the caller's arguments, the batch's sizes and the tolerances in force (``switched``: the
+    model's modes were set from the step's; ``fixed_tol``: the caller gave the tolerance)."""
+
+    model: nn.Module
+    loss_fn: Callable
+    x: torch.Tensor
+    y: torch.Tensor
+    k: int
+    step: Step | None
+    clip: float | None
+    tol: float
+    wtol: float
+    seed: int
+    partial: bool
+    n: int
+    b: int
+    switched: bool = False
+    fixed_tol: bool = False
+
+
+def _check(job: _Job) -> Report:
+    """The pipeline: references → run the step → measurements → findings (rules, then precedence) → report."""
+    report = Report(job.k, float("nan"), float("nan"), job.tol, micro_batch=job.b, batch=job.n,
+                    counts=dict.fromkeys(COUNTED, 0))
+    refs = _references(job.model, job.loss_fn, job.x, job.y, job.k, job.seed)
+    early = _reference_findings(job, refs)
+    if early is None:
+        early = _cancellation(job, refs, report)
+    if early is not None:
+        report.findings = resolve(early)
+        return report
+    run = _run_step(job.model, job.loss_fn, job.x, job.y, job.k, job.step or accumulate_backward, job.seed,
+                    plans=refs.plans)
+    if run.transformed:
+        report.notes.append(f"torch.func: {run.transformed} forward pass(es) of your step ran inside torch.func "
+                            "transforms (vmap, grad); the gradient they produce is compared, but their random draws "
+                            "(dropout) are not replayed per sample, and they are not counted as micro-batches")
+    switched = _in_the_steps_modes(job, run)
+    if switched is not None:
+        return switched
+    clipping = _clipping(job, run, refs, report)
+    m = _measurements(job, run, refs, clipping)
+    findings, info = diagnose(m)
+    ctx = RunContext(job.k, job.b, job.tol, job.step is not None, run, refs.full, clipping,
+                     {f.code for f in findings})
+    for rule in RUN_RULES:
+        found = rule(ctx, findings)
+        if found is not None:
+            findings.append(found)
+    report.findings = resolve(findings)
+    _fill(report, run, clipping, info)
+    if job.step is not None and job.partial and job.k >= 2 and run.error is None and set(report.codes) <= PARTIAL_OK:
+        extra = _partial_window(job.model, job.loss_fn, job.x, job.y, job.k, job.b, job.step, job.seed, refs,
+                                clipping.clip, clipping.kind, clipping.norm_type, job.wtol, job.tol, job.fixed_tol)
+        if extra is not None:
+            report.findings.append(extra)
+    return report
+
+
+def _reference_findings(job: _Job, refs: _Refs) -> list[Finding] | None:
+    """The verdict when the references themselves cannot be compared (a model that fails on a micro-batch,
+    randomness that cannot be replayed per sample), or None."""
+    if refs.error is not None:
+        err = refs.error
+        return [Finding(
+            "model_fails_on_micro_batch", f"the model fails on a micro-batch of {job.b} sample(s)",
+            f"micro-batch {refs.micro}: {type(err).__name__}: {str(err).strip().splitlines()[0]}",
+            "use larger micro-batches (BatchNorm needs more than one value per channel) or a per-sample "
+            "normalization such as GroupNorm", 1)]
+    if refs.unreplayed:
+        # a random op that looked per-sample in the full batch (a dimension equal to its size) but not in the
+        # micro-batches, e.g. a feature mask torch.rand(16) when the batch has 16 samples: its randomness is not
+        # per sample, so the full batch and the micro-batches cannot be given the same draws
+        return [Finding(
+            "randomness_not_replayed", "randomness the checker could not replay per sample",
+            f"{len(refs.unreplayed)} random draw(s) in the model's forward could not be cut into samples in every "
+            f"pass, e.g. {refs.unreplayed[0]} (a draw per sample has a dimension equal to the batch size in the full "
+            f"batch of {job.n} and in each micro-batch of {job.b})", "rerun with that randomness switched off "
+            "(dropout p = 0) to compare like with like, or draw it with a batch dimension (torch.rand(x.shape[0], "
+            "...))", 6, "inconclusive")]
+    if refs.recomputed:
+        found = [Finding(
+            "randomness_not_replayed", "randomness in a forward pass that backward recomputes (activation "
+            "checkpointing with dropout)", f"{len(refs.recomputed)} random draw(s) during backward, e.g. "
+            f"{refs.recomputed[0]}: the checker gives every sample its own masks in the forward pass, but cannot "
+            "give the recomputation the same ones", "rerun with dropout off (p = 0) or without activation "
+            "checkpointing to compare like with like", 6, "inconclusive")]
+        # the comparison is out of reach, but a checkpoint that does not restore the random state is still a bug
+        unpreserved = _unpreserved_finding(_run_step(job.model, job.loss_fn, job.x, job.y, job.k,
+                                                     job.step or accumulate_backward, job.seed, plans=refs.plans))
+        return found + ([unpreserved] if unpreserved is not None else [])
+    return None
+
+
+def _cancellation(job: _Job, refs: _Refs, report: Report) -> list[Finding] | None:
+    """Gradients out of range, or cancelling beyond :data:`CANCELLATION_LIMIT`: the inconclusive finding. Between
+    :data:`CANCELLATION` and the limit, the tolerances are widened in proportion (a note says so) and None."""
+    reach = _out_of_range(refs.basis, job.model, job.k)
+    if reach is not None:
+        return [Finding(
+            "gradient_out_of_range", "the gradients lie outside the range the comparison can measure", reach,
+            "check with the loss at ordinary magnitudes (leave out a constant factor such as a loss scale): the "
+            "loop's structure, which the check names, does not depend on it", 1, "inconclusive")]
+    # rounding grows with the terms summed, not with their sum: where the micro-batch gradients cancel (near an
+    # optimum) the full batch's gradient is far shorter than they are, and the default tolerance is widened by
+    # the excess over CANCELLATION (a typical window's micro-batch gradients are a few times their mean)
+    spread = float(refs.basis.norm(dim=1).mean()) / max(float(refs.full.norm()), 1e-300)
+    if not job.fixed_tol and not job.switched and spread > CANCELLATION_LIMIT:
+        return [Finding(
+            "gradient_cancels", "the micro-batch gradients cancel: the full batch's gradient is too small to "
+            "compare with", f"the micro-batch gradients are {spread:.3g}× longer on average than the full batch's "
+            f"(as at an optimum): any difference is dominated by their rounding", "check from a state away from the "
+            "optimum (the untrained model, an earlier checkpoint), or pass the tolerance you accept", 1,
+            "inconclusive")]
+    if not job.fixed_tol and not job.switched and spread > CANCELLATION:
+        job.tol, job.wtol = job.tol * spread / CANCELLATION, job.wtol * spread / CANCELLATION
+        report.tolerance = job.tol
+        report.notes.append(f"cancellation: the micro-batch gradients are {spread:.3g}× longer on average than the "
+                            f"full batch's (they cancel, as near an optimum), so rounding is relative to them: the "
+                            f"tolerance is widened to {job.tol:.2g}")
+    return None
+
+
+def _in_the_steps_modes(job: _Job, run: _Run) -> Report | None:
+    """When the step switched modes (model.train() on a model handed over in eval mode, as from_pretrained returns
+    it), the check again with the full batch in the modes the step's forward passes ran in (once: a step that
+    flips the mode it finds is compared in the mode of this first run); else None."""
+    given_modes = [m_.training for m_ in job.model.modules()]
+    if run.modes is None or run.modes == given_modes or job.switched:
+        return None
+    moved = copy.deepcopy(job.model)
+    for module, training in zip(moved.modules(), run.modes):
+        module.training = training
+    inner = _check(dataclasses.replace(job, model=moved, switched=True, fixed_tol=True))
+    changed = [(name or "(the model)", now) for (name, _), was, now in
+               zip(job.model.named_modules(), given_modes, run.modes) if was != now]
+    parts = [f"{len(group)} module(s) in {mode} mode (e.g. {', '.join(group[:3])})"
+             for mode, group in (("training", [c for c, now in changed if now]),
+                                 ("evaluation", [c for c, now in changed if not now])) if group]
+    inner.notes.insert(0, f"mode: your step puts {' and '.join(parts)} before its forward passes; the full "
+                          "batch was computed in the modes your step uses")
+    return inner
+
+
+def _clipping(job: _Job, run: _Run, refs: _Refs, report: Report) -> Clipping:
+    """How the reference is clipped: at the threshold given, else at the loop's own (one threshold), per group
+    when the loop clips groups once; clip calls that cannot reach the applied gradient are set apart."""
+    # a clip call with an infinite threshold only measures the norm (a common way to log it): not a clip
+    clips = [e for e in run.events if e.kind == "clip" and not _measures_only(e)]
+    c = Clipping(given=job.clip, clip=job.clip, clips=clips, target=refs.full, thresholds={
+        (e.detail.get("fn"), e.detail.get("max_norm", e.detail.get("clip_value")), e.detail.get("norm_type", 2.0))
+        for e in clips})
+    if job.clip is not None:
+        c.source = "the clip argument"
+        # v is None when the loop's threshold was not a number (e.g. a tensor); num(None) raises: left as is
+        loop = ", ".join(f"{fn} with threshold {num(v)}"
+                         for fn, v, _ in sorted(c.thresholds, key=str))
+        report.notes.append(f"clipping: the full batch is clipped once at threshold {num(job.clip)} (the clip "
+                            "argument)" + (f"; your loop calls {loop}" if loop else "; your loop makes no clip call"))
+    elif len(c.thresholds) == 1:
+        fn, value, c.norm_type = next(iter(c.thresholds))
+        if value is not None:
+            c.clip, c.source = value, "your loop's threshold"
+            c.kind = "value" if fn == "clip_grad_value_" else "norm"
+            report.notes.append(f"clipping: your loop calls {fn} with threshold {num(c.clip)}; the full batch is "
+                                "clipped once at the same threshold")
+    # clip calls that cannot reach the gradient the step applies (after the last step, or on the empty buffer
+    # before the first backward): a bug when no other clip does, harmless beside a clip that does
+    c.misplaced = [(e, where) for e, where in _misplaced_clips(run.events) if not _measures_only(e)]
+    c.placed = [e for e in clips if all(e is not m for m, _ in c.misplaced)]
+    if c.misplaced and not c.placed and c.given is None:
+        c.clip, c.source = None, None  # compare with the unclipped full batch
+        report.notes = [n for n in report.notes if not n.startswith("clipping:")]
+    c.target = clip_vec(refs.full, c.clip, c.kind, c.norm_type) if c.clip is not None else refs.full
+    same = c.given is None or all(e.detail.get("max_norm", e.detail.get("clip_value")) == c.given for e in c.placed)
+    by_group = _clipped_by_group(refs.full, c.placed, job.model, len(run.passes)) if same else None
+    if by_group is not None:
+        c.target = by_group
+        report.notes = [n for n in report.notes if not n.startswith("clipping:")]
+        report.notes.append(f"clipping: your loop clips {len(c.placed)} group(s) of parameters on their own, once, "
+                            "after the last backward; the full batch is clipped the same way")
+    return c
+
+
+def _measurements(job: _Job, run: _Run, refs: _Refs, c: Clipping) -> Measurements:
+    """What the rules read: the references, the run, the loss probe, whether the draws depend on the start state."""
+    reseeded = None
+    seeds = [e for e in run.events if e.kind == "seed"]
+    draws = run.replayed + len(run.unreplayed)
+    if job.step is not None and run.error is None and (draws or seeds):
+        first = _run_step(job.model, job.loss_fn, job.x, job.y, job.k, job.step, job.seed, mode="record",
+                          start=job.seed + 1)
+        second = _run_step(job.model, job.loss_fn, job.x, job.y, job.k, job.step, job.seed, mode="record",
+                           start=job.seed + 2)
+        if first.error is None and second.error is None:
+            reseeded = identical_draws(first.draws, second.draws)
+    # misplaced and measuring-only clip calls are reported apart (or not at all)
+    shown_events = [e for e in run.events if e.kind != "clip" or any(e is p for p in c.placed)]
+    probe = _loss_probe(job.loss_fn, refs.out, job.y, job.k, job.b)
+    names = [name for name, p in job.model.named_parameters() if p.requires_grad]
+    slices, start = [], 0
+    for name, p in zip(names, _trainable(job.model)):
+        slices.append((name, slice(start, start + p.numel())))
+        start += p.numel()
+    rtol = 1e-9 if job.wtol < 1e-6 else 1e-4
+    model, x, b, seed = job.model, job.x, job.b, job.seed
+    return Measurements(
+        k=job.k, b=job.b, n=job.n, tol=job.tol, wtol=job.wtol, basis=refs.basis, full=refs.full, target=c.target,
+        applied=run.applied, f=probe.weights, loss_residual=probe.residual, tokens=probe.tokens, f_moved=probe.moved,
+        loss_thr=probe.thr, clip=c.clip, clip_kind=c.kind, clip_norm_type=c.norm_type, clip_source=c.source,
+        events=shown_events, passes=run.passes, error=run.error, forwards=run.forwards, unreplayed=run.unreplayed,
+        random_draws=draws, reseeded=reseeded, coupled=lambda: coupled_modules(model, x, b, SampleRNG(seed), rtol),
+        param_slices=slices, has_step=job.step is not None, outside_draws=run.outside)
+
+
+def _fill(report: Report, run: _Run, c: Clipping, info: dict[str, Any]) -> None:
+    """The report's measurements: weights, error and cosine, warnings, events, counts, the randomness note."""
+    report.weights, report.expected_weights = info.get("weights"), info.get("expected_weights")
+    if run.error is None:
+        report.rel_error, report.cosine = rel(c.target, run.applied), cosine(c.target, run.applied)
+    report.warnings = run.warnings
+    report.events = [str(e) for e in run.events]
+    report.counts = {"backward": len(run.passes)}
+    for kind_ in COUNTED[1:]:
+        report.counts[kind_] = sum(e.kind == kind_ for e in run.events)
+    if run.replayed:
+        report.notes.append(f"randomness: {run.replayed} random op call(s) (dropout) in the window's forward passes "
+                            "were replayed per sample, so the full batch and the micro-batches use the same masks")
+
+
+def _measures_only(event: Event) -> bool:
+    """A clip call whose threshold is infinite: it returns the norm and changes nothing."""
+    value = event.detail.get("max_norm", event.detail.get("clip_value"))
+    return isinstance(value, float) and math.isinf(value)
+
+
+def _misplaced_clips(events: list[Event]) -> list[tuple[Event, str]]:
+    """Clip calls that cannot have clipped what the optimizer applied: after the window's last optimizer step, or
+    before the first backward pass (the buffer is still empty)."""
+    steps = [i for i, e in enumerate(events) if e.kind in ("optimizer.step", "scaler.step")]
+    out = []
+    for i, e in enumerate(events):
+        if e.kind != "clip":
+            continue
+        if steps and i > steps[-1]:
+            out.append((e, "after the last optimizer.step()"))
+        elif e.after == 0:
+            out.append((e, "before the first backward pass, on an empty gradient"))
+    return out
+
+
+def _clipped_by_group(full: torch.Tensor, clips: list[Event], model: nn.Module, last: int) -> torch.Tensor | None:
+    """The full-batch gradient clipped as the loop clips: each clip call on its own parameters, in order, when
+    every call comes after the last backward pass and some call clips a subset (a layer, a parameter group);
+    None otherwise (one call on every parameter is the plain case)."""
+    sizes = [p.numel() for p in _trainable(model)]
+    if not clips or any(e.after < last or "params" not in e.detail for e in clips):
+        return None
+    if len(clips) == 1 and _clips_all(clips[0], len(sizes)):
+        return None
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    out = full.clone()
+    for e in clips:
+        value = e.detail.get("max_norm", e.detail.get("clip_value"))
+        if value is None or not e.detail["params"]:
+            return None
+        index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in e.detail["params"]])
+        kind = "value" if e.detail.get("fn") == "clip_grad_value_" else "norm"
+        out[index] = clip_vec(out[index], value, kind, e.detail.get("norm_type", 2.0))
+    return out
+
+
+def _clips_all(event: Event, count: int) -> bool:
+    """Whether a clip call clipped every trainable parameter."""
+    return sorted(event.detail.get("params", [])) == list(range(count))
+
+
+def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, b: int,
+                    step: Step, seed: int, refs: _Refs, clip: float | None, kind: str, norm_type: float,
+                    wtol: float, tol: float, fixed_tol: bool = False) -> Finding | None:
+    """Run ``step`` on the first K − 1 micro-batches with k = K − 1 and compare with their mean gradient (under
+    autocast, and without a tolerance of the caller's, a difference of autocast's size, up to 10%, is no finding:
+    the whole window's check reports that as inconclusive)."""
+    m = k - 1
+    xp, yp = x[: m * b], y[: m * b]
+    run = _run_step(model, loss_fn, xp, yp, m, step, seed, plans=refs.plans)
+    if run.error is not None:
+        return Finding("partial_window_not_checked", "the last partial window was not checked",
+                       f"your step raised {type(run.error).__name__} on a window of {m} micro-batch(es) with "
+                       f"k = {m}", "if your loader can end an epoch with fewer than K micro-batches, make step "
+                       "accept k < K", 6, "note")
+    probe = _loss_probe(loss_fn, refs.out.narrow(0, 0, m * b), yp, m, b)
+    basis = refs.basis[:m]
+    ideal = mean = cast(torch.Tensor, sum(fj * basis[j] for j, fj in enumerate(probe.weights)))
+    clips = [e for e in run.events if e.kind == "clip" and not _measures_only(e)]
+    by_group = _clipped_by_group(ideal, clips, model, len(run.passes))
+    if by_group is not None:
+        ideal = by_group
+    elif clip is not None:
+        ideal = clip_vec(ideal, clip, kind, norm_type)
+    error = rel(ideal, run.applied)
+    if error <= tol or (not fixed_tol and error <= 0.1 and any(e.kind == "autocast" for e in run.events)):
+        return None
+    # a loop that gives batch-coupled layers the statistics of the whole window (e.g. the exact full-batch
+    # BatchNorm scheme) is right when it equals the partial window's own full-batch gradient
+    whole = _references(model, loss_fn, xp, yp, m, seed)
+    if whole.error is None:
+        target = clip_vec(whole.full, clip, kind, norm_type) if clip is not None else whole.full
+        grouped = _clipped_by_group(whole.full, clips, model, len(run.passes))
+        if rel(grouped if grouped is not None else target, run.applied) <= tol:
+            return None
+    w, residual, _ = fit_weights(basis, run.applied)
+    # one clip of every parameter: compare the gradient it was given (a clip that bites hides the scale)
+    one = (len(clips) == 1 and by_group is None and "max_norm" in clips[0].detail
+           and clips[0].detail.get("factor", 0) > 0)
+    given = run.applied / clips[0].detail["factor"] if one else run.applied
+    against = mean if one else ideal
+    s = float(given @ against) / float(against @ against) if float(against.norm()) > 0 else float("nan")
+    thr = max(1e-6 if wtol < 1e-6 else 1e-2, tol)
+    straight = abs(cosine(against, given) - 1) <= thr
+    if straight and abs(s - m / k) <= thr * (m / k):
+        evidence = (f"a window of {m} micro-batches gets {num(s)}× its mean gradient = {m}/{k}: your step divides by "
+                    f"K = {k}, not by the {m} micro-batches present")
+        if one and clips[0].detail["factor"] < 1:
+            evidence += (f"; here your clip then shrinks it to its threshold, so this step differs from the right "
+                         f"one by {num(error)} only (clip_grad_norm_ adds 1e-6 to the norm), but a window the clip "
+                         f"leaves alone gets {m}/{k} of its gradient")
+    else:
+        evidence = (f"a window of {m} micro-batches gets weights {nums(w)} instead of {nums(probe.weights)} "
+                    f"(relative error {num(error)})")
+    return Finding("partial_window", "the last partial window is not normalized by its own size", evidence,
+                   "divide a window's loss by the micro-batches (or samples, or tokens) it holds, or never make one: "
+                   "keep the micro-batches per epoch a multiple of K (a DataLoader's drop_last drops only an "
+                   "incomplete micro-batch); if your loader never makes one, pass partial=False (--no-partial)", 6)
+
+
+def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the non-padding positions of (N, T, V) logits and (N, T) targets (padding: -100): the
+    mean over tokens, :func:`gradaccum.windows.token_loss` with a loss function's two-argument signature."""
+    return token_loss(logits, target)
+
