@@ -16,7 +16,7 @@ CHAPTERS: dict[str, tuple[str, ...]] = {
     "03_clip_ordering": ("clipping",),
     "04_mixed_precision_scaling": ("precision",),
     "05_no_sync": ("distributed",),
-    "06_loss_normalization_and_friends": ("windows", "check"),
+    "06_loss_normalization_and_friends": ("windows", "checker"),
     "07_frameworks": ("frameworks",),
     "08_beyond_batchnorm": ("coupled",),
 }
