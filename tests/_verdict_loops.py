@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from test_check_review import (  # noqa: F401  (re-exported: the table's rows name them)
+from test_check_reader_loops import (  # noqa: F401  (re-exported: the table's rows name them)
     _active_mean,
     _class_weighted,
     _detached_softmax,
@@ -69,8 +69,8 @@ def zoo(fam: str, name: str) -> Callable[[], Built]:
     return lambda: (*family(fam, _digits()), _zoo()[(fam, name)])
 
 
-def review(step: Any, make_fn: Callable[[], tuple[Any, ...]] = make) -> Callable[[], Built]:
-    """The reviewer's float64 MLP (or ``make_fn``'s batch) under ``step``."""
+def reader_loop(step: Any, make_fn: Callable[[], tuple[Any, ...]] = make) -> Callable[[], Built]:
+    """The test float64 MLP (or ``make_fn``'s batch) under ``step``."""
     return lambda: (*make_fn(), step)
 
 
@@ -114,7 +114,7 @@ class _RDrop(nn.Module):
 
 
 def with_model(model_fn: Callable[[], nn.Module], step: Any = None) -> Callable[[], Built]:
-    """The reviewer's batch and loss on another model."""
+    """The test batch and loss on another model."""
 
     def build() -> Built:
         _, loss_fn, x, y = make()
@@ -221,7 +221,7 @@ def zoo_model(fam: str, step: Any, n: int) -> Callable[[], Built]:
     return build
 
 
-# ---------------------------------------------------------------- later reviews' loops (test_check_review.py)
+# ---------------------------------------------------------------- loops readers write (test_check_reader_loops.py)
 
 
 value_subset = _sgd_step(
@@ -277,7 +277,7 @@ def _ignore(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def padded(step: Any, first: int = 5, rows: slice | None = None) -> Callable[[], Built]:
-    """The reviewer's MLP with padding targets (-100): the first ``first`` rows, or ``rows``."""
+    """The test MLP with padding targets (-100): the first ``first`` rows, or ``rows``."""
 
     def build() -> Built:
         model, _, x, y = make()
@@ -296,7 +296,7 @@ def token_sum_running_clip(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: t
 
 
 def duplicated(step: Any) -> Callable[[], Built]:
-    """The reviewer's first 8 samples twice (K = 2: two equal micro-batches)."""
+    """The test first 8 samples twice (K = 2: two equal micro-batches)."""
 
     def build() -> Built:
         model, loss_fn, x, y = make()

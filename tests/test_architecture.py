@@ -20,12 +20,14 @@ def test_module_map_script_prints_every_module():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "scripts/module_map.py"], cwd=ROOT, capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "scripts/module_map.py"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     rows = re.findall(r"^\| `(gradaccum/[\w/]+\.py)` \| (\d+) \|", out, flags=re.M)
     package = ROOT / "src" / "gradaccum"
-    assert sorted(path for path, _ in rows) == sorted(p.relative_to(ROOT / "src").as_posix()
-                                                      for p in package.rglob("*.py"))
+    assert sorted(path for path, _ in rows) == sorted(
+        p.relative_to(ROOT / "src").as_posix() for p in package.rglob("*.py")
+    )
     for path, lines in rows:
         assert int(lines) == len((ROOT / "src" / path).read_text(encoding="utf-8").splitlines()), path
     book = [i for i, (path, _) in enumerate(rows) if path.startswith("gradaccum/book/")]

@@ -76,8 +76,10 @@ def test_behaviour_rows_have_one_cell_per_framework_and_row(digits, corpus):
     x, y = digits
     lm_x, lm_y, vocab = corpus
     single = {n: ch7.measure(n, x, y, lm_x, lm_y, vocab) for n in ("nanogpt", "timm")}
-    multi = {n: harness.RankResult(n, 1, 0 if n == "nanogpt" else 1, 1, 0.12, None if n == "nanogpt" else 1e-7, [])
-             for n in single}
+    multi = {
+        n: harness.RankResult(n, 1, 0 if n == "nanogpt" else 1, 1, 0.12, None if n == "nanogpt" else 1e-7, [])
+        for n in single
+    }
     rows = ch7.behaviour_rows(single, multi, ch7.bf16_full_batch_error(x, y))
     assert [r[0] for r in rows] == list(ch7.ROWS) and all(len(r) == 3 for r in rows)
     table = dict((r[0], r[1:]) for r in rows)

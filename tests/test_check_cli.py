@@ -76,8 +76,14 @@ MODULE = textwrap.dedent("""
 
 def run(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "gradaccum.checker", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=environment)
+    return subprocess.run(
+        [sys.executable, "-m", "gradaccum.checker", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=environment,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,20 +124,22 @@ def test_exit_status_0_and_1(cli):
 
 
 def test_usage_errors_exit_2_with_a_message(cli):
-    for args, message in [(("loops:raises",), "raises() raised RuntimeError: no data here"),
-                          (("loops:short",), "must return (model, loss_fn, x, y)"),
-                          (("loops:nothing",), "has no function nothing"),
-                          (("nomodule:make",), "cannot import nomodule"),
-                          (("loops",), "module:function"),
-                          (("loops:indivisible", "-k", "4"), "divisors of 10"),
-                          (("loops:good", "-k", "0"), "-k must be >= 1"),
-                          (("loops:good", "--clip", "-1"), "--clip must be a positive"),
-                          (("loops:good", "--tolerance", "0"), "--tolerance must be a positive"),
-                          (("loops:good", "--seed", "-3"), "--seed must be >= 0"),
-                          (("loops:good", "--demo"), "python -m gradaccum.book.check_demo"),
-                          (("--demo",), "--demo moved to the book layer"),
-                          ((), "give module:function"),
-                          (("loops:good", "--bogus"), "unrecognized arguments")]:
+    for args, message in [
+        (("loops:raises",), "raises() raised RuntimeError: no data here"),
+        (("loops:short",), "must return (model, loss_fn, x, y)"),
+        (("loops:nothing",), "has no function nothing"),
+        (("nomodule:make",), "cannot import nomodule"),
+        (("loops",), "module:function"),
+        (("loops:indivisible", "-k", "4"), "divisors of 10"),
+        (("loops:good", "-k", "0"), "-k must be >= 1"),
+        (("loops:good", "--clip", "-1"), "--clip must be a positive"),
+        (("loops:good", "--tolerance", "0"), "--tolerance must be a positive"),
+        (("loops:good", "--seed", "-3"), "--seed must be >= 0"),
+        (("loops:good", "--demo"), "python -m gradaccum.book.check_demo"),
+        (("--demo",), "--demo moved to the book layer"),
+        ((), "give module:function"),
+        (("loops:good", "--bogus"), "unrecognized arguments"),
+    ]:
         status, out, err = cli(*args)
         assert status == 2 and message in err, (args, out, err)
         assert "Traceback" not in err
@@ -140,7 +148,7 @@ def test_usage_errors_exit_2_with_a_message(cli):
 def test_a_file_path_target_works_from_anywhere(cli, folder, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli(f"{folder / 'loops.py'}:good")[0] == 0
-    # review 7: a file that imports its neighbour (the page's my_fixed_loop.py imports my_loop) failed to import
+    # a file that imports its neighbour (the page's my_fixed_loop.py imports my_loop) failed to import
     # from any other folder; its own folder now comes first, as with `python path/to/file.py`
     other = tmp_path / "elsewhere"
     other.mkdir()
@@ -164,7 +172,9 @@ def test_tolerance_decides_what_counts_as_equal(cli):
 
 
 def test_no_partial_skips_the_partial_window(cli, folder):
-    (folder / "fixed.py").write_text(MODULE + textwrap.dedent("""
+    (folder / "fixed.py").write_text(
+        MODULE
+        + textwrap.dedent("""
         def fixed_k(model, loss_fn, x, y, k):
             for xb, yb in zip(x.chunk(k), y.chunk(k)):
                 (loss_fn(model(xb), yb) / 4).backward()
@@ -172,7 +182,8 @@ def test_no_partial_skips_the_partial_window(cli, folder):
 
         def make():
             return (*good(), fixed_k)
-    """))
+    """)
+    )
     status, out, _ = cli("fixed:make")
     assert status == 1 and "partial window" in out
     assert cli("fixed:make", "--no-partial")[0] == 0
@@ -235,6 +246,11 @@ def test_the_checker_imports_and_runs_without_matplotlib_sklearn_ipywidgets():
                        for m in sys.modules)
         print("imports fine")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
     assert out.returncode == 0 and "imports fine" in out.stdout, out.stderr[-3000:]

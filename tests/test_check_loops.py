@@ -47,7 +47,7 @@ def test_false_positive_and_detection_figures(digits):
 
 def test_the_exact_full_batch_scheme_passes_the_checker_without_notes():
     """A loop built on gradaccum.fullbatch_bn is the full-batch step, for full and partial windows; the RNG state
-    the scheme restores internally is not a seed the loop sets (review finding)."""
+    the scheme restores internally is not a seed the loop sets."""
     import torch
     import torch.nn.functional as F
     from torch import nn

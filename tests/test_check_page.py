@@ -51,10 +51,15 @@ def run_console(body: str, folder: Path) -> list[tuple[str, str, str]]:
     script = ["set +e"]
     for cmd, _ in pairs:
         script += [f"{cmd} 2>&1", "__status=$?", "echo @@END@@", "(exit $__status)"]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(["bash", "-c", "\n".join(script)], cwd=folder, env=env, capture_output=True, text=True,
-                         timeout=300).stdout
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT / "src"),
+        "OMP_NUM_THREADS": "1",
+    }
+    out = subprocess.run(
+        ["bash", "-c", "\n".join(script)], cwd=folder, env=env, capture_output=True, text=True, timeout=300
+    ).stdout
     outputs = out.split("@@END@@\n")
     return [(cmd, expected, actual.rstrip("\n")) for (cmd, expected), actual in zip(pairs, outputs)]
 

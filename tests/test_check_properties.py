@@ -33,8 +33,13 @@ from torch import nn
 from gradaccum import checker as C
 from gradaccum.book.models import make_cnn
 
-SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 @st.composite
@@ -109,9 +114,13 @@ def test_random_token_windows_normalized_by_window_tokens_are_never_flagged(setu
     assert report.ok and report.codes == [], str(report)
 
 
-BUGS = {"missing_1_over_k": bug_missing_k, "double_1_over_k": bug_double_k,
-        "zero_grad_inside_window": bug_zero_grad_inside, "optimizer_step_inside_window": bug_optimizer_each,
-        "scheduler_step_inside_window": bug_scheduler_each}
+BUGS = {
+    "missing_1_over_k": bug_missing_k,
+    "double_1_over_k": bug_double_k,
+    "zero_grad_inside_window": bug_zero_grad_inside,
+    "optimizer_step_inside_window": bug_optimizer_each,
+    "scheduler_step_inside_window": bug_scheduler_each,
+}
 
 
 @pytest.mark.slow

@@ -33,8 +33,16 @@ IGNORE = -100
 def mlp(seed: int = 0, p: float = 0.2, hidden: int = 32) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(p), nn.Linear(hidden, hidden),
-                             nn.ReLU(), nn.Dropout(p), nn.Linear(hidden, 10)).double()
+        return nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(64, hidden),
+            nn.ReLU(),
+            nn.Dropout(p),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Dropout(p),
+            nn.Linear(hidden, 10),
+        ).double()
 
 
 class Block(nn.Module):
@@ -90,8 +98,9 @@ def token_loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 #: The functional loss the issue reported as missed: a lambda, not an nn.CrossEntropyLoss instance.
-LAMBDA_TOKEN_LOSS = lambda out, t: F.cross_entropy(out.reshape(-1, out.shape[-1]), t.reshape(-1),  # noqa: E731
-                                                   ignore_index=-100)
+LAMBDA_TOKEN_LOSS = lambda out, t: F.cross_entropy(  # noqa: E731
+    out.reshape(-1, out.shape[-1]), t.reshape(-1), ignore_index=-100
+)
 
 
 def lm_batch(lengths: list[int], t: int = 12, vocab: int = 20, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +194,7 @@ def correct_clip_once(model, loss_fn, x, y, k):
 
 def correct_amp(model, loss_fn, x, y, k):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for xb, yb in zip(x.chunk(k), y.chunk(k)):
         scaler.scale(loss_fn(model(xb), yb) / k).backward()
     scaler.unscale_(opt)
@@ -252,7 +261,7 @@ def bug_clip_per_micro(model, loss_fn, x, y, k):
 
 def bug_clip_before_unscale(model, loss_fn, x, y, k):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for xb, yb in zip(x.chunk(k), y.chunk(k)):
         scaler.scale(loss_fn(model(xb), yb) / k).backward()
     clip_grad_norm_(model.parameters(), 0.05)
@@ -271,7 +280,7 @@ def bug_scaler_update_each(model, loss_fn, x, y, k):
 
 
 def bug_scaler_growth_each(model, loss_fn, x, y, k):
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for xb, yb in zip(x.chunk(k), y.chunk(k)):
         scaler.scale(loss_fn(model(xb), yb) / k).backward()
         scaler.update(new_scale=scaler.get_scale() * 2)
@@ -299,7 +308,7 @@ def bug_unscale_each(model, loss_fn, x, y, k):
 
 
 def bug_scale_not_removed(model, loss_fn, x, y, k):
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for xb, yb in zip(x.chunk(k), y.chunk(k)):
         scaler.scale(loss_fn(model(xb), yb) / k).backward()
 
@@ -350,12 +359,21 @@ BUGS = {
     "clip the running buffer (by name)": (bug_clip_running, {"clip_running_buffer"}, FAMILIES),
     "clip each micro-batch": (bug_clip_per_micro, {"clip_per_micro_batch"}, ("mlp", "cnn_gn", "block")),
     "clip before unscale_": (bug_clip_before_unscale, {"clip_before_unscale"}, FAMILIES),
-    "scaler.update() every micro-batch": (bug_scaler_update_each, {"step_raised", "scaler_update_inside_window"},
-                                          ("mlp", "cnn_gn")),
-    "scale doubled every micro-batch": (bug_scaler_growth_each, {"scaler_update_inside_window"},
-                                        ("mlp", "cnn_gn", "block")),
-    "scaler.step() every micro-batch": (bug_scaler_step_each, {"scaler_step_inside_window",
-                                                               "scaler_update_inside_window"}, ("mlp", "cnn_bn")),
+    "scaler.update() every micro-batch": (
+        bug_scaler_update_each,
+        {"step_raised", "scaler_update_inside_window"},
+        ("mlp", "cnn_gn"),
+    ),
+    "scale doubled every micro-batch": (
+        bug_scaler_growth_each,
+        {"scaler_update_inside_window"},
+        ("mlp", "cnn_gn", "block"),
+    ),
+    "scaler.step() every micro-batch": (
+        bug_scaler_step_each,
+        {"scaler_step_inside_window", "scaler_update_inside_window"},
+        ("mlp", "cnn_bn"),
+    ),
     "unscale_ every micro-batch": (bug_unscale_each, {"step_raised", "scaler_unscale_inside_window"}, ("cnn_gn",)),
     "loss scale never removed": (bug_scale_not_removed, {"loss_scale_not_removed"}, ("mlp", "lm")),
     "optimizer.step() every micro-batch": (bug_optimizer_each, {"optimizer_step_inside_window"}, FAMILIES),
@@ -371,8 +389,10 @@ def token_window_correct(model, loss_fn, x, y, k):
     total = int((y != IGNORE).sum())
     for xb, yb in zip(x.chunk(k), y.chunk(k)):
         out = model(xb)
-        (F.cross_entropy(out.reshape(-1, out.shape[-1]), yb.reshape(-1), ignore_index=IGNORE,
-                         reduction="sum") / total).backward()
+        (
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), yb.reshape(-1), ignore_index=IGNORE, reduction="sum")
+            / total
+        ).backward()
 
 
 def all_cases() -> list[tuple[str, str, object, set[str]]]:
@@ -386,8 +406,7 @@ def all_cases() -> list[tuple[str, str, object, set[str]]]:
                 cases.append((fam, name, step, codes | FAMILY_CODES.get(fam, set())))
     cases.append(("lm_sorted", "token loss: sum / window tokens", token_window_correct, set()))
     cases.append(("lm_sorted", "token loss: mean of micro-batch means", correct_plain, {"token_normalization"}))
-    cases.append(("lm_sorted", "token loss: no 1/K either", bug_missing_k, {"token_normalization",
-                                                                            "missing_1_over_k"}))
+    cases.append(("lm_sorted", "token loss: no 1/K either", bug_missing_k, {"token_normalization", "missing_1_over_k"}))
     return cases
 
 
@@ -395,7 +414,7 @@ def test_the_zoo_has_enough_loops_and_families():
     cases = all_cases()
     loops = {name for _, name, _, _ in cases}
     assert len(loops) >= 20 and len({fam for fam, *_ in cases}) >= 4
-    assert math.isclose(sum(EQUAL_TOKENS[:4]), 30) and len({sum(EQUAL_TOKENS[i:i + 4]) for i in (0, 4, 8, 12)}) == 1
+    assert math.isclose(sum(EQUAL_TOKENS[:4]), 30) and len({sum(EQUAL_TOKENS[i : i + 4]) for i in (0, 4, 8, 12)}) == 1
 
 
 @pytest.mark.parametrize("fam", FAMILIES + ("lm_sorted",))

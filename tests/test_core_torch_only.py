@@ -120,8 +120,9 @@ def test_fresh_environment_with_only_torch(tmp_path: Path):
     result = subprocess.run([str(py), "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "core OK" in result.stdout
-    cli = subprocess.run([str(py), "-m", "gradaccum.checker", "--demo"], capture_output=True, text=True, timeout=120,
-                         cwd=tmp_path)
+    cli = subprocess.run(
+        [str(py), "-m", "gradaccum.checker", "--demo"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     # the demo is the book layer's: the core's --demo names its command and the extra it needs
     assert cli.returncode == 2 and "gradaccum[book]" in cli.stderr, (cli.returncode, cli.stderr)
     assert "python -m gradaccum.book.check_demo" in cli.stderr, cli.stderr

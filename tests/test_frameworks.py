@@ -88,7 +88,7 @@ def test_partial_window_rules(k, micro):
     x, y = data(2 * micro, 6, 4)
     loss = nn.CrossEntropyLoss()
     r = micro % k
-    last = harness.full_gradient(mlp([6, 5, 4]), loss, x[-2 * r:], y[-2 * r:])
+    last = harness.full_gradient(mlp([6, 5, 4]), loss, x[-2 * r :], y[-2 * r :])
     expected = {"accelerate": r / k, "lightning": r / k, "trainer": 1.0, "timm": 1.0}
     for name, weight in expected.items():
         result = fw.run(name, mlp([6, 5, 4]), loss, fw.split(x, y, micro), k, lr=0.0)
@@ -536,8 +536,10 @@ def test_adapters_leave_the_callers_accelerator_working_and_take_trainer_options
 def test_accelerate_ignores_its_split_batches_keyword():
     """Review: chapters 6 and 7 told readers to build `Accelerator(split_batches=True)`; the pinned Accelerate never
     reads that keyword (no warning). The DataLoaderConfiguration spelling is the one that works."""
-    assert harness.accelerate_split_batches() == {"Accelerator(split_batches=True)": False,
-                                             "DataLoaderConfiguration(split_batches=True)": True}
+    assert harness.accelerate_split_batches() == {
+        "Accelerator(split_batches=True)": False,
+        "DataLoaderConfiguration(split_batches=True)": True,
+    }
 
 
 def test_framework_tools_and_graders_refuse_impossible_input():
@@ -567,17 +569,24 @@ def test_tools_refuse_mismatched_empty_and_late_input():
     check() (blamed on the reader's loop)."""
     import numpy as np
 
-    bad = [lambda: harness.relative_error(torch.ones(2, 3), torch.ones(3)),
-           lambda: harness.relative_error(torch.ones(5), torch.ones(3)),
-           lambda: harness.relative_error(torch.tensor([1.0, float("nan")]), torch.ones(2)),
-           lambda: harness.step_factor(torch.ones(3), torch.tensor([float("nan"), 1.0, 1.0])),
-           lambda: fw.split(torch.zeros(0, 3), torch.zeros(0), 4),
-           lambda: fw.split(np.ones((4, 3)), np.ones(4), 2),
-           lambda: fw.framework_step("timm", precision="fp8"),
-           lambda: fw.framework_step("accelerate", clip=True),
-           lambda: fw.lightning_module_step(k=4, foo=1),
-           lambda: fw.run("timm", nn.Linear(3, 2), nn.CrossEntropyLoss(),
-                          [(torch.ones(8, 3), torch.zeros(7, dtype=torch.long))] * 4, 4)]
+    bad = [
+        lambda: harness.relative_error(torch.ones(2, 3), torch.ones(3)),
+        lambda: harness.relative_error(torch.ones(5), torch.ones(3)),
+        lambda: harness.relative_error(torch.tensor([1.0, float("nan")]), torch.ones(2)),
+        lambda: harness.step_factor(torch.ones(3), torch.tensor([float("nan"), 1.0, 1.0])),
+        lambda: fw.split(torch.zeros(0, 3), torch.zeros(0), 4),
+        lambda: fw.split(np.ones((4, 3)), np.ones(4), 2),
+        lambda: fw.framework_step("timm", precision="fp8"),
+        lambda: fw.framework_step("accelerate", clip=True),
+        lambda: fw.lightning_module_step(k=4, foo=1),
+        lambda: fw.run(
+            "timm",
+            nn.Linear(3, 2),
+            nn.CrossEntropyLoss(),
+            [(torch.ones(8, 3), torch.zeros(7, dtype=torch.long))] * 4,
+            4,
+        ),
+    ]
     for call in bad:
         with pytest.raises(ValueError):
             call()

@@ -1,5 +1,5 @@
-"""`make lint`, inside the test run: ruff, ruff format --check, mypy and the layering contract (import-linter: the core
-never imports gradaccum.book), exactly as the Makefile's ``lint`` recipe
+"""`make lint`, inside the test run: ruff, ruff format --check, the size limits, mypy and the layering contract
+(import-linter: the core never imports gradaccum.book), exactly as the Makefile's ``lint`` recipe
 says (its lines are read from the Makefile, so the two cannot drift apart). `make test` runs it here, beside the
 other tests on whichever worker takes it, instead of before them: mypy alone takes about 1.5 minutes without a cache."""
 
@@ -26,7 +26,7 @@ def lint_recipe(makefile: str) -> list[list[str]]:
 
 def test_lint_recipe_is_read():
     recipe = lint_recipe((ROOT / "Makefile").read_text())
-    assert [Path(cmd[0]).name for cmd in recipe] == ["ruff", "ruff", "mypy", "lint-imports"]
+    assert [Path(cmd[0]).name for cmd in recipe] == ["ruff", "ruff", "python", "mypy", "lint-imports"]
     assert all(Path(cmd[0]).exists() for cmd in recipe)
 
 
@@ -45,8 +45,7 @@ def test_the_layering_contract_fails_on_a_core_module_importing_the_book(tmp_pat
     from the package root) breaks it."""
     import shutil
 
-    shutil.copytree(ROOT / "src" / "gradaccum", tmp_path / "gradaccum",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "src" / "gradaccum", tmp_path / "gradaccum", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
     lint_imports = Path(sys.executable).parent / "lint-imports"
     env = {"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(tmp_path)}
@@ -56,7 +55,24 @@ def test_the_layering_contract_fails_on_a_core_module_importing_the_book(tmp_pat
         path = tmp_path / "gradaccum" / module
         text = path.read_text()
         path.write_text(text + "\nfrom gradaccum.book import models as _models  # noqa: E402\n")
-        broken = subprocess.run([str(lint_imports), "--no-cache"], cwd=tmp_path, capture_output=True, text=True,
-                                env=env)
+        broken = subprocess.run(
+            [str(lint_imports), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, env=env
+        )
         path.write_text(text)
         assert broken.returncode == 1 and "gradaccum.book.models" in broken.stdout, broken.stdout + broken.stderr
+
+
+def test_the_size_limits_find_a_long_function_and_a_long_module(tmp_path):
+    """scripts/check_sizes.py is not vacuous: a 61-line function and a 501-line module are reported."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import check_sizes
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    body = "".join(f"    x{i} = {i}\n" for i in range(58))
+    (tmp_path / "short.py").write_text("def f():\n" + body + "    return 0\n")
+    assert check_sizes.oversized(tmp_path) == []
+    (tmp_path / "long.py").write_text("def g():\n" + body + "    y = 1\n    return y\n" + "# filler\n" * 440)
+    found = check_sizes.oversized(tmp_path)
+    assert any("g() is 61 lines" in line for line in found), found
+    assert any("module of 501 lines" in line for line in found), found

@@ -1,4 +1,4 @@
-"""Regressions from an independent review of gradaccum.check: each test is one of the reviewer's loops (a small
+"""Loops readers write, each with the verdict gradaccum.check owes it: each test is one such loop (a small
 float64 MLP, K = 4) and pins the finding, and the numbers its evidence states."""
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def missing_k(clip: float | None = None, running: bool = False, noise: bool = Fa
         if clip is not None and not running:
             clip_grad_norm_(model.parameters(), clip)
         opt.step()
+
     return step
 
 
@@ -52,6 +53,7 @@ def correct(clip: float | None = None):
         if clip is not None:
             clip_grad_norm_(model.parameters(), clip)
         opt.step()
+
     return step
 
 
@@ -111,6 +113,7 @@ def test_noise_added_in_the_step_is_inconclusive_not_unexplained():
 def test_the_unexplained_fix_shows_the_correct_loop_not_an_internal_name():
     assert "accumulate_backward" not in C.__dict__.get("CORRECT_LOOP", "")
     from gradaccum.checker.report import CORRECT_LOOP
+
     assert "/ K).backward()" in CORRECT_LOOP and "optimizer.step()" in CORRECT_LOOP
 
 
@@ -130,8 +133,9 @@ def test_a_threshold_given_without_a_clip_call_is_a_note_when_it_does_not_bite()
     assert "0.4889" in report.findings[0].evidence  # the full-batch norm, below the threshold 1
 
 
-@pytest.mark.parametrize("args", [("nomodule:make", "--json"), ("x:y", "-k", "0", "--json"),
-                                  ("x:y", "--bogus", "--json")])
+@pytest.mark.parametrize(
+    "args", [("nomodule:make", "--json"), ("x:y", "-k", "0", "--json"), ("x:y", "--bogus", "--json")]
+)
 def test_json_usage_errors_are_json_on_stdout(args, capsys):
     status = C.main(list(args))
     out = capsys.readouterr().out
@@ -143,13 +147,23 @@ def test_rel_error_not_measured_is_null_in_json():
     assert report.to_dict()["rel_error"] is None and report.to_dict()["cosine"] is None
 
 
-# ------------------------------------------------------------------ second review: correct loops it called wrong
+# ------------------------------------------------------------------ correct loops that must not be flagged
 
 
-def _sgd_step(clip_params=None, threshold=0.05, seed_each=False, iterate=True, train_mode=False,
-              two_optimizers=False, clip_after_step=False, clip_fn=clip_grad_norm_, clip_each=False):
+def _sgd_step(
+    clip_params=None,
+    threshold=0.05,
+    seed_each=False,
+    iterate=True,
+    train_mode=False,
+    two_optimizers=False,
+    clip_after_step=False,
+    clip_fn=clip_grad_norm_,
+    clip_each=False,
+):
     """One window of a loop with the options a reader's loop may have; correct unless an option makes it wrong
     (``clip_fn``: clip_grad_norm_ or clip_grad_value_; ``clip_each``: clip after every backward instead)."""
+
     def step(model, loss_fn, x, y, k):
         if train_mode:
             model.train()
@@ -176,6 +190,7 @@ def _sgd_step(clip_params=None, threshold=0.05, seed_each=False, iterate=True, t
         if clip_params is not None and clip_after_step:
             for group in clip_params(model):
                 clip_fn(group, threshold)
+
     return step
 
 
@@ -187,8 +202,11 @@ def test_two_optimizers_each_stepping_once_are_correct():
     assert report.ok and report.counts["optimizer.step"] == 2, report
 
 
-@pytest.mark.parametrize("groups", [lambda m: [m[2].parameters()], lambda m: [m[0].parameters(), m[2].parameters()]],
-                         ids=["one-layer", "each-layer"])
+@pytest.mark.parametrize(
+    "groups",
+    [lambda m: [m[2].parameters()], lambda m: [m[0].parameters(), m[2].parameters()]],
+    ids=["one-layer", "each-layer"],
+)
 def test_clipping_a_subset_or_each_group_once_is_correct(groups):
     """Review: clipping one layer (or each layer on its own) once after the window gave a false `unexplained`
     (relative error 7.65): the reference clipped the whole gradient."""
@@ -201,8 +219,9 @@ def test_clipping_a_subset_or_each_group_once_is_correct(groups):
 def test_a_clip_after_the_step_is_named_misplaced():
     """Review: a clip after optimizer.step() was reported as `gradient_scaled` (7.4×), with a fix about scaling."""
     model, loss_fn, x, y = make()
-    report = C.check(model, loss_fn, x, y, K, step=_sgd_step(clip_params=lambda m: [m.parameters()],
-                                                             clip_after_step=True))
+    report = C.check(
+        model, loss_fn, x, y, K, step=_sgd_step(clip_params=lambda m: [m.parameters()], clip_after_step=True)
+    )
     assert report.codes == ["clip_misplaced"] and report.rel_error < 1e-12, report
 
 
@@ -294,12 +313,13 @@ def test_a_class_weighted_loss_is_named_by_its_weights_not_tokens():
     assert "each micro-batch has 8 target(s)" in text and "total weight" in text and "tokens per" not in text
 
 
-# ------------------------------------------------------------------ third review: the fixes, tried again
+# ------------------------------------------------------------------ the same loops, varied
 
 
 def _two_optimizer_step(order: str):
     """Two optimizers (one per layer); ``order``: "step-zero" steps and empties each in turn, "scaler" shares one
     GradScaler (torch's multiple-optimizer pattern), "schedulers" gives each its own scheduler."""
+
     def step(model, loss_fn, x, y, k):
         o1 = torch.optim.SGD(model[0].parameters(), lr=0.1)
         o2 = torch.optim.SGD(model[2].parameters(), lr=0.1)
@@ -325,6 +345,7 @@ def _two_optimizer_step(order: str):
             o2.step()
             s1.step()
             s2.step()
+
     return step
 
 
@@ -344,8 +365,9 @@ def test_clip_value_on_a_generator_subset_and_a_logging_norm_call_are_correct():
     `clip_misplaced`; `clip=` equal to a subset clip's threshold went back to a whole-model clip."""
     model, loss_fn, x, y = make()
 
-    value_subset = _sgd_step(clip_params=lambda m: [m[2].parameters()], threshold=0.01,
-                             clip_fn=torch.nn.utils.clip_grad_value_)
+    value_subset = _sgd_step(
+        clip_params=lambda m: [m[2].parameters()], threshold=0.01, clip_fn=torch.nn.utils.clip_grad_value_
+    )
 
     def logged(model, loss_fn, x, y, k):
         _sgd_step(clip_params=lambda m: [m.parameters()])(model, loss_fn, x, y, k)
@@ -371,7 +393,7 @@ def test_dropout_on_rows_that_are_not_the_samples_in_order_is_inconclusive():
 
         def forward(self, t):
             z = self.b(self.drop(torch.tanh(self.a(torch.cat([t, t])))))
-            return (z[: len(t)] + z[len(t):]) / 2
+            return (z[: len(t)] + z[len(t) :]) / 2
 
     report = C.check(RDrop(), loss_fn, x, y, K)
     assert report.codes == ["randomness_not_replayed"] and report.findings[0].severity == "inconclusive", report
@@ -409,7 +431,7 @@ def test_another_k_with_an_equal_gradient_is_a_note_and_counts_are_always_there(
 
 
 def test_one_of_two_optimizers_emptied_inside_the_window_is_named():
-    """Carried from an earlier review: emptying one optimizer's parameters mid-window was reported as
+    """emptying one optimizer's parameters mid-window was reported as
     `unexplained` (no single set of micro-batch weights fits a gradient whose parts keep different micro-batches)."""
     model, loss_fn, x, y = make()
 
@@ -439,10 +461,11 @@ def _plain_step(opt_scale: float = 1.0, clip: object = None, norm_type: object =
         if clip is not None:
             clip_grad_norm_(model.parameters(), clip, norm_type)
         opt.step()
+
     return step
 
 
-def test_review_a_micro_batch_with_zero_gradient_does_not_spoil_the_fit():
+def test_a_micro_batch_with_zero_gradient_does_not_spoil_the_fit():
     """Review: a micro-batch whose targets are all ignore_index has a zero gradient; the least-squares fit on the
     singular Gram matrix returned garbage weights and the verdict was `unexplained` instead of the real cause."""
     torch.manual_seed(0)
@@ -463,7 +486,7 @@ def test_review_a_micro_batch_with_zero_gradient_does_not_spoil_the_fit():
         C.check(model, nn.CrossEntropyLoss(ignore_index=2), x, torch.full_like(y, 2), 4)
 
 
-def test_review_clip_arguments_torch_accepts_are_read():
+def test_clip_arguments_torch_accepts_are_read():
     """Review: a tensor or NumPy threshold, or norm_type='inf', was not recorded, so the reference was left
     unclipped (or clipped with the 2-norm) and a correct loop was reported as `gradient_scaled`."""
     import numpy as np
@@ -474,7 +497,7 @@ def test_review_clip_arguments_torch_accepts_are_read():
         assert report.ok, (clip, norm_type, report)
 
 
-def test_review_low_precision_parameters_and_inputs_without_a_batch():
+def test_low_precision_parameters_and_inputs_without_a_batch():
     """Review: bf16 or fp16 parameters on a correct loop were reported as batch coupling (their rounding exceeded
     the float32 tolerance); sparse embeddings and a 0-d input raised RuntimeError and IndexError."""
     torch.manual_seed(0)
@@ -491,7 +514,7 @@ def test_review_low_precision_parameters_and_inputs_without_a_batch():
         C.check(sparse, nn.CrossEntropyLoss(), torch.tensor(1), y, 4)
 
 
-def test_review_a_gradient_that_cancels_is_inconclusive_not_a_bug():
+def test_a_gradient_that_cancels_is_inconclusive_not_a_bug():
     """Review: at the least-squares optimum of a linear model the full batch's gradient is rounding noise of its
     micro-batches' (which cancel), and a correct loop was reported as batch coupling. Now inconclusive there, and
     a moderate cancellation widens the default tolerance (with a note) instead."""
@@ -514,13 +537,14 @@ def test_review_a_gradient_that_cancels_is_inconclusive_not_a_bug():
         assert not C.check(model, nn.MSELoss(), x, y, 4, step=_plain_step(4.0)).ok  # a missing 1/K still shows
 
 
-def test_review_value_clipping_inside_the_window_is_not_called_a_scaling():
+def test_value_clipping_inside_the_window_is_not_called_a_scaling():
     """Review: clip_grad_value_ after every micro-batch was described as having "scaled the gradient by" its norm
     ratios; value clipping changes entries, not the length alone."""
     model, loss_fn, x, y = make()
 
-    step = _sgd_step(clip_params=lambda m: [m.parameters()], threshold=1e-3, clip_fn=torch.nn.utils.clip_grad_value_,
-                     clip_each=True)
+    step = _sgd_step(
+        clip_params=lambda m: [m.parameters()], threshold=1e-3, clip_fn=torch.nn.utils.clip_grad_value_, clip_each=True
+    )
     report = C.check(model, loss_fn, x, y, K, step=step)
     inside = [f for f in report.findings if f.code in ("clip_running_buffer", "clip_per_micro_batch")]
     assert inside and "clipped entries of the gradient" in inside[0].evidence, report
@@ -532,11 +556,12 @@ def test_review_value_clipping_inside_the_window_is_not_called_a_scaling():
     assert C.check(tanh, nn.CrossEntropyLoss(), xs, ys, 4, step=step).codes == ["clip_running_buffer"]
 
 
-# ------------------------------------------------------------------ fifth review: a clip over another bug
+# ------------------------------------------------------------------ a clip over another bug
 
 
 def _token_mean_step(clip: float, divide_by_k: bool = True):
     """A mean of per-micro-batch token means (ignore_index=-100), clip_grad_norm_ after every backward."""
+
     def step(model, loss_fn, x, y, k):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         opt.zero_grad()
@@ -545,6 +570,7 @@ def _token_mean_step(clip: float, divide_by_k: bool = True):
             (loss / k if divide_by_k else loss).backward()
             clip_grad_norm_(model.parameters(), clip)
         opt.step()
+
     return step
 
 
@@ -596,12 +622,13 @@ def test_a_clip_that_bit_is_not_called_a_scaling_by_its_epsilon():
     assert C.check(model, loss_fn, x, y, 2, step=per_micro).codes == ["clip_per_micro_batch"]
 
 
-# ------------------------------------------------------------------ fifth review: two bugs at once
+# ------------------------------------------------------------------ two bugs at once
 
 
 def _loop(zero_at=(), clip=None, where="once", div=True, per_micro=False):
-    """A window with the options a reviewer combined: zero_grad before the given micro-batches, a clip once /
+    """A window with combined options: zero_grad before the given micro-batches, a clip once /
     after every backward, no 1/K, each micro-batch clipped on its own into an accumulator."""
+
     def step(model, loss_fn, x, y, k):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         opt.zero_grad()
@@ -622,6 +649,7 @@ def _loop(zero_at=(), clip=None, where="once", div=True, per_micro=False):
         if clip is not None and where == "once" and not per_micro:
             clip_grad_norm_(model.parameters(), clip)
         opt.step()
+
     return step
 
 
@@ -632,26 +660,35 @@ def _token_make():
     return model, (lambda o, t: F.cross_entropy(o, t, ignore_index=-100)), x, y
 
 
-@pytest.mark.parametrize("case, expected", [
-    # a zero_grad inside the window with a clip once that bites: no invented "scaling"
-    (dict(zero_at=(2,), clip=0.05), {"zero_grad_inside_window"}),
-    # each micro-batch clipped on its own, without 1/K: the 1/K is read before the clips
-    (dict(clip=0.05, per_micro=True, div=False), {"clip_per_micro_batch", "missing_1_over_k"}),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        # a zero_grad inside the window with a clip once that bites: no invented "scaling"
+        (dict(zero_at=(2,), clip=0.05), {"zero_grad_inside_window"}),
+        # each micro-batch clipped on its own, without 1/K: the 1/K is read before the clips
+        (dict(clip=0.05, per_micro=True, div=False), {"clip_per_micro_batch", "missing_1_over_k"}),
+    ],
+)
 def test_two_bugs_on_a_plain_loss(case, expected):
     model, loss_fn, x, y = make()
     report = C.check(model, loss_fn, x, y, K, step=_loop(**case))
     assert set(report.codes) == expected, report
 
 
-@pytest.mark.parametrize("case, expected", [
-    # token means and no 1/K behind a clip once that bites
-    (dict(clip=0.05, div=False), {"token_normalization", "missing_1_over_k"}),
-    # token means and a zero_grad inside the window: no invented scaling, the token bug named
-    (dict(zero_at=(2,)), {"zero_grad_inside_window", "token_normalization"}),
-    # token means, no 1/K and a clip on the running buffer: all three
-    (dict(clip=0.05, where="running", div=False), {"clip_running_buffer", "token_normalization", "missing_1_over_k"}),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        # token means and no 1/K behind a clip once that bites
+        (dict(clip=0.05, div=False), {"token_normalization", "missing_1_over_k"}),
+        # token means and a zero_grad inside the window: no invented scaling, the token bug named
+        (dict(zero_at=(2,)), {"zero_grad_inside_window", "token_normalization"}),
+        # token means, no 1/K and a clip on the running buffer: all three
+        (
+            dict(clip=0.05, where="running", div=False),
+            {"clip_running_buffer", "token_normalization", "missing_1_over_k"},
+        ),
+    ],
+)
 def test_two_bugs_on_a_token_loss(case, expected):
     model, loss_fn, x, y = _token_make()
     report = C.check(model, loss_fn, x, y, K, step=_loop(**case))
@@ -736,8 +773,10 @@ def test_a_loss_whose_micro_batch_weights_follow_the_outputs_couples_samples(see
         for loss_fn in (_lse, _softmax_weighted, _squared_mean, _detached_softmax, _rmse):
             report = C.check(model, loss_fn, x, y, k)
             assert report.codes == ["loss_couples_samples"], (loss_fn.__name__, k, report.codes)
-            assert "changes smoothly with the model's outputs" in report.findings[0].evidence \
+            assert (
+                "changes smoothly with the model's outputs" in report.findings[0].evidence
                 or "not a multiple" in report.findings[0].evidence
+            )
         assert C.check(model, F.cross_entropy, x, y, k).ok
         # (unless the classes happen to weigh the micro-batches alike, to float32's tolerance)
         assert C.check(model, _class_weighted, x, y, k).codes in (["token_normalization"], [])
@@ -746,7 +785,7 @@ def test_a_loss_whose_micro_batch_weights_follow_the_outputs_couples_samples(see
     assert "grad_cache_backward" in fix and "lambda out: loss_fn(out, y)" in fix
 
 
-# ------------------------------------------------------------------ third review of the checker
+# ------------------------------------------------------------------ weights, scales and randomness
 
 
 def _plain(model, loss_fn, x, y, k):
@@ -831,7 +870,7 @@ def test_zero_weights_under_bf16_autocast_are_read_as_zero(bug, code):
     assert C.check(model, F.cross_entropy, x, y, K, step=step, tolerance=3e-2).codes == [code]
 
 
-# ---- sixth review of the checker
+# ---- partial windows, frameworks and recomputed forwards
 
 
 def _plain(model, loss_fn, x, y, k, extra=None, after=None):
@@ -849,8 +888,7 @@ def test_a_term_over_the_callers_model_is_refused():
     copy): refused, in loss_fn or in the step, and the caller's gradients are left as they were."""
     model, loss_fn, x, y = make()
     reg = lambda: 0.1 * sum(p.pow(2).sum() for p in model.parameters())  # noqa: E731
-    for lf, step in ((lambda o, t: loss_fn(o, t) + reg(), _plain),
-                     (loss_fn, lambda *a: _plain(*a, extra=reg))):
+    for lf, step in ((lambda o, t: loss_fn(o, t) + reg(), _plain), (loss_fn, lambda *a: _plain(*a, extra=reg))):
         with pytest.raises(ValueError, match="wrote gradients into the model you passed"):
             C.check(model, lf, x, y, K, step=step)
         assert all(p.grad is None for p in model.parameters())
@@ -910,7 +948,8 @@ def test_an_optimizer_whose_step_does_not_name_self_is_seen():
     model, loss_fn, x, y = make()
     assert C.check(model, loss_fn, x, y, K, step=step).ok
     assert C.check(model, loss_fn, x, y, K, step=lambda *a: step(*a, inside=True)).codes == [
-        "optimizer_step_inside_window"]
+        "optimizer_step_inside_window"
+    ]
 
 
 def test_autocast_rounding_is_no_partial_window_beside_another_bug():
@@ -955,9 +994,17 @@ def test_a_models_own_generator_is_no_reseeding_and_a_no_grad_forward_is_no_micr
     assert report.ok and report.findings == [], report
 
 
-@pytest.mark.parametrize("dtype, scale, ok", [(torch.float32, 1e-42, False), (torch.float32, 1e-30, True),
-                                               (torch.float64, 1e200, False), (torch.float64, 1e150, True),
-                                               (torch.float64, 1e-312, False), (torch.float64, 1e-300, True)])
+@pytest.mark.parametrize(
+    "dtype, scale, ok",
+    [
+        (torch.float32, 1e-42, False),
+        (torch.float32, 1e-30, True),
+        (torch.float64, 1e200, False),
+        (torch.float64, 1e150, True),
+        (torch.float64, 1e-312, False),
+        (torch.float64, 1e-300, True),
+    ],
+)
 def test_gradients_out_of_range_are_inconclusive(dtype, scale, ok):
     """Review 7: a float32 loss times 1e-42 (subnormal gradients) was named loss_couples_samples, and a float64
     loss times 1e200 ended with NaN weights and no finding. Both are out of the range the comparison measures:
