@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .pipeline import check
+from .report import CODES
 
 
 class _UsageError(Exception):
@@ -80,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seeds make() and the replayed randomness (default 0)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-partial", action="store_true", help="do not check a partial last window")
+    parser.add_argument("--allow", action="append", default=[], metavar="CODE",
+                        help="a finding you expect and accept (repeatable), e.g. --allow batch_coupled_layer for a "
+                        "BatchNorm model under plain accumulation: still reported, not a failure")
     # the demo is the book layer's (the core never imports it): --demo only says where it went
     parser.add_argument("--demo", action="store_true", help=f"moved: run {DEMO_COMMAND}")
     return parser
@@ -95,6 +99,9 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
             return f"--{name} must be a positive number, got {value}"
     if args.seed < 0:
         return f"--seed must be >= 0, got {args.seed}"
+    unknown = sorted(set(args.allow) - set(CODES))
+    if unknown:
+        return f"--allow: unknown finding code(s) {unknown}; the codes are {sorted(CODES)}"
     if args.demo:
         return (f"--demo moved to the book layer: run {DEMO_COMMAND} [-k K] [--json] "
                 "(it needs pip install 'gradaccum[book]')")
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         model, loss_fn, x, y, *rest = _made(_load_target(args.target))
         report = check(model, loss_fn, x, y, args.k, step=rest[0] if rest else None, clip=args.clip,
-                       tolerance=args.tolerance, seed=args.seed, partial=not args.no_partial)
+                       tolerance=args.tolerance, seed=args.seed, partial=not args.no_partial, allow=args.allow)
     except (_UsageError, ValueError) as err:
         print(f"python -m gradaccum.checker: error: {err}", file=sys.stderr)
         return _usage_json(str(err)) if args.json else 2

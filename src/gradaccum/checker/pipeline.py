@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -21,7 +22,7 @@ from gradaccum.windows import token_loss
 from .instrument import SampleRNG, coupled_modules, identical_draws
 from .measure import Measurements, clip_vec, cosine, fit_weights, rel
 from .recorder import Event
-from .report import COUNTED, PARTIAL_OK, Finding, Report, num, nums
+from .report import CODES, COUNTED, PARTIAL_OK, Finding, Report, num, nums
 from .rules import diagnose
 from .run import (
     CANCELLATION,
@@ -40,7 +41,8 @@ from .run_rules import RUN_RULES, Clipping, RunContext, resolve
 
 
 def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None = None,
-          clip: float | None = None, tolerance: float | None = None, seed: int = 0, partial: bool = True) -> Report:
+          clip: float | None = None, tolerance: float | None = None, seed: int = 0, partial: bool = True,
+          allow: Sequence[str] = ()) -> Report:
     """Compare one accumulated window (``step``, or plain accumulation) with one full-batch pass; name causes.
 
     ``clip``: the threshold your loop clips to (norm); when None and your loop calls ``clip_grad_norm_`` or
@@ -49,8 +51,12 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
     8 epsilons of the format for bf16 or fp16 parameters: 6.3e-2 and 7.8e-3).
     ``seed``: seeds the per-sample randomness. ``partial``: also run ``step`` on a partial window of K − 1
     micro-batches (as the last window of an epoch) and report a gradient that is not that window's mean.
+    ``allow``: finding codes you expect and accept (``"batch_coupled_layer"`` for a BatchNorm model under plain
+    accumulation): they are still reported, marked allowed, and do not make the verdict fail; everything else is
+    judged as usual.
     """
     _validate_arguments(model, loss_fn, x, y, k, step, clip, tolerance, seed)
+    allowed = _allowed_codes(allow)
     params = _trainable(model)
     float64 = params[0].dtype == torch.float64
     # parameters held in bf16 or fp16 round every gradient to their format: 8 of its epsilons count as equal
@@ -65,6 +71,7 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
             _check_outputs(model, loss_fn, x, y)
             report = _check(_Job(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b,
                                  fixed_tol=tolerance is not None))
+            report.allowed = allowed
             if restore.grads_changed():
                 raise ValueError(
                     "your loss_fn or step wrote gradients into the model you passed to check: the checker runs your "
@@ -79,22 +86,54 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
         restore()
 
 
-def _validate_arguments(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: Any, clip: Any, tolerance: Any,
-              seed: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    if not callable(loss_fn):
-        raise ValueError("loss_fn must be callable as loss_fn(model(x), y) and return a scalar tensor.")
+def _allowed_codes(allow: Any) -> tuple[str, ...]:
+    """``allow`` as a tuple of known finding codes, or a ValueError naming the unknown ones."""
+    if isinstance(allow, str) or not isinstance(allow, (list, tuple, set, frozenset)):
+        raise ValueError(f"allow must be a list of finding codes, e.g. allow=['batch_coupled_layer'], got {allow!r}.")
+    unknown = sorted(str(code) for code in allow if code not in CODES)
+    if unknown:
+        raise ValueError(f"allow: unknown finding code(s) {unknown}; the codes are {sorted(CODES)}.")
+    return tuple(allow)
+
+
+def _require_step_signature(step: Any) -> None:
+    """A ValueError unless ``step`` can be called as step(model, loss_fn, x, y, k)."""
+    if not callable(step):
+        raise ValueError("step must be a function step(model, loss_fn, x, y, k), or None for plain accumulation.")
+    try:
+        inspect.signature(step).bind(None, None, None, None, 4)
+    except TypeError as err:
+        raise ValueError(f"step must take (model, loss_fn, x, y, k): {err}; add the parameters your step does not "
+                         "use (k is the number of micro-batches of the window).") from None
+    except ValueError:  # a builtin or C function without a signature: called as it is
+        pass
+
+
+def _validate_batch(x: Any, y: Any) -> None:
+    """x and y: tensors with a batch dimension, finite where they hold floats."""
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise ValueError("x and y must be tensors whose first dimension is the batch; wrap other inputs in a model "
                          "that takes one tensor.")
     if x.dim() == 0 or y.dim() == 0:
         raise ValueError(f"x and y need a batch dimension (shapes {tuple(x.shape)} and {tuple(y.shape)}); for one "
                          "sample use x[None] and y[None].")
+    for name, t in (("x", x), ("y", y)):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"{name} contains NaN or inf: the check compares gradients of finite inputs; clean or "
+                             f"drop those samples first (torch.isfinite({name}) finds them).")
+
+
+def _validate_arguments(model: Any, loss_fn: Any, x: Any, y: Any, k: Any, step: Any, clip: Any, tolerance: Any,
+              seed: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not callable(loss_fn):
+        raise ValueError("loss_fn must be callable as loss_fn(model(x), y) and return a scalar tensor.")
+    _validate_batch(x, y)
     require_k(k)
     split_batch(x, y, k)
-    if step is not None and not callable(step):
-        raise ValueError("step must be a function step(model, loss_fn, x, y, k), or None for plain accumulation.")
+    if step is not None:
+        _require_step_signature(step)
     for name, value in (("clip", clip), ("tolerance", tolerance)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value <= 0):
