@@ -74,60 +74,17 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     out = _Findings()
     info: dict[str, Any] = {}
     last = len(m.passes)
-    events = m.events
     info["backward_passes"] = last
-
-    # ---- the step raised
     if m.error is not None:
-        err = m.error
-        text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}".rstrip(": ")
-        updates = _counts(events, "scaler.update")
-        out.add("step_raised", f"your step raised {type(err).__name__}",
-                f"{text}{_user_frame(err)}, after {last} backward pass(es); the window could not be compared",
-                "fix the error (the findings below name its cause when it is a known one); the checker's verdict "
-                "covers only what ran before it", None)
-        if "No inf checks were recorded" in str(err):
-            out.add("scaler_update_inside_window", "scaler.update() inside the window: the loss scale changes "
-                    "inside the window", f"scaler.update() called {_after(updates[-1]) if updates else ''} with no "
-                    "scaler.step() before it (torch raises: no inf checks recorded)",
-                    "call scaler.step(optimizer) and then scaler.update() once per window, after the last "
-                    "micro-batch's backward", 4)
-        if "unscale_() has already been called" in str(err):
-            out.add("scaler_unscale_inside_window", "scaler.unscale_() inside the window",
-                    f"a second unscale_() in one window ({len(_counts(events, 'scaler.unscale_'))} calls)",
-                    "unscale_ once, after the last backward, then clip, then scaler.step", 4)
-
+        _error_findings(m, out, m.error, last)
     _event_findings(m, out, last)
     if m.error is not None:
         return out.list(), info
-
     g = m.applied
-    if not bool(torch.isfinite(g).all()):
-        out.add("non_finite", "non-finite gradients after the window", "inf or NaN in the gradient your step "
-                "produced", "with fp16, use a GradScaler (it skips the step on overflow); check the loss", 4)
+    if _no_gradient_findings(m, out, g, last):
         return out.list(), info
-    if last == 0 and _is_zero(g) and not _is_zero(m.target):
-        out.add("no_gradient", "your step left no gradient in the model it was given",
-                "no backward pass reached the model's parameters and every .grad is empty",
-                "compute the loss with the `model` argument of step (not a model from elsewhere) and call "
-                "backward; leave the gradient in .grad (or step an optimizer built on model.parameters())", None)
-        return out.list(), info
-
-    w, residual, cond = fit_weights(m.basis, g)
-    top_w = max(abs(v) for v in w) if w else 0.0
-    # rounding noise of the fit shown as 0 (under autocast, the noise of its dtype: a zeroed micro-batch reads
-    # about 1e-4 of the others in bf16)
-    zero = max([m.wtol, 1e-9] + [_dtype_eps(ev.detail.get("dtype", "")) for ev in _counts(m.events, "autocast")])
-    w = [v if abs(v) > zero * top_w else 0.0 for v in w]
-    clip_factor = 1.0
-    ideal_unclipped = cast(torch.Tensor, sum(fj * m.basis[j] for j, fj in enumerate(m.f)))
-    if m.clip is not None:
-        clipped = clip_vec(ideal_unclipped, m.clip, m.clip_kind, m.clip_norm_type)
-        if m.clip_kind == "norm":
-            n0 = float(torch.linalg.vector_norm(ideal_unclipped, ord=m.clip_norm_type))
-            clip_factor = min(1.0, m.clip / (n0 + 1e-6))
-    else:
-        clipped = ideal_unclipped
+    w, residual, cond = _fitted_weights(m, g)
+    ideal_unclipped, clipped, clip_factor = _ideal(m)
     e = [fj * clip_factor for fj in m.f]
     info.update(weights=w, expected_weights=e, fit_residual=residual)
     error = rel(m.target, g)
@@ -141,6 +98,84 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
         return out.list(), info
 
     # ---- the model or the loss: does the full batch equal the ideal accumulation of this model?
+    coupled_loss = _loss_findings(m, out)
+    model_error = rel(m.full, ideal_unclipped)
+    if model_error > m.tol and not coupled_loss:
+        _coupling_findings(m, out, ideal_unclipped, model_error)
+
+    # ---- the loop: does the step produce the ideal accumulation?
+    loop_error = rel(clipped, g)
+    info["loop_error"] = loop_error
+    if loop_error > m.tol and not coupled_loss:  # (the weights f mean nothing for a coupled loss)
+        _loop_findings(m, out, w, e, residual, cond, clipped, loop_error)
+    _closing_findings(m, out, g, error)
+    return out.list(), info
+
+
+def _error_findings(m: Measurements, out: _Findings, err: BaseException, last: int) -> None:
+    """The step raised ``err``: the error itself, and the scaler misuse torch's message names."""
+    events = m.events
+    text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}".rstrip(": ")
+    updates = _counts(events, "scaler.update")
+    out.add("step_raised", f"your step raised {type(err).__name__}",
+            f"{text}{_user_frame(err)}, after {last} backward pass(es); the window could not be compared",
+            "fix the error (the findings below name its cause when it is a known one); the checker's verdict "
+            "covers only what ran before it", None)
+    if "No inf checks were recorded" in str(err):
+        out.add("scaler_update_inside_window", "scaler.update() inside the window: the loss scale changes "
+                "inside the window", f"scaler.update() called {_after(updates[-1]) if updates else ''} with no "
+                "scaler.step() before it (torch raises: no inf checks recorded)",
+                "call scaler.step(optimizer) and then scaler.update() once per window, after the last "
+                "micro-batch's backward", 4)
+    if "unscale_() has already been called" in str(err):
+        out.add("scaler_unscale_inside_window", "scaler.unscale_() inside the window",
+                f"a second unscale_() in one window ({len(_counts(events, 'scaler.unscale_'))} calls)",
+                "unscale_ once, after the last backward, then clip, then scaler.step", 4)
+
+
+def _no_gradient_findings(m: Measurements, out: _Findings, g: torch.Tensor, last: int) -> bool:
+    """A gradient that cannot be compared (inf or NaN) or that no backward reached; True when there is one."""
+    if not bool(torch.isfinite(g).all()):
+        out.add("non_finite", "non-finite gradients after the window", "inf or NaN in the gradient your step "
+                "produced", "with fp16, use a GradScaler (it skips the step on overflow); check the loss", 4)
+        return True
+    if last == 0 and _is_zero(g) and not _is_zero(m.target):
+        out.add("no_gradient", "your step left no gradient in the model it was given",
+                "no backward pass reached the model's parameters and every .grad is empty",
+                "compute the loss with the `model` argument of step (not a model from elsewhere) and call "
+                "backward; leave the gradient in .grad (or step an optimizer built on model.parameters())", None)
+        return True
+    return False
+
+
+def _fitted_weights(m: Measurements, g: torch.Tensor) -> tuple[list[float], float, float]:
+    """The micro-batch weights w that give ``g`` (least squares), rounding noise shown as 0; the fit's relative
+    residual and the basis's condition number."""
+    w, residual, cond = fit_weights(m.basis, g)
+    top_w = max(abs(v) for v in w) if w else 0.0
+    # rounding noise of the fit shown as 0 (under autocast, the noise of its dtype: a zeroed micro-batch reads
+    # about 1e-4 of the others in bf16)
+    zero = max([m.wtol, 1e-9] + [_dtype_eps(ev.detail.get("dtype", "")) for ev in _counts(m.events, "autocast")])
+    return [v if abs(v) > zero * top_w else 0.0 for v in w], residual, cond
+
+
+def _ideal(m: Measurements) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The ideal accumulation sum_j f_j h_j, the same clipped as the step's clip would clip the full batch's
+    gradient, and the factor a norm clip scales it by."""
+    clip_factor = 1.0
+    ideal_unclipped = cast(torch.Tensor, sum(fj * m.basis[j] for j, fj in enumerate(m.f)))
+    if m.clip is not None:
+        clipped = clip_vec(ideal_unclipped, m.clip, m.clip_kind, m.clip_norm_type)
+        if m.clip_kind == "norm":
+            n0 = float(torch.linalg.vector_norm(ideal_unclipped, ord=m.clip_norm_type))
+            clip_factor = min(1.0, m.clip / (n0 + 1e-6))
+    else:
+        clipped = ideal_unclipped
+    return ideal_unclipped, clipped, clip_factor
+
+
+def _loss_findings(m: Measurements, out: _Findings) -> bool:
+    """A loss that couples the samples of a batch (True when it does: the weights f then mean nothing)."""
     loss_thr = m.thr if m.loss_thr is None else min(m.thr, m.loss_thr)
     # a micro-batch with a gradient of its own that weighs nothing in the full batch: the loss selects samples
     # across the batch (a max, a min, the hardest examples); a weighted or token mean gives it its share
@@ -168,15 +203,12 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
                 f"the full batch's gradient (weights {nums(m.f)}), yet have a gradient of their own: the loss "
                 "selects samples across the batch (a max, a min, the hardest examples), so which micro-batch counts "
                 "depends on the others", fix, 8)
-    model_error = rel(m.full, ideal_unclipped)
-    if model_error > m.tol and not coupled_loss:
-        _coupling_findings(m, out, ideal_unclipped, model_error)
+    return coupled_loss
 
-    # ---- the loop: does the step produce the ideal accumulation?
-    loop_error = rel(clipped, g)
-    info["loop_error"] = loop_error
-    if loop_error > m.tol and not coupled_loss:  # (the weights f mean nothing for a coupled loss)
-        _loop_findings(m, out, w, e, residual, cond, clipped, loop_error)
+
+def _closing_findings(m: Measurements, out: _Findings, g: torch.Tensor, error: float) -> None:
+    """A difference no bug explains: autocast's rounding, randomness outside the forward, or unexplained (not
+    when a clip_grad_value_ bit: it explains a gradient no weights give)."""
     autocast = _counts(m.events, "autocast")
     if error > m.tol and autocast and error <= 0.1 and not any(f.severity in ("bug", "inconclusive")
                                                                  for f in out.list()):
@@ -193,7 +225,6 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
                 "look for state that changes between micro-batches, or other layers that couple samples", 6)
     if out.value_clip_bit:
         out.remove({"unexplained"})
-    return out.list(), info
 
 
 def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, model_error: float) -> None:
