@@ -24,9 +24,23 @@ from .weights import (
 
 
 def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
+    """The findings read from the recorded calls, in the order a report lists them (``last``: backward passes)."""
+    _step_call_findings(m, out, last)
+    _scaler_call_findings(m, out, last)
+    _clip_call_findings(m, out, last)
+    _seed_findings(m, out)
+    foreign = [e for e in _counts(m.events, "optimizer.step") if not e.detail.get("owns_params", True)]
+    if foreign:
+        out.add("optimizer_not_on_model", "your step steps an optimizer that holds none of the model's parameters",
+                "the checker runs your step on a copy of the model; an optimizer built outside step holds the "
+                "original's parameters", "build the optimizer (and scheduler) inside step from model.parameters(), "
+                "or leave them out of step", None, "note")
+
+
+def _step_call_findings(m: Measurements, out: _Findings, last: int) -> None:
+    """optimizer.step(), scaler.step() and scheduler.step() more than once per window, or before its last backward."""
     events, k = m.events, m.k
-    opt = [e for e in _counts(events, "optimizer.step")]
-    own = [e for e in opt if not e.detail.get("via_scaler")]
+    own = [e for e in _counts(events, "optimizer.step") if not e.detail.get("via_scaler")]
     sstep = _counts(events, "scaler.step")
     # several optimizers (one per parameter group, e.g. Muon beside AdamW) each step once per window, with one
     # scheduler each and one GradScaler for all: counted per optimizer (per scheduler)
@@ -49,6 +63,11 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
                 f"({', '.join(_after(e) for e in sched[:4])}{', …' if len(sched) > 4 else ''}; the step a "
                 "scheduler's constructor makes is not counted): warmup and decay run up to "
                 f"{k}× too fast", "step the scheduler once per optimizer step, after it", 6)
+
+
+def _scaler_call_findings(m: Measurements, out: _Findings, last: int) -> None:
+    """scaler.update() and scaler.unscale_() more than once per window, or before its last backward."""
+    events = m.events
     updates = _counts(events, "scaler.update")
     if (len(updates) > 1 or _inside(updates, last)) and m.error is None:
         scales = [p.scale for p in m.passes if p.scale is not None]
@@ -62,7 +81,11 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
         out.add("scaler_unscale_inside_window", "scaler.unscale_() inside the window",
                 f"unscale_() called {len(unscales)}×, {len(_inside(unscales, last))} before the last backward",
                 "unscale_ once, after the last backward, then clip, then scaler.step", 4)
-    clips = _counts(events, "clip")
+
+
+def _clip_call_findings(m: Measurements, out: _Findings, last: int) -> None:
+    """A clip before unscale_, and a clip inside the window (on the running buffer or per micro-batch)."""
+    clips = _counts(m.events, "clip")
     scaled = [e for e in clips if e.detail.get("scaled")]
     if scaled:
         e = scaled[0]
@@ -89,6 +112,11 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
         else:
             out.add("clip_running_buffer", CLIP_RUNNING, evidence, CLIP_FIX, 3)
         out.value_clip_bit = out.value_clip_bit or (bites and by_value)
+
+
+def _seed_findings(m: Measurements, out: _Findings) -> None:
+    """The RNG re-seeded inside the window (the masks repeat), or a seed set in a window that draws nothing."""
+    events = m.events
     if m.reseeded is not None and m.reseeded[0] > 0:
         same, compared = m.reseeded
         seeds = _counts(events, "seed")
@@ -102,9 +130,3 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
         out.add("seed_inside_window", "a seed is set inside the window", f"{len(_counts(events, 'seed'))} seeding "
                 "call(s); this window draws no random numbers, so nothing repeats yet",
                 "seed once, at the start of training (dropout added later would repeat its masks)", 6, "note")
-    foreign = [e for e in opt if not e.detail.get("owns_params", True)]
-    if foreign:
-        out.add("optimizer_not_on_model", "your step steps an optimizer that holds none of the model's parameters",
-                "the checker runs your step on a copy of the model; an optimizer built outside step holds the "
-                "original's parameters", "build the optimizer (and scheduler) inside step from model.parameters(), "
-                "or leave them out of step", None, "note")

@@ -323,6 +323,38 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
     return float((a.detach() - b.detach()).abs().max()) <= rtol * max(scale, 1e-30) if a.numel() else True
 
 
+def _module_difference(module: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], n: int, b: int,
+                       rng: SampleRNG, rtol: float) -> float | None:
+    """The largest difference between ``module``'s output for the first b samples called on them alone and called
+    on all n (its captured ``inputs``), or None when they agree or cannot be compared."""
+    args, kwargs = inputs
+    small_args = tuple(_slice(a, n, b) if isinstance(a, torch.Tensor) and n in a.shape else a for a in args)
+    small_kwargs = {k: _slice(v, n, b) if isinstance(v, torch.Tensor) and n in v.shape else v
+                    for k, v in kwargs.items()}
+    if any(s is None for s in small_args):
+        return None
+    rng.plans = {}
+    before = len(rng.unreplayed)
+    try:
+        with rng:
+            rng.start_forward(0, n)
+            full = first_tensor(module(*args, **kwargs))
+            rng.start_forward(0, b)
+            small = first_tensor(module(*small_args, **small_kwargs))
+    except Exception:
+        return None
+    if len(rng.unreplayed) > before:
+        return None  # randomness without a batch dimension: a difference would say nothing
+    if full is None or small is None:
+        return None
+    head = _slice(full, n, b)
+    if head is None or head.shape != small.shape:
+        return None
+    if _close(small, head, rtol):
+        return None
+    return float((small.double() - head.double()).abs().max())
+
+
 def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
                     rtol: float) -> list[tuple[str, str, float]]:
     """Modules whose output for a sample depends on the other samples of its batch, found by measurement.
@@ -358,31 +390,9 @@ def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
         for name, module in work.named_modules():
             if name not in captured:
                 continue
-            args, kwargs = captured[name]
-            small_args = tuple(_slice(a, n, b) if isinstance(a, torch.Tensor) and n in a.shape else a for a in args)
-            small_kwargs = {k: _slice(v, n, b) if isinstance(v, torch.Tensor) and n in v.shape else v
-                            for k, v in kwargs.items()}
-            if any(s is None for s in small_args):
-                continue
-            rng.plans = {}
-            before = len(rng.unreplayed)
-            try:
-                with rng:
-                    rng.start_forward(0, n)
-                    full = first_tensor(module(*args, **kwargs))
-                    rng.start_forward(0, b)
-                    small = first_tensor(module(*small_args, **small_kwargs))
-            except Exception:
-                continue
-            if len(rng.unreplayed) > before:
-                continue  # randomness without a batch dimension: a difference would say nothing
-            if full is None or small is None:
-                continue
-            head = _slice(full, n, b)
-            if head is None or head.shape != small.shape:
-                continue
-            if not _close(small, head, rtol):
-                found[name] = (type(module).__name__, float((small.double() - head.double()).abs().max()))
+            diff = _module_difference(module, captured[name], n, b, rng, rtol)
+            if diff is not None:
+                found[name] = (type(module).__name__, diff)
     inner = [name for name in found if not any(o != name and (name == "" or o.startswith(name + ".")) for o in found)]
     return [(name or "(the model itself)", found[name][0], found[name][1]) for name in inner]
 

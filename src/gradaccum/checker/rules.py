@@ -49,6 +49,7 @@ from .measure import (
     fit_weights,
     rel,
 )
+from .recorder import Event
 from .report import (
     CORRECT_LOOP,
     ZERO_GRAD_CAUSE,
@@ -74,60 +75,17 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     out = _Findings()
     info: dict[str, Any] = {}
     last = len(m.passes)
-    events = m.events
     info["backward_passes"] = last
-
-    # ---- the step raised
     if m.error is not None:
-        err = m.error
-        text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}".rstrip(": ")
-        updates = _counts(events, "scaler.update")
-        out.add("step_raised", f"your step raised {type(err).__name__}",
-                f"{text}{_user_frame(err)}, after {last} backward pass(es); the window could not be compared",
-                "fix the error (the findings below name its cause when it is a known one); the checker's verdict "
-                "covers only what ran before it", None)
-        if "No inf checks were recorded" in str(err):
-            out.add("scaler_update_inside_window", "scaler.update() inside the window: the loss scale changes "
-                    "inside the window", f"scaler.update() called {_after(updates[-1]) if updates else ''} with no "
-                    "scaler.step() before it (torch raises: no inf checks recorded)",
-                    "call scaler.step(optimizer) and then scaler.update() once per window, after the last "
-                    "micro-batch's backward", 4)
-        if "unscale_() has already been called" in str(err):
-            out.add("scaler_unscale_inside_window", "scaler.unscale_() inside the window",
-                    f"a second unscale_() in one window ({len(_counts(events, 'scaler.unscale_'))} calls)",
-                    "unscale_ once, after the last backward, then clip, then scaler.step", 4)
-
+        _error_findings(m, out, m.error, last)
     _event_findings(m, out, last)
     if m.error is not None:
         return out.list(), info
-
     g = m.applied
-    if not bool(torch.isfinite(g).all()):
-        out.add("non_finite", "non-finite gradients after the window", "inf or NaN in the gradient your step "
-                "produced", "with fp16, use a GradScaler (it skips the step on overflow); check the loss", 4)
+    if _no_gradient_findings(m, out, g, last):
         return out.list(), info
-    if last == 0 and _is_zero(g) and not _is_zero(m.target):
-        out.add("no_gradient", "your step left no gradient in the model it was given",
-                "no backward pass reached the model's parameters and every .grad is empty",
-                "compute the loss with the `model` argument of step (not a model from elsewhere) and call "
-                "backward; leave the gradient in .grad (or step an optimizer built on model.parameters())", None)
-        return out.list(), info
-
-    w, residual, cond = fit_weights(m.basis, g)
-    top_w = max(abs(v) for v in w) if w else 0.0
-    # rounding noise of the fit shown as 0 (under autocast, the noise of its dtype: a zeroed micro-batch reads
-    # about 1e-4 of the others in bf16)
-    zero = max([m.wtol, 1e-9] + [_dtype_eps(ev.detail.get("dtype", "")) for ev in _counts(m.events, "autocast")])
-    w = [v if abs(v) > zero * top_w else 0.0 for v in w]
-    clip_factor = 1.0
-    ideal_unclipped = cast(torch.Tensor, sum(fj * m.basis[j] for j, fj in enumerate(m.f)))
-    if m.clip is not None:
-        clipped = clip_vec(ideal_unclipped, m.clip, m.clip_kind, m.clip_norm_type)
-        if m.clip_kind == "norm":
-            n0 = float(torch.linalg.vector_norm(ideal_unclipped, ord=m.clip_norm_type))
-            clip_factor = min(1.0, m.clip / (n0 + 1e-6))
-    else:
-        clipped = ideal_unclipped
+    w, residual, cond = _fitted_weights(m, g)
+    ideal_unclipped, clipped, clip_factor = _ideal(m)
     e = [fj * clip_factor for fj in m.f]
     info.update(weights=w, expected_weights=e, fit_residual=residual)
     error = rel(m.target, g)
@@ -141,6 +99,84 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
         return out.list(), info
 
     # ---- the model or the loss: does the full batch equal the ideal accumulation of this model?
+    coupled_loss = _loss_findings(m, out)
+    model_error = rel(m.full, ideal_unclipped)
+    if model_error > m.tol and not coupled_loss:
+        _coupling_findings(m, out, ideal_unclipped, model_error)
+
+    # ---- the loop: does the step produce the ideal accumulation?
+    loop_error = rel(clipped, g)
+    info["loop_error"] = loop_error
+    if loop_error > m.tol and not coupled_loss:  # (the weights f mean nothing for a coupled loss)
+        _loop_findings(m, out, w, e, residual, cond, clipped, loop_error)
+    _closing_findings(m, out, g, error)
+    return out.list(), info
+
+
+def _error_findings(m: Measurements, out: _Findings, err: BaseException, last: int) -> None:
+    """The step raised ``err``: the error itself, and the scaler misuse torch's message names."""
+    events = m.events
+    text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}".rstrip(": ")
+    updates = _counts(events, "scaler.update")
+    out.add("step_raised", f"your step raised {type(err).__name__}",
+            f"{text}{_user_frame(err)}, after {last} backward pass(es); the window could not be compared",
+            "fix the error (the findings below name its cause when it is a known one); the checker's verdict "
+            "covers only what ran before it", None)
+    if "No inf checks were recorded" in str(err):
+        out.add("scaler_update_inside_window", "scaler.update() inside the window: the loss scale changes "
+                "inside the window", f"scaler.update() called {_after(updates[-1]) if updates else ''} with no "
+                "scaler.step() before it (torch raises: no inf checks recorded)",
+                "call scaler.step(optimizer) and then scaler.update() once per window, after the last "
+                "micro-batch's backward", 4)
+    if "unscale_() has already been called" in str(err):
+        out.add("scaler_unscale_inside_window", "scaler.unscale_() inside the window",
+                f"a second unscale_() in one window ({len(_counts(events, 'scaler.unscale_'))} calls)",
+                "unscale_ once, after the last backward, then clip, then scaler.step", 4)
+
+
+def _no_gradient_findings(m: Measurements, out: _Findings, g: torch.Tensor, last: int) -> bool:
+    """A gradient that cannot be compared (inf or NaN) or that no backward reached; True when there is one."""
+    if not bool(torch.isfinite(g).all()):
+        out.add("non_finite", "non-finite gradients after the window", "inf or NaN in the gradient your step "
+                "produced", "with fp16, use a GradScaler (it skips the step on overflow); check the loss", 4)
+        return True
+    if last == 0 and _is_zero(g) and not _is_zero(m.target):
+        out.add("no_gradient", "your step left no gradient in the model it was given",
+                "no backward pass reached the model's parameters and every .grad is empty",
+                "compute the loss with the `model` argument of step (not a model from elsewhere) and call "
+                "backward; leave the gradient in .grad (or step an optimizer built on model.parameters())", None)
+        return True
+    return False
+
+
+def _fitted_weights(m: Measurements, g: torch.Tensor) -> tuple[list[float], float, float]:
+    """The micro-batch weights w that give ``g`` (least squares), rounding noise shown as 0; the fit's relative
+    residual and the basis's condition number."""
+    w, residual, cond = fit_weights(m.basis, g)
+    top_w = max(abs(v) for v in w) if w else 0.0
+    # rounding noise of the fit shown as 0 (under autocast, the noise of its dtype: a zeroed micro-batch reads
+    # about 1e-4 of the others in bf16)
+    zero = max([m.wtol, 1e-9] + [_dtype_eps(ev.detail.get("dtype", "")) for ev in _counts(m.events, "autocast")])
+    return [v if abs(v) > zero * top_w else 0.0 for v in w], residual, cond
+
+
+def _ideal(m: Measurements) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The ideal accumulation sum_j f_j h_j, the same clipped as the step's clip would clip the full batch's
+    gradient, and the factor a norm clip scales it by."""
+    clip_factor = 1.0
+    ideal_unclipped = cast(torch.Tensor, sum(fj * m.basis[j] for j, fj in enumerate(m.f)))
+    if m.clip is not None:
+        clipped = clip_vec(ideal_unclipped, m.clip, m.clip_kind, m.clip_norm_type)
+        if m.clip_kind == "norm":
+            n0 = float(torch.linalg.vector_norm(ideal_unclipped, ord=m.clip_norm_type))
+            clip_factor = min(1.0, m.clip / (n0 + 1e-6))
+    else:
+        clipped = ideal_unclipped
+    return ideal_unclipped, clipped, clip_factor
+
+
+def _loss_findings(m: Measurements, out: _Findings) -> bool:
+    """A loss that couples the samples of a batch (True when it does: the weights f then mean nothing)."""
     loss_thr = m.thr if m.loss_thr is None else min(m.thr, m.loss_thr)
     # a micro-batch with a gradient of its own that weighs nothing in the full batch: the loss selects samples
     # across the batch (a max, a min, the hardest examples); a weighted or token mean gives it its share
@@ -168,15 +204,12 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
                 f"the full batch's gradient (weights {nums(m.f)}), yet have a gradient of their own: the loss "
                 "selects samples across the batch (a max, a min, the hardest examples), so which micro-batch counts "
                 "depends on the others", fix, 8)
-    model_error = rel(m.full, ideal_unclipped)
-    if model_error > m.tol and not coupled_loss:
-        _coupling_findings(m, out, ideal_unclipped, model_error)
+    return coupled_loss
 
-    # ---- the loop: does the step produce the ideal accumulation?
-    loop_error = rel(clipped, g)
-    info["loop_error"] = loop_error
-    if loop_error > m.tol and not coupled_loss:  # (the weights f mean nothing for a coupled loss)
-        _loop_findings(m, out, w, e, residual, cond, clipped, loop_error)
+
+def _closing_findings(m: Measurements, out: _Findings, g: torch.Tensor, error: float) -> None:
+    """A difference no bug explains: autocast's rounding, randomness outside the forward, or unexplained (not
+    when a clip_grad_value_ bit: it explains a gradient no weights give)."""
     autocast = _counts(m.events, "autocast")
     if error > m.tol and autocast and error <= 0.1 and not any(f.severity in ("bug", "inconclusive")
                                                                  for f in out.list()):
@@ -193,7 +226,6 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
                 "look for state that changes between micro-batches, or other layers that couple samples", 6)
     if out.value_clip_bit:
         out.remove({"unexplained"})
-    return out.list(), info
 
 
 def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, model_error: float) -> None:
@@ -245,101 +277,131 @@ def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, mod
 
 def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[float], residual: float, cond: float,
                    clipped: torch.Tensor, loop_error: float) -> None:
-    k = m.k
-    events = m.events
-    fit_tol = m.thr
+    """The loop's findings when its step is not the ideal accumulation: the micro-batches its forward passes saw,
+    then the micro-batch weights it applied (or, where they are not unique, the buffer trace and the scale)."""
     if any(c in out for c in ("optimizer_step_inside_window", "scaler_step_inside_window")):
         return  # the weights moved mid-window: the micro-batch gradients no longer describe the step
+    if _data_findings(m, out, loop_error):
+        return
+    if residual > m.thr:  # (a rank-deficient basis, e.g. duplicate micro-batches, still fits: min-norm weights)
+        _residual_findings(m, out, residual)
+        return
+    _backward_weight_findings(m, out, loop_error, cosine(clipped, m.applied))
+    resets = [j + 1 for j in range(1, len(m.passes)) if _is_zero(m.passes[j].before)
+              and not _is_zero(m.passes[j - 1].after)]
+    if cond > 1e10:
+        _dependent_findings(m, out, resets, clipped, loop_error)
+    else:
+        _weights_findings(m, out, w, e, resets, clipped, loop_error)
+
+
+def _data_findings(m: Measurements, out: _Findings, loop_error: float) -> bool:
+    """Forward passes that did not see the window's K micro-batches once each (True when a finding says so)."""
     seen: dict[int, int] = {}
     for offset, size in m.forwards:
         if size == m.b:
             seen[offset] = seen.get(offset, 0) + 1
-    never = [j + 1 for j in range(k) if j * m.b not in seen]
+    never = [j + 1 for j in range(m.k) if j * m.b not in seen]
     again = [offset // m.b + 1 for offset, count in sorted(seen.items()) if count > 1 and offset % m.b == 0]
     if m.has_step and never and again:  # e.g. a loop that never advances its iterator
         out.add("micro_batches_differ", "your step's micro-batches are not the K parts of the batch",
                 f"its forward passes saw micro-batch(es) {ordinal_list(again)} more than once and never "
                 f"{ordinal_list(never)}", "advance the data iterator once per micro-batch: each window must see each "
                 "of its K micro-batches once", 6)
-        return
+        return True
     sizes = sorted({n for _, n in m.forwards})
     if m.has_step and sizes and sizes != [m.b] and loop_error > m.tol:  # e.g. a loop with its own, other K
         _other_sizes(m, out, sizes)
+        return True
+    return False
+
+
+def _residual_findings(m: Measurements, out: _Findings, residual: float) -> None:
+    """A step's gradient that no micro-batch weights give (relative ``residual`` of the fit): randomness, other
+    micro-batch sizes, a zero_grad of part of the parameters, or unexplained."""
+    sizes = sorted({n for _, n in m.forwards})
+    inside_zeros = [ev for ev in _inside(_counts(m.events, "zero_grad"), len(m.passes)) if ev.after > 0]
+    if m.unreplayed or m.outside_draws:
+        _outside_randomness(m, out)
+    elif m.has_step and sizes and sizes != [m.b]:
+        _other_sizes(m, out, sizes)
+    elif inside_zeros:  # e.g. one of two optimizers emptied mid-window: each part keeps other micro-batches
+        out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE,
+                f"zero_grad() called {len(inside_zeros)}× inside the window, after "
+                f"backward pass(es) {ordinal_list(sorted({ev.after for ev in inside_zeros}))}; where it empties "
+                f"part of the parameters (one optimizer of several, say), no one set of micro-batch weights "
+                f"gives your step's gradient (relative residual {num(residual)})",
+                "zero the gradients once per window, before the first micro-batch (or after "
+                "optimizer.step()), for every optimizer", 6)
+    else:
+        out.add("unexplained", "your step's gradient is not a combination of the micro-batch gradients",
+                f"relative residual {num(residual)} after fitting it with the K micro-batch gradients of loss_fn; "
+                "does your step use loss_fn, and change nothing but .grad? (A term computed from the "
+                "parameters alone, such as a regularizer, is not in the reference: leave it out of the check.)",
+                CORRECT_LOOP, 6)
+
+
+def _dependent_findings(m: Measurements, out: _Findings, resets: list[int], clipped: torch.Tensor,
+                        loop_error: float) -> None:
+    """Micro-batch gradients linearly dependent (duplicate samples, tiny models): the weights are not unique, so
+    read the buffer trace (``resets``: micro-batches it was emptied before), the clips, and the scale along the
+    ideal gradient."""
+    events = m.events
+    last_clip = math.prod(ev.detail.get("factor", 1.0) for ev in _counts(events, "clip")
+                          if ev.after == len(m.passes))  # a clip after the last backward rescales the buffer
+    if resets and m.passes and rel(m.passes[-1].after * last_clip, m.applied) <= m.thr:
+        out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE, f"the .grad buffer was emptied before micro-batch(es) "
+                f"{ordinal_list(resets)}; the step applies what the last backward pass(es) left in it",
+                "zero the gradients once per window, before the first micro-batch", 6)
         return
-    if residual > fit_tol:  # (a rank-deficient basis, e.g. duplicate micro-batches, still fits: min-norm weights)
-        inside_zeros = [ev for ev in _inside(_counts(events, "zero_grad"), len(m.passes)) if ev.after > 0]
-        if m.unreplayed or m.outside_draws:
-            _outside_randomness(m, out)
-        elif m.has_step and sizes and sizes != [m.b]:
-            _other_sizes(m, out, sizes)
-        elif inside_zeros:  # e.g. one of two optimizers emptied mid-window: each part keeps other micro-batches
-            out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE,
-                    f"zero_grad() called {len(inside_zeros)}× inside the window, after "
-                    f"backward pass(es) {ordinal_list(sorted({ev.after for ev in inside_zeros}))}; where it empties "
-                    f"part of the parameters (one optimizer of several, say), no one set of micro-batch weights "
-                    f"gives your step's gradient (relative residual {num(residual)})",
-                    "zero the gradients once per window, before the first micro-batch (or after "
-                    "optimizer.step()), for every optimizer", 6)
-        else:
-            out.add("unexplained", "your step's gradient is not a combination of the micro-batch gradients",
-                    f"relative residual {num(residual)} after fitting it with the K micro-batch gradients of loss_fn; "
-                    "does your step use loss_fn, and change nothing but .grad? (A term computed from the "
-                    "parameters alone, such as a regularizer, is not in the reference: leave it out of the check.)",
-                    CORRECT_LOOP, 6)
+    if _clip_placement(m, out, _counts(events, "clip"), "the micro-batch gradients are linearly dependent, "
+                       "so the weights cannot be told apart"):
         return
-    _backward_weight_findings(m, out, loop_error, cosine(clipped, m.applied))
-    resets = [j + 1 for j in range(1, len(m.passes)) if _is_zero(m.passes[j].before)
-              and not _is_zero(m.passes[j - 1].after)]
-    zeros = [ev for ev in _inside(_counts(events, "zero_grad"), len(m.passes)) if ev.after > 0]
-    if cond > 1e10:
-        # micro-batch gradients linearly dependent (duplicate samples, tiny models): weights are not unique, so
-        # read the buffer trace instead, and the scale along the ideal gradient
-        last_clip = math.prod(ev.detail.get("factor", 1.0) for ev in _counts(events, "clip")
-                              if ev.after == len(m.passes))  # a clip after the last backward rescales the buffer
-        if resets and m.passes and rel(m.passes[-1].after * last_clip, m.applied) <= fit_tol:
-            out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE, f"the .grad buffer was emptied before micro-batch(es) "
-                    f"{ordinal_list(resets)}; the step applies what the last backward pass(es) left in it",
-                    "zero the gradients once per window, before the first micro-batch", 6)
-            return
-        if _clip_placement(m, out, _counts(events, "clip"), "the micro-batch gradients are linearly dependent, "
-                           "so the weights cannot be told apart"):
-            return
-        denom = float(clipped @ clipped)
-        s = float(m.applied @ clipped) / denom if denom > 0 else float("nan")
-        cos = cosine(clipped, m.applied)
-        if abs(cos - 1) <= m.thr:
-            _scale_findings(m, out, s, loop_error, cos, _counts(events, "clip"))
-        else:
-            out.add("weights_differ", "your loop weighs micro-batches differently from the full batch",
-                    f"cosine {cos:.4f} with the full batch (the micro-batch gradients are linearly dependent, so "
-                    "the weights cannot be told apart)",
-                    CORRECT_LOOP, 6)
-        return
-    missing = [j for j in range(k) if w[j] == 0 and e[j] != 0]  # exactly absent (rounding noise removed above)
-    present = [j for j in range(k) if j not in missing and e[j] != 0]
-    weights = f"weights {nums(w)} instead of {nums(e)}"
-    late = [ev for ev in _counts(events, "zero_grad") if ev.after == len(m.passes)]
+    denom = float(clipped @ clipped)
+    s = float(m.applied @ clipped) / denom if denom > 0 else float("nan")
+    cos = cosine(clipped, m.applied)
+    if abs(cos - 1) <= m.thr:
+        _scale_findings(m, out, s, loop_error, cos, _counts(events, "clip"))
+    else:
+        out.add("weights_differ", "your loop weighs micro-batches differently from the full batch",
+                f"cosine {cos:.4f} with the full batch (the micro-batch gradients are linearly dependent, so "
+                "the weights cannot be told apart)",
+                CORRECT_LOOP, 6)
+
+
+def _missing_findings(m: Measurements, out: _Findings, missing: list[int], present: list[int], weights: str,
+                      resets: list[int]) -> bool:
+    """Micro-batches that weigh exactly nothing (0-based ``missing``): a zero_grad inside the window or after the
+    last backward, or absent micro-batches; True when the step applied an emptied buffer (nothing more to read)."""
+    late = [ev for ev in _counts(m.events, "zero_grad") if ev.after == len(m.passes)]
     if missing and not present and late and _is_zero(m.applied):  # emptied between the last backward and the step
         out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE,
                 f"zero_grad() called {len(late)}× after the last backward pass, before "
                 f"your step's gradient was applied: the step applies an empty buffer ({weights})",
                 "zero the gradients once per window, before the first micro-batch or after optimizer.step(); "
                 "never between the last backward and the step", 6)
-        return
-    if missing:
-        if resets or zeros:
-            calls = f" (zero_grad() called {len(zeros)}× inside the window)" if zeros else ""
-            out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE, f"the .grad buffer was emptied before micro-batch(es) "
-                    f"{ordinal_list(resets)}{calls}; only micro-batch(es) {ordinal_list([j + 1 for j in present])} "
-                    f"reach the optimizer: {weights}", "zero the gradients once per window, before the first "
-                    "micro-batch (or after optimizer.step())", 6)
-        elif not any(c in out for c in ("clip_running_buffer", "clip_per_micro_batch", "clip_before_unscale",
-                                        "scaler_update_inside_window")):  # (those shrink early ones to ~0)
-            out.add("micro_batches_missing", "micro-batches missing from the window",
-                    f"micro-batch(es) {ordinal_list([j + 1 for j in missing])} contribute nothing: {weights}",
-                    "check the loop's bounds: every micro-batch of the window needs its backward", 6)
-    if not present:
-        return
+        return True
+    if not missing:
+        return False
+    zeros = [ev for ev in _inside(_counts(m.events, "zero_grad"), len(m.passes)) if ev.after > 0]
+    if resets or zeros:
+        calls = f" (zero_grad() called {len(zeros)}× inside the window)" if zeros else ""
+        out.add("zero_grad_inside_window", ZERO_GRAD_CAUSE, f"the .grad buffer was emptied before micro-batch(es) "
+                f"{ordinal_list(resets)}{calls}; only micro-batch(es) {ordinal_list([j + 1 for j in present])} "
+                f"reach the optimizer: {weights}", "zero the gradients once per window, before the first "
+                "micro-batch (or after optimizer.step())", 6)
+    elif not any(c in out for c in ("clip_running_buffer", "clip_per_micro_batch", "clip_before_unscale",
+                                    "scaler_update_inside_window")):  # (those shrink early ones to ~0)
+        out.add("micro_batches_missing", "micro-batches missing from the window",
+                f"micro-batch(es) {ordinal_list([j + 1 for j in missing])} contribute nothing: {weights}",
+                "check the loop's bounds: every micro-batch of the window needs its backward", 6)
+    return False
+
+
+def _uniformity(m: Measurements, w: list[float], e: list[float], present: list[int]
+                ) -> tuple[bool, bool, bool, float, float]:
+    """Whether the present micro-batches' weights are a common multiple of the full batch's (``uniform``), the
+    full batch's are equal (``f_uniform``), the step's are equal (``w_uniform``); the mean ratio and mean weight."""
     ratio = [w[j] / e[j] for j in present]
     mean = sum(ratio) / len(ratio)
     uniform = max(abs(r / mean - 1) for r in ratio) <= m.thr if mean != 0 else False
@@ -353,7 +415,21 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
         # equal weights where the full batch's differ by less than thr (a float32 reading) but by more than the
         # fit's rounding: still a mean of per-micro-batch means, not a scale
         uniform = False
-    clips = _counts(events, "clip")
+    return uniform, f_uniform, w_uniform, mean, w_mean
+
+
+def _weights_findings(m: Measurements, out: _Findings, w: list[float], e: list[float], resets: list[int],
+                      clipped: torch.Tensor, loop_error: float) -> None:
+    """The step's micro-batch weights ``w`` against the full batch's ``e``: micro-batches missing, a mean of
+    per-micro-batch means, a scale, or weights of another shape."""
+    k = m.k
+    missing = [j for j in range(k) if w[j] == 0 and e[j] != 0]  # exactly absent (rounding noise removed above)
+    present = [j for j in range(k) if j not in missing and e[j] != 0]
+    weights = f"weights {nums(w)} instead of {nums(e)}"
+    if _missing_findings(m, out, missing, present, weights, resets) or not present:
+        return
+    uniform, f_uniform, w_uniform, mean, w_mean = _uniformity(m, w, e, present)
+    clips = _counts(m.events, "clip")
     before = _alpha_pattern(m) if clips or missing else None  # read before any clip or reset
     if before is not None and before[1]:  # equal weights where the full batch's differ: per-micro-batch means
         _token_finding(m, out, list(m.f), before[2], " (what each backward added, read before your clip or reset)")
@@ -371,20 +447,25 @@ def _loop_findings(m: Measurements, out: _Findings, w: list[float], e: list[floa
     if uniform and empty and abs(mean * k / len(present) - 1) <= m.thr:
         # each micro-batch that has tokens weighted 1/K, as if the empty ones counted: a mean of token means
         _token_finding(m, out, e, [w_mean if j in empty else w[j] for j in range(k)])
-        return
-    if uniform:
+    elif uniform:
         if abs(mean - 1) > m.thr:
             what = ("the weights of the micro-batches that reach the step are" if missing else
                     "the micro-batch weights are")
             _scale_findings(m, out, mean, loop_error, cosine(clipped, m.applied), clips, what=what)
-        return
-    # weights of different shape: clipping placements, scale changes, or something else
+    else:
+        _shape_findings(m, out, weights, clips, clipped, loop_error)
+
+
+def _shape_findings(m: Measurements, out: _Findings, weights: str, clips: list[Event], clipped: torch.Tensor,
+                    loop_error: float) -> None:
+    """Weights of another shape than the full batch's: a clip placement, a loss scale that changed inside the
+    window, or weights that differ for no reason the checker knows."""
     if _clip_placement(m, out, clips, f"the micro-batches no longer weigh what they weigh in the full batch: "
                        f"{weights}"):
         _token_from_backwards(m, out, loop_error, cosine(clipped, m.applied), clips)
         return
     scales = [p.scale for p in m.passes if p.scale is not None]
-    if len(scales) == k and len(set(scales)) > 1:
+    if len(scales) == m.k and len(set(scales)) > 1:
         known = "scaler_update_inside_window" in out
         out.add("scaler_update_inside_window", "scaler.update() inside the window: the loss scale changes inside "
                 "the window", ("" if known else f"loss scale at each backward {nums(scales)}; ")
