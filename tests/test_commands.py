@@ -218,6 +218,10 @@ RUNS = {
 ELSEWHERE = {
     "python -m gradaccum.book.check_demo": "tests/test_check.py::test_command_line_demo",
     "python scripts/module_map.py": "tests/test_architecture.py::test_module_map_script_prints_every_module",
+    # the bare command (its docstrings name it): a real process, with a target, exit statuses and messages
+    "python -m gradaccum.checker": (
+        "tests/test_check_cli.py::test_a_usage_error_exits_2_without_a_traceback_in_a_real_process"
+    ),
     # instructor.md's grading session: tests/test_nbgrader.py runs each step once, for every chapter, in the course
     # folder it writes
     "nbgrader validate source/*/*.ipynb": "tests/test_nbgrader.py::graded",
@@ -235,7 +239,8 @@ MAKE_TARGETS = {
     "or lint)",
     "unit-all": "the package-test subset of `make test` (every test not marked site, commands, install, nbgrader or "
     "lint)",
-    "lint": "tests/test_lint.py runs the recipe's commands (ruff, ruff format --check, mypy), read from the Makefile",
+    "lint": "tests/test_lint.py runs the recipe's commands (ruff, ruff format --check, the size limits, mypy, "
+    "lint-imports), read from the Makefile",
     "help": "prints the Makefile's own `##` descriptions; test_make_help_describes_every_target checks them",
     "nbval": "the strict-nbval half of `make test`",
     "nbval-loaded": "strict nbval (part of `make test`) three times over with both cores kept busy: a stress run "
@@ -273,6 +278,8 @@ NOT_RUN = {
     "minutes): run by hand before publishing the Binder link",
     "bash scripts/loaded_nbval.sh [RUNS] [NOTEBOOK ...]": "what `make nbval-loaded` runs (see MAKE_TARGETS)",
     "bash scripts/portability.sh [NOTEBOOK ...]": "what `make portability` runs (see MAKE_TARGETS)",
+    "python scripts/check_sizes.py [ROOT ...]": "what `make lint` runs (tests/test_lint.py runs the recipe, and "
+    "test_the_size_limits_find_a_long_function_and_a_long_module the script itself)",
 }
 
 

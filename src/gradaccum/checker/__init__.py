@@ -16,8 +16,8 @@ optimizer and scheduler built inside ``step`` from ``model.parameters()`` (the g
 compared). It is also called once with the first K − 1 micro-batches and ``k = K − 1``, as the last partial window
 of an epoch. Command line::
 
-    python -m gradaccum.checker --demo                 # every planted bug, and correct loops
     python -m gradaccum.checker my_module:make -k 4    # make() returns (model, loss_fn, x, y) or (..., step)
+    python -m gradaccum.book.check_demo              # the book's demo: every planted bug, and correct loops
 
 Exit status: 0 no bug found, 1 a bug found (or no verdict possible), 2 a usage error.
 """
