@@ -110,7 +110,7 @@ def test_exact_scheme_gives_the_full_batch_gradient(k, batch, loss_fn):
     assert (
         agreement(g_full, fullbatch_bn.full_batch_stats_gradient(model, loss_fn, x, y, k, exact=True)).rel_error < 1e-12
     )
-    frozen = agreement(g_full, fullbatch_bn.full_batch_stats_gradient(model, loss_fn, x, y, k))
+    frozen = agreement(g_full, fullbatch_bn.full_batch_stats_gradient(model, loss_fn, x, y, k, exact=False))
     assert frozen.rel_error > 0.5  # constants: every term through the statistics is missing
 
 
@@ -471,3 +471,26 @@ def test_exact_scheme_refuses_weighted_or_ignored_targets_and_ghost_bn_bad_input
         ghost(torch.ones(4, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="reshape around it"):
         ghost(torch.randn(4, 3, 5))
+
+
+def test_the_full_batch_statistics_backward_is_exact_by_default(batch, loss_fn):
+    """As a user calls it, ``full_batch_stats_backward(model, loss_fn, x, y, k)`` gives the full batch's gradient
+    (cached where torch.fx traces the model, uncached where it does not); the constants scheme has a name of its own."""
+    x, y = batch
+    model = make_cnn("batch").train()
+    g_full = full_batch_gradient(model, loss_fn, x, y)
+    work = copy.deepcopy(model)
+    fullbatch_bn.full_batch_stats_backward(work, loss_fn, x, y, 4)
+    assert agreement(g_full, torch.cat([p.grad.reshape(-1) for p in work.parameters()])).rel_error < 1e-12
+    hooked = copy.deepcopy(model)  # a hook torch.fx would skip: the cache refuses, the default falls back
+    hooked.features[1].register_forward_hook(lambda m, i, o: None)
+    with pytest.raises(ValueError, match="hooks"):
+        fullbatch_bn.full_batch_stats_backward(copy.deepcopy(hooked), loss_fn, x, y, 4, cache=True)
+    fullbatch_bn.full_batch_stats_backward(hooked, loss_fn, x, y, 4)
+    assert agreement(g_full, torch.cat([p.grad.reshape(-1) for p in hooked.parameters()])).rel_error < 1e-12
+    with pytest.raises(ValueError, match="full_batch_stats_as_constants_backward"):
+        fullbatch_bn.full_batch_stats_backward(copy.deepcopy(model), loss_fn, x, y, 4, exact=False)
+    constants = copy.deepcopy(model)
+    fullbatch_bn.full_batch_stats_as_constants_backward(constants, loss_fn, x, y, 4)
+    g_constants = torch.cat([p.grad.reshape(-1) for p in constants.parameters()])
+    assert agreement(g_full, g_constants).rel_error > 0.5

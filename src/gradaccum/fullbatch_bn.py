@@ -43,6 +43,7 @@ __all__ = [
     "cache_bytes",
     "full_batch_forward_error",
     "full_batch_statistics",
+    "full_batch_stats_as_constants_backward",
     "full_batch_stats_backward",
     "full_batch_stats_gradient",
     "normalized_with",
@@ -76,28 +77,62 @@ def _cache_device(cache: bool | str, x: torch.Tensor) -> torch.device | None:
 
 
 def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
-                              exact: bool = False, cache: bool | str = False) -> float:
-    r"""One optimizer step's gradient with every micro-batch normalized by the *full* batch's statistics.
+                              exact: bool = True, cache: bool | str | None = None) -> float:
+    r"""One optimizer step's *full-batch* gradient, computed in K micro-batches: every micro-batch normalized by
+    the statistics of all K·b samples, and the gradient through those statistics,
+    :math:`\frac1s(a - \bar a - \hat x\,\overline{a\hat x})` per BatchNorm layer, up to rounding.
 
-    Each batch-statistics BatchNorm layer normalizes micro-batch k with the mean and variance of all K·b samples
-    (:func:`full_batch_statistics`), and loss / K is back-propagated per micro-batch. ``exact=False``: the
-    statistics are constants (gradient a/s through each layer, the terms through μ and σ² missing). ``exact=True``:
-    the full-batch gradient :math:`\frac1s(a - \bar a - \hat x\,\overline{a\hat x})`, up to rounding, at
-    L + 1 forward/backward sweeps. ``cache=True`` (kept on the input's device) or ``"cpu"``: the same step from one
-    torch.fx-traced forward and one recomputing backward, for the memory :func:`cache_bytes` measures.
+    ``cache=None`` (the default): the cached scheme (one torch.fx-traced forward and one recomputing backward per
+    micro-batch, keeping what :func:`cache_bytes` measures) where torch.fx can trace the model, the uncached one
+    (L + 1 forward/backward sweeps for L BatchNorm layers) otherwise; ``True`` (cached tensors on the input's
+    device) or ``"cpu"``: the cached scheme or a ValueError saying why not; ``False``: the uncached scheme.
+    ``exact`` must stay True: the statistics as constants give another gradient
+    (:func:`full_batch_stats_as_constants_backward`).
 
     Contract: ``model`` in training mode; ``loss_fn`` a mean over the samples that draws no random numbers; dropout
     draws plain accumulation's masks; running statistics are updated once, as by one full-batch forward; gradients
     are added to ``.grad``; returns the batch loss. ValueError, naming the layer, for what the scheme cannot
     reproduce (a BatchNorm called twice, a subclass with its own forward, ``F.batch_norm(..., training=True)``, an
-    input changed in place, a forward that changes a buffer; with the cache, a forward torch.fx cannot trace or
-    that has hooks it would skip), with ``.grad`` and buffers put back. Chapter 2 of the book tells why.
+    input changed in place, a forward that changes a buffer; with ``cache=True``, a forward torch.fx cannot trace
+    or that has hooks it would skip), with ``.grad`` and buffers put back. Chapter 2 of the book tells why.
     """
+    require_flag(exact, "exact", "True: the exact full-batch gradient")
+    if not exact:
+        raise ValueError("exact=False (the statistics as constants) is not the full-batch gradient: it drops the "
+                         "terms through the mean and variance. Call full_batch_stats_as_constants_backward(...) if "
+                         "you want that scheme on purpose.")
+    _require_inputs(loss_fn, x, y)
+    if cache is None:
+        return _cached_where_possible(model, loss_fn, x, y, k)
+    return _restoring(model, lambda: _step(model, loss_fn, x, y, k, True, cache))
+
+
+def full_batch_stats_as_constants_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
+                                           k: int, cache: bool | str = False) -> float:
+    """NOT the full-batch gradient: every micro-batch normalized by the full batch's statistics held as constants
+    (gradient a/s through each BatchNorm layer; the terms through the mean and variance are missing). Chapter 2
+    measures what that costs: a gradient at cosine about 0.5 to the full batch's at every K, and training that
+    fails. For demonstrations; :func:`full_batch_stats_backward` is the exact scheme. Same contract otherwise."""
+    _require_inputs(loss_fn, x, y)
+    return _restoring(model, lambda: _step(model, loss_fn, x, y, k, False, cache))
+
+
+def _require_inputs(loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> None:
     require_tensor(x)
     require_tensor(y, "y")
-    require_flag(exact, "exact", "True: the exact full-batch gradient; False: the statistics as constants")
     _require_sample_mean(loss_fn, y)
-    return _restoring(model, lambda: _step(model, loss_fn, x, y, k, exact, cache))
+
+
+def _cached_where_possible(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int) -> float:
+    """The cached exact scheme; where it refuses (a model torch.fx cannot trace, hooks it would skip), the uncached
+    one from the same random state, so that dropout draws the same masks; its own refusal is the one raised."""
+    rng = _Rng(_cuda_devices(model, x))
+    state = rng.state()
+    try:
+        return _restoring(model, lambda: _step(model, loss_fn, x, y, k, True, True))
+    except ValueError:
+        rng.load(state)
+    return _restoring(model, lambda: _step(model, loss_fn, x, y, k, True, False))
 
 
 def _require_sample_mean(loss_fn: LossFn, y: torch.Tensor) -> None:
@@ -173,11 +208,14 @@ def _step(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k
 
 
 def full_batch_stats_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
-                              exact: bool = False, cache: bool | str = False) -> torch.Tensor:
-    """Flat gradient of :func:`full_batch_stats_backward`, computed on a copy (the model is not modified)."""
+                              exact: bool = True, cache: bool | str = False) -> torch.Tensor:
+    """Flat gradient of :func:`full_batch_stats_backward` (``exact=False``:
+    :func:`full_batch_stats_as_constants_backward`), computed on a copy (the model is not modified)."""
+    require_flag(exact, "exact", "True: the exact scheme; False: the statistics as constants")
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
-    full_batch_stats_backward(work, loss_fn, x, y, k, exact, cache)
+    backward = full_batch_stats_backward if exact else full_batch_stats_as_constants_backward
+    backward(work, loss_fn, x, y, k, cache=cache)
     return flat_grad(work).detach()
 
 

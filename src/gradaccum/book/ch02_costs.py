@@ -22,7 +22,7 @@ from gradaccum.accumulate import accumulate_backward
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import make_cnn
 from gradaccum.book.tables import Table
-from gradaccum.fullbatch_bn import full_batch_stats_backward
+from gradaccum.fullbatch_bn import full_batch_stats_as_constants_backward, full_batch_stats_backward
 from gradaccum.ghost_bn import ghostify
 from gradaccum.precise_bn import precise_bn
 from gradaccum.timing import interleaved_times
@@ -61,11 +61,11 @@ def step_functions(x: torch.Tensor, y: torch.Tensor, k: int, methods: Sequence[s
         elif method == "ghost BN, 1 update/step":
             model, steps_k = ghostify(model, batch_size // k), 1
         elif method == "full-batch stats":
-            backward = full_batch_stats_backward
+            backward = full_batch_stats_as_constants_backward
         elif method == "exact full-batch stats":
-            backward = functools.partial(full_batch_stats_backward, exact=True)
+            backward = functools.partial(full_batch_stats_backward, cache=False)
         elif method == "exact, cached":
-            backward = functools.partial(full_batch_stats_backward, exact=True, cache=True)
+            backward = functools.partial(full_batch_stats_backward, cache=True)
         elif method != "plain accumulation":
             raise ValueError(f"no step cost for {method!r}; choose among {list(STEP_METHODS)}.")
         counter = counts.setdefault(method, [0])
