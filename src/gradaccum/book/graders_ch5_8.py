@@ -345,11 +345,12 @@ def grade_switch_aux(answer: object, fractions: tuple[float, ...] = (0.75, 0.25)
     return grade_number(
         answer,
         value,
+        # the swapped pairing before 1: near-balanced routers put it next to 1 (0.995 is a swap, not a "1")
         mistakes=[
             (value / n, "multiply by the number of experts N: a perfectly balanced router then scores 1."),
-            (1.0, "1 is the value of a perfectly balanced router; this one is not balanced."),
             *([(swapped, "that pairs each expert's fraction with another expert's probability: f_i goes with P_i.")]
               if n == 2 and swapped not in (value, value / n, 1.0) else []),
+            (1.0, "1 is the value of a perfectly balanced router; this one is not balanced."),
         ],
         hint="N Σ_i f_i P_i.",
     )
