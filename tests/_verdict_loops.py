@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from test_check import _CheckpointedBN  # one copy: test_check.py defines it
 from test_check_reader_loops import (  # noqa: F401  (re-exported: the table's rows name them)
     _active_mean,
     _class_weighted,
@@ -542,34 +543,6 @@ def l2_in_the_loss(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Ten
 
 
 # ---------------------------------------------------------------- the issue's reports (test_check.py)
-
-
-class _CheckpointedBN(nn.Module):
-    """Linear → (Linear → BatchNorm1d → ReLU) → Linear, with the block run in one of several ways."""
-
-    def __init__(self, momentum: float | None = 0.1, how: str = "checkpoint") -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.stem = nn.Linear(4, 4)  # so that the block's input needs a gradient (reentrant checkpoint needs one)
-        self.block = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, momentum=momentum), nn.ReLU())
-        self.head = nn.Linear(6, 3)
-        self.how = how
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        x = self.stem(x)
-        from gradaccum.coupled import checkpoint_keeping_bn_stats
-
-        if self.how == "shared":  # the same BatchNorm applied twice in one forward, by design: no rerun
-            return self.head(self.block[2](self.block[1](self.block[1](self.block[0](x)))))
-        if self.how == "kept":
-            return self.head(checkpoint_keeping_bn_stats(self.block, x))
-        if self.how == "nested":
-            return self.head(
-                checkpoint(lambda t: checkpoint(self.block, t, use_reentrant=False), x, use_reentrant=False)
-            )
-        return self.head(checkpoint(self.block, x, use_reentrant=self.how == "reentrant"))
 
 
 def digits_model(
