@@ -66,11 +66,14 @@ def _made(func: Callable[[], Any]) -> tuple[Any, ...]:
 #: The demo's command: the book layer's own entry point (its data and models are the book's).
 DEMO_COMMAND = "python -m gradaccum.book.check_demo"
 
+#: The command's name in its usage line and messages (``python -m gradaccum.check`` runs it under its own name).
+PROG = "python -m gradaccum.checker"
 
-def _parser() -> argparse.ArgumentParser:
+
+def _parser(prog: str = PROG) -> argparse.ArgumentParser:
     import gradaccum.checker as package
 
-    parser = argparse.ArgumentParser(prog="python -m gradaccum.checker", description=package.__doc__,
+    parser = argparse.ArgumentParser(prog=prog, description=package.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", nargs="?", help="module:function (or file.py:function) returning "
                         "(model, loss_fn, x, y) or (model, loss_fn, x, y, step)")
@@ -116,9 +119,10 @@ def _usage_json(message: str) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the exit status (0 no bug, 1 bug found, 2 usage error)."""
-    parser = _parser()
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """The command line; returns the exit status (0 no bug, 1 bug found, 2 usage error). ``prog``: the command's
+    name in its messages."""
+    parser = _parser(prog)
     raw = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = _usage_problem(args)
     if problem is not None:
         if args.json:
-            print(f"python -m gradaccum.checker: error: {problem}", file=sys.stderr)
+            print(f"{prog}: error: {problem}", file=sys.stderr)
             return _usage_json(problem)
         parser.error(problem)
     try:
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         report = check(model, loss_fn, x, y, args.k, step=rest[0] if rest else None, clip=args.clip,
                        tolerance=args.tolerance, seed=args.seed, partial=not args.no_partial, allow=args.allow)
     except (_UsageError, ValueError) as err:
-        print(f"python -m gradaccum.checker: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return _usage_json(str(err)) if args.json else 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else report)
     return 0 if report.ok else 1
