@@ -15,7 +15,7 @@ SITE_STAMP := $(VENV)/.site-installed
 # test file) are skipped quietly, as pip skips them.
 COMPILE = -$(PY) -m compileall -q -q -j 0 src $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-.PHONY: help install book test unit unit-all lint nbval nbval-loaded portability outputs budgets gpu-check binder-check student kernel nbgrader clean
+.PHONY: help install book test unit unit-all lint nbval nbval-loaded portability outputs budgets gpu-check binder-check student kernel nbgrader dist clean
 
 # `make help` prints every target with the text after its `##`.
 help: ## this list
@@ -33,7 +33,7 @@ $(SITE_STAMP): requirements-site.txt | $(PY)
 	touch $(SITE_STAMP)
 
 # Everything (tests, execution, the package): re-installed only when the requirements or the package change.
-$(STAMP): requirements.txt requirements-site.txt pyproject.toml | $(PY)
+$(STAMP): requirements.txt requirements-site.txt requirements-dist.txt pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
@@ -72,16 +72,18 @@ unit: $(STAMP) ## the package's fast tests on two workers, slow ones left out (u
 unit-all: $(STAMP) ## the package's tests on two workers, slow ones included (no notebook, site, command or install)
 	$(PY) -m pytest tests -p no:cacheprovider -n 2 -m "$(UNIT_MARKS)"
 
+# actionlint checks the GitHub workflows in .github/workflows (it finds them from the repository root).
 # ruff's rules include McCabe complexity 12 in src (pyproject.toml); the formatter checks the tests and the chapters
 # (line length 120, 80 in chapters/: chapters/ruff.toml); scripts/check_sizes.py holds src's functions to 60 lines
 # and modules to 500. src is not run through the formatter: its one-argument-per-line style lengthens the functions
 # the chapters include from the package (the page shows 10-60 lines) and pushes modules over the 500-line limit.
-lint: $(STAMP) ## ruff (rules, complexity, formatting), sizes, mypy, the layering contract (import-linter)
+lint: $(STAMP) ## ruff (rules, complexity, formatting), sizes, mypy, the layering contract, actionlint (workflows)
 	$(VENV)/bin/ruff check src tests scripts benchmarks chapters conftest.py
 	$(VENV)/bin/ruff format --check tests chapters
 	$(VENV)/bin/python scripts/check_sizes.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/actionlint
 
 nbval: $(STAMP) ## strict nbval on every chapter only
 	$(PY) -m pytest chapters --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
@@ -131,6 +133,15 @@ gpu-check: ## every chapter on a CUDA GPU (on the CPU, with a notice, where ther
 # Install from binder/ alone into a fresh virtual environment and run one chapter there.
 binder-check: ## install from binder/ alone into a fresh venv and run one chapter
 	bash scripts/binder_check.sh
+
+# The wheel and the sdist, into dist/ (emptied first: release.yml publishes everything in it). Needs only
+# requirements-dist.txt (no torch): `python -m build` makes the sdist, then the wheel from the sdist, each in an
+# isolated environment with pyproject.toml's build requirements. tests/test_release.py runs this target and installs
+# the wheel into a fresh environment holding torch alone.
+dist: | $(PY) ## build the wheel and the sdist into dist/ (what release.yml publishes; installs no torch)
+	$(PY) -m pip install --quiet -r requirements-dist.txt
+	rm -rf dist
+	$(PY) -m build --outdir dist .
 
 clean: ## remove _build
 	rm -rf _build

@@ -222,6 +222,11 @@ ELSEWHERE = {
     "python -m gradaccum.checker": (
         "tests/test_check_cli.py::test_a_usage_error_exits_2_without_a_traceback_in_a_real_process"
     ),
+    # the same command line under the function's name (src/gradaccum/check.py); tests/test_release.py runs it on a
+    # loop in the installed wheel's environment
+    "python -m gradaccum.check": (
+        "tests/test_check_module.py::test_python_m_gradaccum_check_is_the_command_line_under_its_own_name"
+    ),
     # instructor.md's grading session: tests/test_nbgrader.py runs each step once, for every chapter, in the course
     # folder it writes
     "nbgrader validate source/*/*.ipynb": "tests/test_nbgrader.py::graded",
@@ -256,7 +261,9 @@ MAKE_TARGETS = {
     "nbgrader": "tests/test_nbgrader.py writes the course with the same CLI and runs nbgrader on it end to end "
     "(validate, generate_assignment, autograde, generate_feedback) with the kernel installed as `make kernel` does",
     "install": "the set-up every other target's recipe starts with: CI's fresh clone runs it inside `make test` "
-    "(.ci/run), and tests/test_core_torch_only.py installs the package into a fresh environment",
+    "(.ci/run), and tests/test_release.py installs the package's wheel into a fresh environment",
+    "dist": "tests/test_release.py runs `make dist` in a copy of the repository, installs the wheel into a fresh "
+    "environment holding torch alone and builds the wheel again from the sdist",
     "clean": "test_make_clean_removes_only_build runs it on a copy of the Makefile",
     "kernel": "tests/test_nbgrader.py installs the same kernelspec (ipykernel install --name gradaccum) into a "
     "temporary prefix instead of the environment, and grades every chapter with it",
@@ -270,9 +277,9 @@ NOT_RUN = {
         "manifest it writes, offline"
     ),
     'pip install "gradaccum @ git+https://github.com/gradaccum/gradient-accumulation-correctly"': (
-        "needs the network to reach the repository; tests/test_core_torch_only.py::"
-        "test_fresh_environment_with_only_torch installs the same package from a copy of this repository into a "
-        "virtual environment holding torch alone, and runs the checker there"
+        "needs the network to reach the repository; tests/test_release.py builds the same package from a copy of "
+        "this repository (make dist), installs its wheel into a virtual environment holding torch alone, and runs "
+        "the checker there"
     ),
     "make binder-check": "creates a fresh virtual environment and downloads torch from PyPI into it (network, "
     "minutes): run by hand before publishing the Binder link",
