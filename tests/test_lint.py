@@ -1,7 +1,8 @@
-"""`make lint`, inside the test run: ruff, ruff format --check, the size limits, mypy and the layering contract
-(import-linter: the core never imports gradaccum.book), exactly as the Makefile's ``lint`` recipe
-says (its lines are read from the Makefile, so the two cannot drift apart). `make test` runs it here, beside the
-other tests on whichever worker takes it, instead of before them: mypy alone takes about 1.5 minutes without a cache."""
+"""`make lint`, inside the test run: ruff, ruff format --check, the size limits, mypy, the layering contract
+(import-linter: the core never imports gradaccum.book) and actionlint on the GitHub workflows, exactly as the
+Makefile's ``lint`` recipe says (its lines are read from the Makefile, so the two cannot drift apart). `make test`
+runs it here, beside the other tests on whichever worker takes it, instead of before them: mypy alone takes about
+1.5 minutes without a cache."""
 
 import shlex
 import subprocess
@@ -26,7 +27,7 @@ def lint_recipe(makefile: str) -> list[list[str]]:
 
 def test_lint_recipe_is_read():
     recipe = lint_recipe((ROOT / "Makefile").read_text())
-    assert [Path(cmd[0]).name for cmd in recipe] == ["ruff", "ruff", "python", "mypy", "lint-imports"]
+    assert [Path(cmd[0]).name for cmd in recipe] == ["ruff", "ruff", "python", "mypy", "lint-imports", "actionlint"]
     assert all(Path(cmd[0]).exists() for cmd in recipe)
 
 
@@ -76,3 +77,24 @@ def test_the_size_limits_find_a_long_function_and_a_long_module(tmp_path):
     found = check_sizes.oversized(tmp_path)
     assert any("g() is 61 lines" in line for line in found), found
     assert any("module of 501 lines" in line for line in found), found
+
+
+@pytest.mark.lint
+def test_actionlint_finds_a_broken_workflow(tmp_path):
+    """actionlint is not vacuous: in a repository like this one (its workflows copied), it passes them, and it fails
+    a workflow that misspells an action's input and asks for a permission that does not exist."""
+    import shutil
+
+    actionlint = Path(sys.executable).parent / "actionlint"
+    shutil.copytree(ROOT / ".github", tmp_path / ".github")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)  # actionlint looks for the repository's root
+    kept = subprocess.run([str(actionlint), "-oneline"], cwd=tmp_path, capture_output=True, text=True)
+    workflows = {p.name for p in (tmp_path / ".github" / "workflows").glob("*.yml")}
+    assert {"ci.yml", "pages.yml", "release.yml"} <= workflows and kept.returncode == 0, kept.stdout + kept.stderr
+    release = tmp_path / ".github" / "workflows" / "release.yml"
+    text = release.read_text()
+    assert "if-no-files-found: error" in text and "id-token: write" in text
+    release.write_text(text.replace("if-no-files-found:", "if-no-file-found:").replace("id-token:", "id-tokens:"))
+    broken = subprocess.run([str(actionlint), "-oneline"], cwd=tmp_path, capture_output=True, text=True)
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert '"if-no-file-found" is not defined' in broken.stdout and "id-tokens" in broken.stdout, broken.stdout
