@@ -42,6 +42,7 @@ def params(model: nn.Module) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- the core
 
 
+@pytest.mark.slow
 def test_the_integrations_import_no_framework_until_one_is_used():
     code = (
         "import sys, gradaccum.integrations as i; "
