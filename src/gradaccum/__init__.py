@@ -20,6 +20,9 @@ What each core module holds (the chapter of the book that derives it in brackets
 * :mod:`gradaccum.frameworks` — Accelerate, Lightning, the Transformers Trainer and two hand-written loops run on the
   same micro-batches, and ``check`` adapters for them (the frameworks are imported only when used); the runners
   are in :mod:`gradaccum.framework_runners`, what they record in :mod:`gradaccum.framework_probes` [7].
+* :mod:`gradaccum.integrations` — the check where people train: a Lightning ``Callback``, a Transformers
+  ``TrainerCallback`` and an Accelerate decorator that check a run's own first window when it starts, and can
+  stop it on a bug (each framework is imported only when its integration is used) [Check your loop].
 * :mod:`gradaccum.runtime`, :mod:`gradaccum.timing` — seeds, threads and device; interleaved median timings.
 
 The book layer, :mod:`gradaccum.book` (``pip install "gradaccum[book]"``), holds the data, models, figures,
