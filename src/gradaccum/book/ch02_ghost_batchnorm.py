@@ -4,6 +4,7 @@ PreciseBN size effects and the figures.
 The book layer over :mod:`gradaccum.ghost_bn`, :mod:`gradaccum.fullbatch_bn` and :mod:`gradaccum.precise_bn` (the
 torch-only tools the chapter derives).
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,8 +51,16 @@ from gradaccum.precise_bn import precise_bn
 #: The methods chapter 2 compares, in the order of its table. "ghost BN, 1 update/step" is this book's
 #: one-pass GhostBatchNorm, which updates the running statistics once per step; Hoffer et al.'s reference code
 #: runs backward per chunk and updates them once per chunk, which *is* the "plain accumulation" row.
-METHODS: tuple[str, ...] = ("full batch", "plain accumulation", "ghost BN, 1 update/step", "full-batch stats",
-                            "exact full-batch stats", "momentum-corrected", "GroupNorm", "LayerNorm")
+METHODS: tuple[str, ...] = (
+    "full batch",
+    "plain accumulation",
+    "ghost BN, 1 update/step",
+    "full-batch stats",
+    "exact full-batch stats",
+    "momentum-corrected",
+    "GroupNorm",
+    "LayerNorm",
+)
 
 
 @dataclass(frozen=True)
@@ -171,10 +180,16 @@ class ShadowRunningStats:
 
     def __init__(self, model: nn.Module, momentum: float):
         self.momentum = momentum
-        self.stats = {name: tuple(t.clone() for t in _running_stats(layer))
-                      for name, layer in model.named_modules() if isinstance(layer, _BatchNorm)}
-        self._hooks = [layer.register_forward_pre_hook(functools.partial(self._update, name))
-                       for name, layer in model.named_modules() if isinstance(layer, _BatchNorm)]
+        self.stats = {
+            name: tuple(t.clone() for t in _running_stats(layer))
+            for name, layer in model.named_modules()
+            if isinstance(layer, _BatchNorm)
+        }
+        self._hooks = [
+            layer.register_forward_pre_hook(functools.partial(self._update, name))
+            for name, layer in model.named_modules()
+            if isinstance(layer, _BatchNorm)
+        ]
 
     def _update(self, name: str, layer: _BatchNorm, inputs: tuple[torch.Tensor, ...]) -> None:
         if not layer.training:
@@ -197,8 +212,16 @@ class ShadowRunningStats:
         return twin
 
 
-def train_method(split: DigitsSplit, method: str, k: int, batch_size: int = 64, epochs: int = 8, seed: int = 0,
-                 schedule: str = "constant", shadow: list[MethodRun] | None = None) -> tuple[MethodRun, nn.Module]:
+def train_method(
+    split: DigitsSplit,
+    method: str,
+    k: int,
+    batch_size: int = 64,
+    epochs: int = 8,
+    seed: int = 0,
+    schedule: str = "constant",
+    shadow: list[MethodRun] | None = None,
+) -> tuple[MethodRun, nn.Module]:
     """Train a fresh SmallCNN with one method on 64-image batches (K micro-batches of b = 64/K): SGD with
     momentum 0.9, learning rate 0.05 (``schedule`` "constant" or "cosine"), cross-entropy, float64.
 
@@ -233,12 +256,26 @@ def train_method(split: DigitsSplit, method: str, k: int, batch_size: int = 64, 
     if shadow is not None and method != "plain accumulation":
         raise ValueError("shadow running statistics are read off a plain-accumulation run only.")
     tracker = ShadowRunningStats(model, corrected_momentum(0.1, k)) if shadow is not None else None
-    watched = {name: m.weight.detach().norm().item() for name, m in model.named_modules()
-               if name in pre_bn_layers(model)}
-    result = train(model, split.x_train, split.y_train, split.x_val, split.y_val, batch_size=batch_size,
-                   k=steps_k, epochs=epochs, seed=seed, backward_fn=backward_fn, schedule=schedule)
-    growth = tuple(cast(torch.Tensor, model.get_submodule(name).weight).detach().norm().item() / start
-                   for name, start in watched.items())
+    watched = {
+        name: m.weight.detach().norm().item() for name, m in model.named_modules() if name in pre_bn_layers(model)
+    }
+    result = train(
+        model,
+        split.x_train,
+        split.y_train,
+        split.x_val,
+        split.y_val,
+        batch_size=batch_size,
+        k=steps_k,
+        epochs=epochs,
+        seed=seed,
+        backward_fn=backward_fn,
+        schedule=schedule,
+    )
+    growth = tuple(
+        cast(torch.Tensor, model.get_submodule(name).weight).detach().norm().item() / start
+        for name, start in watched.items()
+    )
     precise = float("nan")
     if norm == "batch":
         recomputed = copy.deepcopy(model)
@@ -248,13 +285,31 @@ def train_method(split: DigitsSplit, method: str, k: int, batch_size: int = 64, 
     run = MethodRun(method, steps_k, group, seed, schedule, result.val_acc, precise, growth, result.optimizer_steps)
     if tracker is not None and shadow is not None:
         twin = tracker.apply_to(model).eval()
-        shadow.append(MethodRun("momentum-corrected", steps_k, group, seed, schedule,
-                                accuracy(twin, split.x_val, split.y_val), precise, growth, result.optimizer_steps))
+        shadow.append(
+            MethodRun(
+                "momentum-corrected",
+                steps_k,
+                group,
+                seed,
+                schedule,
+                accuracy(twin, split.x_val, split.y_val),
+                precise,
+                growth,
+                result.optimizer_steps,
+            )
+        )
     return run, model.eval()
 
 
-def train_methods(split: DigitsSplit, k: int, batch_size: int = 64, epochs: int = 8, seed: int = 0,
-                  methods: Sequence[str] = METHODS, schedule: str = "constant") -> list[MethodRun]:
+def train_methods(
+    split: DigitsSplit,
+    k: int,
+    batch_size: int = 64,
+    epochs: int = 8,
+    seed: int = 0,
+    methods: Sequence[str] = METHODS,
+    schedule: str = "constant",
+) -> list[MethodRun]:
     """:func:`train_method` for each of ``methods`` (in the order of :data:`METHODS`), on the same batches.
 
     When both "plain accumulation" and "momentum-corrected" are asked for, one training run serves both
@@ -284,8 +339,14 @@ def train_many(split: DigitsSplit, jobs: Sequence[dict], workers: int = 1) -> li
     return run_jobs(train_methods, [dict(split=split, **job) for job in jobs], workers)
 
 
-def study_jobs(seeds: Sequence[int] = (0, 1, 2), schedules: Sequence[str] = ("constant", "cosine"), k: int = 16,
-               k_small: int = 4, batch_size: int = 64, epochs: int = 8) -> list[dict]:
+def study_jobs(
+    seeds: Sequence[int] = (0, 1, 2),
+    schedules: Sequence[str] = ("constant", "cosine"),
+    k: int = 16,
+    k_small: int = 4,
+    batch_size: int = 64,
+    epochs: int = 8,
+) -> list[dict]:
     """The :func:`train_methods` jobs of :func:`seed_study`."""
     jobs = []
     for schedule in schedules:
@@ -296,9 +357,16 @@ def study_jobs(seeds: Sequence[int] = (0, 1, 2), schedules: Sequence[str] = ("co
     return jobs
 
 
-def seed_study(split: DigitsSplit, seeds: Sequence[int] = (0, 1, 2),
-               schedules: Sequence[str] = ("constant", "cosine"), k: int = 16, k_small: int = 4,
-               batch_size: int = 64, epochs: int = 8, workers: int = 1) -> list[MethodRun]:
+def seed_study(
+    split: DigitsSplit,
+    seeds: Sequence[int] = (0, 1, 2),
+    schedules: Sequence[str] = ("constant", "cosine"),
+    k: int = 16,
+    k_small: int = 4,
+    batch_size: int = 64,
+    epochs: int = 8,
+    workers: int = 1,
+) -> list[MethodRun]:
     """The runs behind chapter 2's comparative claims, for every seed and learning-rate schedule: the full
     batch, plain accumulation at ``k_small`` and at ``k``, and momentum-corrected accumulation at ``k``
     (each with its PreciseBN accuracy); ``workers`` as in :func:`train_many`."""
@@ -322,12 +390,20 @@ def format_study(runs: Sequence[MethodRun]) -> Table:
     table = study_table(runs)
     columns = list(dict.fromkeys((m, k) for m, k, _, _ in table))
     heads = {("full batch", 1): "full batch"}
-    names = [heads.get(c, c[0].replace("accumulation", "accum.").replace("momentum-", "mom.-") + f" K={c[1]}")
-             for c in columns]
-    rows = [[schedule, seed] + [f"{100 * table[m, k, schedule, seed].val_acc:.1f} → "
-                                f"{100 * table[m, k, schedule, seed].val_acc_precise:.1f}%" for m, k in columns]
-            for schedule in dict.fromkeys(s for _, _, s, _ in table)
-            for seed in dict.fromkeys(s for _, _, _, s in table)]
+    names = [
+        heads.get(c, c[0].replace("accumulation", "accum.").replace("momentum-", "mom.-") + f" K={c[1]}")
+        for c in columns
+    ]
+    rows = [
+        [schedule, seed]
+        + [
+            f"{100 * table[m, k, schedule, seed].val_acc:.1f} → "
+            f"{100 * table[m, k, schedule, seed].val_acc_precise:.1f}%"
+            for m, k in columns
+        ]
+        for schedule in dict.fromkeys(s for _, _, s, _ in table)
+        for seed in dict.fromkeys(s for _, _, _, s in table)
+    ]
     return Table(["schedule", "seed", *names], rows)
 
 
@@ -349,8 +425,15 @@ def plot_methods(runs: list[MethodRun]):
     fig, (ax,) = figure(1, 9.6, 3.8)
     pos = np.arange(len(runs))
     ax.bar(pos - 0.2, [100 * r.val_acc for r in runs], 0.4, color=PALETTE["sky"], label="running statistics")
-    ax.bar(pos + 0.2, [100 * r.val_acc_precise for r in runs], 0.4, color=PALETTE["vermillion"], hatch="//",
-           edgecolor="white", label="after PreciseBN")
+    ax.bar(
+        pos + 0.2,
+        [100 * r.val_acc_precise for r in runs],
+        0.4,
+        color=PALETTE["vermillion"],
+        hatch="//",
+        edgecolor="white",
+        label="after PreciseBN",
+    )
     # n: the samples a BatchNorm normalizes over; GroupNorm and LayerNorm have none
     no_bn = ("GroupNorm", "LayerNorm")
     ticks = [f"{r.method}\n(K={r.k}, " + ("no BatchNorm)" if r.method in no_bn else f"BN over n={r.b})") for r in runs]
@@ -380,16 +463,25 @@ def plot_study(runs: Sequence[MethodRun]):
             full = table["full batch", 1, schedule, seed]
             small = table["plain accumulation", k_small, schedule, seed]
             mom = table["momentum-corrected", k, schedule, seed]
-            pairs = [(0, plain.val_acc_precise - plain.val_acc, PALETTE["vermillion"], f"PreciseBN − plain (K={k})"),
-                     (1, mom.val_acc - plain.val_acc, PALETTE["blue"], f"momentum-corrected − plain (K={k})"),
-                     (2, small.val_acc - full.val_acc, PALETTE["orange"], f"b={b_small} − full batch"),
-                     (3, small.val_acc_precise - full.val_acc_precise, PALETTE["green"],
-                      f"b={b_small} − full batch, both PreciseBN")]
+            pairs = [
+                (0, plain.val_acc_precise - plain.val_acc, PALETTE["vermillion"], f"PreciseBN − plain (K={k})"),
+                (1, mom.val_acc - plain.val_acc, PALETTE["blue"], f"momentum-corrected − plain (K={k})"),
+                (2, small.val_acc - full.val_acc, PALETTE["orange"], f"b={b_small} − full batch"),
+                (
+                    3,
+                    small.val_acc_precise - full.val_acc_precise,
+                    PALETTE["green"],
+                    f"b={b_small} − full batch, both PreciseBN",
+                ),
+            ]
             for x, diff, color, label in pairs:
                 ax.scatter(x + (i - 1) * 0.12, 100 * diff, color=color, s=28, label=label if i == 0 else None)
         ax.axhline(0, color="0.4", lw=0.8)
-        ax.set_xticks(range(4), ["PreciseBN", "momentum\ncorrection", f"b={b_small}\nvs full",
-                                 f"b={b_small} vs full\n(PreciseBN)"], fontsize=8)
+        ax.set_xticks(
+            range(4),
+            ["PreciseBN", "momentum\ncorrection", f"b={b_small}\nvs full", f"b={b_small} vs full\n(PreciseBN)"],
+            fontsize=8,
+        )
         decorate(ax, "", "difference (points)", f"{schedule} learning rate, seeds {seeds[0]}–{seeds[-1]}")
     return fig
 
@@ -408,14 +500,28 @@ def method_cosine_grid(ks: Sequence[int], bs: Sequence[int], x: torch.Tensor, y:
     return {m: np.array(v) for m, v in grids.items()}
 
 
-def plot_method_cosine_grid(grids: dict[str, np.ndarray], ks: Sequence[int], bs: Sequence[int],
-                     methods: Sequence[str] = ("plain accumulation", "full-batch stats", "exact full-batch stats")):
+def plot_method_cosine_grid(
+    grids: dict[str, np.ndarray],
+    ks: Sequence[int],
+    bs: Sequence[int],
+    methods: Sequence[str] = ("plain accumulation", "full-batch stats", "exact full-batch stats"),
+):
     """Heat maps of the gradient cosine to the full-batch gradient, one panel per method."""
 
     fig, axes = figure(len(methods), 3.6 * len(methods), 3.6)
     for ax, method in zip(axes, methods):
-        image = heatmap(ax, grids[method], ks, bs, vmin=0.0, vmax=1.0, aspect="equal", xlabel="micro-batch size b",
-                        ylabel="K", title=method)
+        image = heatmap(
+            ax,
+            grids[method],
+            ks,
+            bs,
+            vmin=0.0,
+            vmax=1.0,
+            aspect="equal",
+            xlabel="micro-batch size b",
+            ylabel="K",
+            title=method,
+        )
     fig.colorbar(image, ax=axes, label="cosine to the full-batch gradient", shrink=0.9)
     return fig
 

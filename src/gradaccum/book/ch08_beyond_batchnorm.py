@@ -174,8 +174,14 @@ def step_costs(x: torch.Tensor, k: int, b: int, hidden: int = 2048, repeat: int 
     return Costs(seconds, {name: peak_saved_bytes(fn, held) for name, fn in fns.items()})
 
 
-def few_label_accuracy(enc: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
-                       y_val: torch.Tensor, per_class: int = 3) -> float:
+def few_label_accuracy(
+    enc: nn.Module,
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+    per_class: int = 3,
+) -> float:
     """Validation accuracy of nearest class centroid (cosine) in the embedding, the centroids from the first
     ``per_class`` training digits of each class: how well the embedding separates the classes with few labels."""
     labelled = torch.cat([torch.nonzero(y_train == c)[:per_class, 0] for c in range(10)])
@@ -186,8 +192,17 @@ def few_label_accuracy(enc: nn.Module, x_train: torch.Tensor, y_train: torch.Ten
     return float(((v @ centroids.T).argmax(1) == y_val).double().mean())
 
 
-def train_contrastive(method: str, x: torch.Tensor, k: int, b: int, seed: int, schedule: str, epochs: int = 4,
-                      lr: float = 0.05, one_pass: bool = True) -> nn.Module:
+def train_contrastive(
+    method: str,
+    x: torch.Tensor,
+    k: int,
+    b: int,
+    seed: int,
+    schedule: str,
+    epochs: int = 4,
+    lr: float = 0.05,
+    one_pass: bool = True,
+) -> nn.Module:
     """Contrastive training of :func:`encoder` on the training digits: SGD with momentum 0.9, batches of
     ``k · b`` digits (two views each), ``"full"`` batch, ``"plain"`` accumulation of ``k`` micro-batches or
     ``"gradcache"``, learning rate constant or cosine-decayed to 0. With ``one_pass`` (the default), plain
@@ -206,13 +221,15 @@ def train_contrastive(method: str, x: torch.Tensor, k: int, b: int, seed: int, s
     xs, n = flat_digits(x), k * b
     per_epoch = len(xs) // n
     if per_epoch == 0:
-        raise ValueError(f"a batch of K · b = {n} digits is more than the {len(xs)} given: no step would run; "
-                         "give more digits or a smaller K or b.")
+        raise ValueError(
+            f"a batch of K · b = {n} digits is more than the {len(xs)} given: no step would run; "
+            "give more digits or a smaller K or b."
+        )
     total, step = epochs * per_epoch, 0
     for _ in range(epochs):
         order = torch.randperm(len(xs), generator=g)
         for i in range(per_epoch):
-            batch = xs[order[i * n:(i + 1) * n]]
+            batch = xs[order[i * n : (i + 1) * n]]
             xa, xb = views(batch, g), views(batch, g)
             factor = (1 + math.cos(math.pi * step / total)) / 2 if schedule == "cosine" else 1.0
             for group in opt.param_groups:
@@ -231,18 +248,34 @@ def train_contrastive(method: str, x: torch.Tensor, k: int, b: int, seed: int, s
     return enc
 
 
-def contrastive_run(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
-                    k: int, b: int, seed: int, schedule: str) -> dict[str, float]:
+def contrastive_run(
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+    k: int,
+    b: int,
+    seed: int,
+    schedule: str,
+) -> dict[str, float]:
     """Few-label accuracy after training with the full batch (= GradCache) and with plain accumulation, for one
     (K, b), seed and schedule."""
-    return {m: few_label_accuracy(train_contrastive(m, x_train, k, b, seed, schedule), x_train, y_train, x_val,
-                                  y_val) for m in ("full", "plain")}
+    return {
+        m: few_label_accuracy(train_contrastive(m, x_train, k, b, seed, schedule), x_train, y_train, x_val, y_val)
+        for m in ("full", "plain")
+    }
 
 
-def contrastive_study(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
-                      settings: Sequence[tuple[int, int]] = ((16, 2), (4, 8)), seeds: Sequence[int] = (0, 1, 2),
-                      schedules: Sequence[str] = ("constant", "cosine"), workers: int = 1,
-                      ) -> dict[tuple[int, int, int, str], dict]:
+def contrastive_study(
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+    settings: Sequence[tuple[int, int]] = ((16, 2), (4, 8)),
+    seeds: Sequence[int] = (0, 1, 2),
+    schedules: Sequence[str] = ("constant", "cosine"),
+    workers: int = 1,
+) -> dict[tuple[int, int, int, str], dict]:
     """:func:`contrastive_run` for each (K, b), seed and schedule (batch K · b = 32), keyed by
     (K, b, seed, schedule); with ``workers > 1`` in that many spawned processes
     (:func:`gradaccum.book.parallel.run_jobs`: every run seeds itself, the same results to the bit)."""
@@ -262,8 +295,12 @@ def plot_contrastive(study: dict[tuple[int, int, int, str], dict]):
     lo = min(min(r.values()) for r in study.values()) - 0.02
     hi = max(max(r.values()) for r in study.values()) + 0.02
     ax.plot([lo, hi], [lo, hi], ":", color="black", linewidth=1)
-    decorate(ax, "few-label accuracy, full batch (= GradCache)", "plain accumulation",
-             "Contrastive training, batch 32: one point per seed and schedule")
+    decorate(
+        ax,
+        "few-label accuracy, full batch (= GradCache)",
+        "plain accumulation",
+        "Contrastive training, batch 32: one point per seed and schedule",
+    )
     return fig
 
 
@@ -274,8 +311,16 @@ def error_grid(x: torch.Tensor, ks: Sequence[int], bs: Sequence[int]) -> np.ndar
 
 def plot_error_grid(grid: np.ndarray, ks: Sequence[int], bs: Sequence[int]):
     fig, (ax,) = figure(1, 6.4, 3.6)
-    image = heatmap(ax, grid, ks, bs, vmin=0.0, xlabel="micro-batch size b", ylabel="K",
-                    title="InfoNCE: plain accumulation vs full batch")
+    image = heatmap(
+        ax,
+        grid,
+        ks,
+        bs,
+        vmin=0.0,
+        xlabel="micro-batch size b",
+        ylabel="K",
+        title="InfoNCE: plain accumulation vs full batch",
+    )
     fig.colorbar(image, ax=ax, label="relative gradient error")
     return fig
 
@@ -349,13 +394,22 @@ def _window_probs(x: torch.Tensor, k: int, n: int, seed: int) -> torch.Tensor:
 
 def plot_aux(ks: Sequence[int], losses: dict[str, list[float]]):
     fig, (ax,) = figure(1, 6.4, 3.2)
-    styles = {"window": ("-", PALETTE["black"]), "per micro-batch": ("o-", PALETTE["vermillion"]),
-              "window fractions": ("s--", PALETTE["blue"])}
+    styles = {
+        "window": ("-", PALETTE["black"]),
+        "per micro-batch": ("o-", PALETTE["vermillion"]),
+        "window fractions": ("s--", PALETTE["blue"]),
+    }
     for name, values in losses.items():
         style, color = styles[name]
         ax.plot(ks, values, style, color=color, label=name)
-    decorate(ax, "K (micro-batches of 64 / K digits)", "load-balancing loss", "Switch auxiliary loss, 4 experts",
-             xscale="log", xticks=ks)
+    decorate(
+        ax,
+        "K (micro-batches of 64 / K digits)",
+        "load-balancing loss",
+        "Switch auxiliary loss, 4 experts",
+        xscale="log",
+        xticks=ks,
+    )
     return fig
 
 
@@ -370,8 +424,13 @@ def plot_aux_window(x: torch.Tensor, k: int, n: int = 64, seed: int = 0):
     ax.bar(range(1, k + 1), [float(v) for v in micro], color=PALETTE["vermillion"], label="per micro-batch")
     ax.axhline(plain, color=PALETTE["vermillion"], linestyle="--", label="their mean (plain)")
     ax.axhline(window, color=PALETTE["black"], label="the window's (= window fractions)")
-    decorate(ax, "micro-batch", "load-balancing loss", f"{n // k} tokens per micro-batch: mean {plain:.4f}, "
-             f"window {window:.4f} (+{plain - window:.4f})", legend=False)
+    decorate(
+        ax,
+        "micro-batch",
+        "load-balancing loss",
+        f"{n // k} tokens per micro-batch: mean {plain:.4f}, window {window:.4f} (+{plain - window:.4f})",
+        legend=False,
+    )
     ax.set_ylim(0, 1.45 * max(2.0, max(float(v) for v in micro)))
     ax.legend(frameon=False, fontsize=7, ncol=2, loc="upper left")
     return fig
@@ -386,8 +445,12 @@ def bn_block(seed: int = 0, momentum: float = 0.1) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         f32 = torch.float32
-        return nn.Sequential(nn.Linear(64, 16, dtype=f32), nn.BatchNorm1d(16, momentum=momentum, dtype=f32),
-                             nn.ReLU(), nn.Linear(16, 10, dtype=f32)).double()
+        return nn.Sequential(
+            nn.Linear(64, 16, dtype=f32),
+            nn.BatchNorm1d(16, momentum=momentum, dtype=f32),
+            nn.ReLU(),
+            nn.Linear(16, 10, dtype=f32),
+        ).double()
 
 
 class Checkpointed(nn.Module):
@@ -418,9 +481,12 @@ def checkpoint_window(x: torch.Tensor, y: torch.Tensor, k: int, b: int, momentum
     require_k(k)
     xs, ys = flat_digits(x[: k * b]), y[: k * b]
     corrected = 1 - math.sqrt(1 - momentum)
-    nets = {"no checkpointing": bn_block(0, momentum), "checkpoint": bn_block(0, momentum),
-            "checkpoint, momentum 1 − √(1 − m)": bn_block(0, corrected),
-            "checkpoint, statistics kept": bn_block(0, momentum)}
+    nets = {
+        "no checkpointing": bn_block(0, momentum),
+        "checkpoint": bn_block(0, momentum),
+        "checkpoint, momentum 1 − √(1 − m)": bn_block(0, corrected),
+        "checkpoint, statistics kept": bn_block(0, momentum),
+    }
     ce = nn.CrossEntropyLoss()
     for xb, yb in zip(xs.chunk(k), ys.chunk(k)):
         for name, net in nets.items():
@@ -448,8 +514,12 @@ def _forward_keep_graph(net: nn.Module, xb: torch.Tensor, method: str) -> None:
 
 
 #: The four ways of the checkpointing section.
-CHECKPOINT_METHODS = ("no checkpointing", "checkpoint", "checkpoint, momentum 1 − √(1 − m)",
-                      "checkpoint, statistics kept")
+CHECKPOINT_METHODS = (
+    "no checkpointing",
+    "checkpoint",
+    "checkpoint, momentum 1 − √(1 − m)",
+    "checkpoint, statistics kept",
+)
 
 
 def measured_momentum(x: torch.Tensor, k: int, m: float, method: str) -> float:
@@ -479,16 +549,41 @@ def plot_checkpoint_momentum(x: torch.Tensor, m: float, k: int, ks: Sequence[int
     :math:`1-(1-m)^K`; checkpointing's :math:`1-(1-m)^{2K}`), each method measured at the chosen K as a marker."""
     fig, (ax,) = figure(1, 6.4, 3.4)
     grid = sorted(set(ks) | {k})
-    ax.plot(grid, [coupled.recompute_momentum(m, kk, reruns=0) for kk in grid], "-", color=PALETTE["black"],
-            label="$1-(1-m)^K$: no checkpointing")
-    ax.plot(grid, [coupled.recompute_momentum(m, kk) for kk in grid], "--", color=PALETTE["vermillion"],
-            label="$1-(1-m)^{2K}$: checkpointing")
-    for method, marker, color in zip(CHECKPOINT_METHODS, "o^sD", [PALETTE["black"], PALETTE["vermillion"],
-                                                                   PALETTE["blue"], PALETTE["green"]]):
-        ax.plot([k], [measured_momentum(x, k, m, method)], marker, color=color, fillstyle="none", markersize=9,
-                label=f"measured: {method}")
-    decorate(ax, "K (micro-batches per optimizer step)", "weight of the new statistics",
-             f"BatchNorm momentum m = {m:g}", xscale="log", xticks=grid, legend=False)
+    ax.plot(
+        grid,
+        [coupled.recompute_momentum(m, kk, reruns=0) for kk in grid],
+        "-",
+        color=PALETTE["black"],
+        label="$1-(1-m)^K$: no checkpointing",
+    )
+    ax.plot(
+        grid,
+        [coupled.recompute_momentum(m, kk) for kk in grid],
+        "--",
+        color=PALETTE["vermillion"],
+        label="$1-(1-m)^{2K}$: checkpointing",
+    )
+    for method, marker, color in zip(
+        CHECKPOINT_METHODS, "o^sD", [PALETTE["black"], PALETTE["vermillion"], PALETTE["blue"], PALETTE["green"]]
+    ):
+        ax.plot(
+            [k],
+            [measured_momentum(x, k, m, method)],
+            marker,
+            color=color,
+            fillstyle="none",
+            markersize=9,
+            label=f"measured: {method}",
+        )
+    decorate(
+        ax,
+        "K (micro-batches per optimizer step)",
+        "weight of the new statistics",
+        f"BatchNorm momentum m = {m:g}",
+        xscale="log",
+        xticks=grid,
+        legend=False,
+    )
     ax.set_ylim(0, 1.05)
     ax.legend(frameon=False, fontsize=7, loc="lower right")
     return fig

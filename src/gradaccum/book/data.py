@@ -66,9 +66,6 @@ def load_digits_split(
     return DigitsSplit(images(x_tr), labels(y_tr), images(x_va), labels(y_va))
 
 
-
-
-
 def load_corpus() -> list[str]:
     """The lines of the text shipped with the package (the Zen of Python and sentences of the book's
     introduction), 52 lines of 19 to 157 characters."""
@@ -110,8 +107,9 @@ def encode_batch(lines: Sequence[str], vocab: Vocab) -> tuple[torch.Tensor, torc
     return x, y
 
 
-def spread_lines(lines: Sequence[str], n: int, center: int, spread: int, seed: int = 0,
-                 sort: bool = False) -> list[str]:
+def spread_lines(
+    lines: Sequence[str], n: int, center: int, spread: int, seed: int = 0, sort: bool = False
+) -> list[str]:
     """n lines cut to lengths drawn uniformly from [center − spread, center + spread] (sorted by length if
     ``sort``, which makes micro-batches of similar length, as length-grouped batching does)."""
     if not 0 <= spread < center:

@@ -61,8 +61,9 @@ def _entry(rank: int, world_size: int, port: int, task: str, kwargs: dict[str, A
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     backend = "nccl" if kwargs.get("backend") == "nccl" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=kwargs.get("pg_timeout", 30)))
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=kwargs.get("pg_timeout", 30))
+    )
     task_kwargs = {k: v for k, v in kwargs.items() if k not in ("backend", "pg_timeout")}
     # No `finally`: a rank that raises keeps its connections open until its error is written and the process
     # exits, so its peers lose the connection only after the root cause is on record (destroying the group first
@@ -106,8 +107,10 @@ def launch(task: str, world_size: int = 2, timeout: float = 60.0, **kwargs: Any)
     if task == "crash":
         crash_rank, how = kwargs.get("crash_rank"), kwargs.get("how")
         if isinstance(crash_rank, bool) or not isinstance(crash_rank, int) or not 0 <= crash_rank < world_size:
-            raise ValueError(f"crash_rank must be a rank in [0, {world_size}), got {crash_rank!r}: otherwise no rank "
-                             "fails and the task only all-reduces.")
+            raise ValueError(
+                f"crash_rank must be a rank in [0, {world_size}), got {crash_rank!r}: otherwise no rank "
+                "fails and the task only all-reduces."
+            )
         if how not in ("raise", "exit", "hang"):
             raise ValueError(f"how must be 'raise', 'exit' or 'hang', got {how!r}.")
     if task in DATA_TASKS and "data" not in kwargs:
@@ -136,8 +139,13 @@ def _launch(mp: Any, task: str, world_size: int, timeout: float, kwargs: dict[st
         had = os.environ.get("TORCH_CPP_LOG_LEVEL")
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         try:
-            ctx = mp.start_processes(_entry, args=(world_size, free_port(), task, kwargs, out_dir),
-                                     nprocs=world_size, join=False, start_method=start_method())
+            ctx = mp.start_processes(
+                _entry,
+                args=(world_size, free_port(), task, kwargs, out_dir),
+                nprocs=world_size,
+                join=False,
+                start_method=start_method(),
+            )
         finally:
             if had is None:
                 del os.environ["TORCH_CPP_LOG_LEVEL"]
@@ -189,19 +197,26 @@ def _worker_errors(error_files: list[str], exit_codes: list[int | None] | None =
         elif code not in (None, 0):
             found.append((0, f"rank {rank}: process exited with exit code {code}"))
     # a signal follows another rank's failure only where one is reported; otherwise it came from outside
-    why = (", a consequence of the failure above" if any(kind < 2 for kind, _ in found) else
-           ": no rank reported an error, so the signal came from outside the job (the out-of-memory killer, a "
-           "time limit, Ctrl-C)")
+    why = (
+        ", a consequence of the failure above"
+        if any(kind < 2 for kind, _ in found)
+        else ": no rank reported an error, so the signal came from outside the job (the out-of-memory killer, a "
+        "time limit, Ctrl-C)"
+    )
     return [text + (why if kind == 2 else "") for kind, text in sorted(found, key=lambda item: item[0])]
 
 
 # DDP checks a hook's annotations as objects; `from __future__ import annotations` made them strings.
-counting_hook.__annotations__ = {"state": CommCounter, "bucket": dist.GradBucket,
-                                 "return": torch.futures.Future[torch.Tensor]}
+counting_hook.__annotations__ = {
+    "state": CommCounter,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
 
 
-def _shard(rank: int, world_size: int, per_rank: int, dtype: torch.dtype,
-           data: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _shard(
+    rank: int, world_size: int, per_rank: int, dtype: torch.dtype, data: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's consecutive share of the digits' training images (``data`` as passed by :func:`launch`, so
     that workers need not load scikit-learn; loaded here when absent, e.g. under torchrun)."""
     if data is None:
@@ -211,9 +226,11 @@ def _shard(rank: int, world_size: int, per_rank: int, dtype: torch.dtype,
         data = (d.x_train, d.y_train)
     x, y = data
     if (rank + 1) * per_rank > x.shape[0]:
-        raise ValueError(f"{world_size} ranks × {per_rank} images exceed the {x.shape[0]} training images; each "
-                         f"rank needs K·b·steps images of its own: lower the micro-batch size b, K or the steps "
-                         f"(micro_batch_that_fits gives the largest b that fits).")
+        raise ValueError(
+            f"{world_size} ranks × {per_rank} images exceed the {x.shape[0]} training images; each "
+            f"rank needs K·b·steps images of its own: lower the micro-batch size b, K or the steps "
+            f"(micro_batch_that_fits gives the largest b that fits)."
+        )
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
     return x[sl].to(dtype), y[sl]
 
@@ -229,8 +246,9 @@ DDP_VARIANTS: dict[str, dict[str, bool]] = {
 }
 
 
-def _calls_per_step(x: torch.Tensor, y: torch.Tensor, k: int, steps: int, no_sync: bool, first_sync: bool = False,
-                    **ddp_kwargs: Any) -> list[int] | str:
+def _calls_per_step(
+    x: torch.Tensor, y: torch.Tensor, k: int, steps: int, no_sync: bool, first_sync: bool = False, **ddp_kwargs: Any
+) -> list[int] | str:
     """All-reduce calls in each of ``steps`` accumulated optimizer steps of a fresh DDP model built with
     ``ddp_kwargs``; step 1 without ``no_sync()`` if ``first_sync``. A RuntimeError inside DDP is returned as its
     first line (every rank raises it alike, so the process group stays usable)."""
@@ -249,8 +267,9 @@ def _calls_per_step(x: torch.Tensor, y: torch.Tensor, k: int, steps: int, no_syn
     return per_step
 
 
-def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None, steps: int = 1,
-                   bucket_cap_mb: float | None = None) -> dict[str, Any]:
+def _task_equality(
+    rank: int, world_size: int, k: int, b: int, data: Any = None, steps: int = 1, bucket_cap_mb: float | None = None
+) -> dict[str, Any]:
     """Gradients after one accumulated step with and without no_sync, and the all-reduce counts of each; with
     ``steps`` > 1, also the all-reduce calls of each of ``steps`` optimizer steps (buckets of at most
     ``bucket_cap_mb`` MiB), which show the first iteration's single bucket and the rebuilt buckets after it, and
@@ -267,15 +286,18 @@ def _task_equality(rank: int, world_size: int, k: int, b: int, data: Any = None,
             cap: dict[str, Any] = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
             out[mode]["calls per step"] = _calls_per_step(x, y, k, steps, mode == "no_sync", **cap)
             out[mode]["variants"] = {
-                name: _calls_per_step(x, y, k, steps, mode == "no_sync", first_sync="first step synced" in name,
-                                      **cap, **options)
-                for name, options in DDP_VARIANTS.items()}
+                name: _calls_per_step(
+                    x, y, k, steps, mode == "no_sync", first_sync="first step synced" in name, **cap, **options
+                )
+                for name, options in DDP_VARIANTS.items()
+            }
     out["params"] = sum(p.numel() for p in model.module.parameters())
     return out
 
 
-def _task_collectives(rank: int, world_size: int, k: int, b: int, steps: int, data: Any = None,
-                      bucket_cap_mb: float = 0.005) -> dict[str, list[int]]:
+def _task_collectives(
+    rank: int, world_size: int, k: int, b: int, steps: int, data: Any = None, bucket_cap_mb: float = 0.005
+) -> dict[str, list[int]]:
     """All-reduces the process group runs in each of ``steps`` accumulated steps, counted by the profiler (every
     ``c10d::allreduce_``, whatever the backend; the comm hook of :func:`_calls_per_step` sees gradient buckets
     only), with and without ``no_sync()`` and with the default or ``find_unused_parameters=True``, whose reducer
@@ -311,8 +333,9 @@ def _task_placement(rank: int, world_size: int, k: int, b: int, data: Any = None
     return out
 
 
-def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b: int, steps: int,
-                 sizes: list[int], data: Any = None) -> dict[str, Any]:
+def _task_timing(
+    rank: int, world_size: int, widths: list[int], ks: list[int], b: int, steps: int, sizes: list[int], data: Any = None
+) -> dict[str, Any]:
     """Step times with and without no_sync for each (width, K), and an all-reduce microbenchmark.
 
     Every configuration is warmed up (2 pairs), then the two modes alternate step by step in the order
@@ -323,8 +346,14 @@ def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b
     """
     x, y = _shard(rank, world_size, max(ks) * b, torch.float32, data)
     loss_fn = nn.CrossEntropyLoss()
-    result: dict[str, Any] = {"allreduce": {}, "copy": {}, "steps": {}, "params": {}, "pairs": {},
-                              "world_size": world_size}
+    result: dict[str, Any] = {
+        "allreduce": {},
+        "copy": {},
+        "steps": {},
+        "params": {},
+        "pairs": {},
+        "world_size": world_size,
+    }
     for n in sizes:  # all-reduce, and a plain copy, of n float32 values
         t, src = torch.ones(n), torch.ones(n)
         reduces, copies = [], []
@@ -347,7 +376,7 @@ def _task_timing(rank: int, world_size: int, widths: list[int], ks: list[int], b
             xk, yk = x[: k * b], y[: k * b]
             times: dict[bool, list[float]] = {False: [], True: []}
             for i in range(steps + 2):
-                for no_sync in ((False, True) if i % 2 == 0 else (True, False)):
+                for no_sync in (False, True) if i % 2 == 0 else (True, False):
                     dist.barrier()
                     start = time.perf_counter()
                     opt.zero_grad(set_to_none=True)
@@ -378,13 +407,13 @@ def _task_buffers(rank: int, world_size: int, k: int, b: int, windows: int = 2, 
     model._sync_buffers = counted  # type: ignore[method-assign]
     broadcast = []
     for w in range(windows):
-        xs, ys = x[w * k * b:(w + 1) * k * b], y[w * k * b:(w + 1) * k * b]
+        xs, ys = x[w * k * b : (w + 1) * k * b], y[w * k * b : (w + 1) * k * b]
         for i in range(k):
             before = calls[0]
             context = model.no_sync() if i < k - 1 else contextlib.nullcontext()
             with context:
-                out = model(xs[i * b:(i + 1) * b])
-                (nn.functional.cross_entropy(out, ys[i * b:(i + 1) * b]) / k).backward()
+                out = model(xs[i * b : (i + 1) * b])
+                (nn.functional.cross_entropy(out, ys[i * b : (i + 1) * b]) / k).backward()
             broadcast.append(calls[0] > before)
     bn = next(m for m in model.module.modules() if isinstance(m, nn.BatchNorm2d))
     return {"broadcast": broadcast, "running_mean": torch.as_tensor(bn.running_mean).clone()}
@@ -425,7 +454,7 @@ def _task_unused(rank: int, world_size: int, k: int, b: int, data: Any = None) -
         try:
             for i in range(k):
                 with model.no_sync() if no_sync and i < k - 1 else contextlib.nullcontext():
-                    loss = nn.functional.cross_entropy(model(x[i * b:(i + 1) * b], i == 0), y[i * b:(i + 1) * b])
+                    loss = nn.functional.cross_entropy(model(x[i * b : (i + 1) * b], i == 0), y[i * b : (i + 1) * b])
                     (loss / k).backward()
             out[name] = {"grad": flat_grad(model.module).detach(), "calls": counter.calls}
         except RuntimeError as err:
@@ -444,8 +473,14 @@ def _task_crash(rank: int, world_size: int, crash_rank: int, how: str) -> None:
     dist.all_reduce(torch.ones(1))
 
 
-def train_ddp(k: int, b: int, steps: int, no_sync: bool, device: torch.device | None = None,
-              data: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def train_ddp(
+    k: int,
+    b: int,
+    steps: int,
+    no_sync: bool,
+    device: torch.device | None = None,
+    data: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """A few optimizer steps of the digits CNN under DDP, on an initialized process group (launched by
     :func:`launch` or by ``torchrun``). Each rank trains on its own shard; returns the final parameters."""
 
@@ -465,8 +500,10 @@ def train_ddp(k: int, b: int, steps: int, no_sync: bool, device: torch.device | 
 
 def _task_train(rank: int, world_size: int, k: int, b: int, steps: int, data: Any = None) -> dict[str, Any]:
     """Train with and without no_sync from the same start; returns both final parameter vectors."""
-    return {"sync": train_ddp(k, b, steps, no_sync=False, data=data),
-            "no_sync": train_ddp(k, b, steps, no_sync=True, data=data)}
+    return {
+        "sync": train_ddp(k, b, steps, no_sync=False, data=data),
+        "no_sync": train_ddp(k, b, steps, no_sync=True, data=data),
+    }
 
 
 def _task_frameworks(rank: int, world_size: int, **kwargs: Any) -> Any:
@@ -491,8 +528,15 @@ def _task_subgroups(rank: int, world_size: int) -> dict[str, Any]:
 DATA_TASKS = ("equality", "timing", "train", "placement", "buffers", "collectives", "unused")
 
 
-TASKS: dict[str, Callable[..., Any]] = {"equality": _task_equality, "timing": _task_timing, "crash": _task_crash,
-                                        "train": _task_train, "placement": _task_placement,
-                                        "frameworks": _task_frameworks, "buffers": _task_buffers,
-                                        "collectives": _task_collectives, "subgroups": _task_subgroups,
-                                        "unused": _task_unused}
+TASKS: dict[str, Callable[..., Any]] = {
+    "equality": _task_equality,
+    "timing": _task_timing,
+    "crash": _task_crash,
+    "train": _task_train,
+    "placement": _task_placement,
+    "frameworks": _task_frameworks,
+    "buffers": _task_buffers,
+    "collectives": _task_collectives,
+    "subgroups": _task_subgroups,
+    "unused": _task_unused,
+}
