@@ -264,8 +264,30 @@ def train(
     backward = backward_fn or accumulate_backward
     loss_fn = nn.CrossEntropyLoss()
     opt, sched = _optimizer(model, optimizer, lr, momentum, schedule, epochs * (n // batch_size))
+    steps, losses = _run_epochs(model, x, y, backward, loss_fn, opt, sched, batch_size, k, epochs, seed)
+    train_mode_acc = accuracy(copy.deepcopy(model).train(), x_val, y_val, batch_size=b)
+    model.eval()
+    return TrainResult(k, b, steps, accuracy(model, x_val, y_val), train_mode_acc, losses)
+
+
+def _run_epochs(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    backward: BackwardFn,
+    loss_fn: LossFn,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler | None,
+    batch_size: int,
+    k: int,
+    epochs: int,
+    seed: int,
+) -> tuple[int, list[float]]:
+    """:func:`train`'s loop, the model in train mode: each epoch a permutation drawn from ``seed``'s generator, one
+    optimizer (and scheduler) step per complete batch, the gradient from ``backward``. Returns the optimizer steps
+    taken and each step's loss."""
     gen = torch.Generator().manual_seed(seed)
-    steps, losses = 0, []
+    n, steps, losses = x.shape[0], 0, []
     model.train()
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).to(x.device)
@@ -277,9 +299,7 @@ def train(
             if sched is not None:
                 sched.step()
             steps += 1
-    train_mode_acc = accuracy(copy.deepcopy(model).train(), x_val, y_val, batch_size=b)
-    model.eval()
-    return TrainResult(k, b, steps, accuracy(model, x_val, y_val), train_mode_acc, losses)
+    return steps, losses
 
 
 def _check_train(
