@@ -4,20 +4,23 @@ Plain gradient accumulation with micro-batches of b = v computes exactly the sam
 :class:`GhostBatchNorm` on the whole batch: accumulation *is* ghost BatchNorm. :func:`ghostify` swaps every
 BatchNorm layer of a model for one. The opposite wish, full-batch statistics under accumulation, is
 :mod:`gradaccum.fullbatch_bn`. Chapter 2 of the book.
+
+The layer normalizes with one of four implementations, with equal results up to rounding: the group, the loop and
+the fold here, and the compiled formulas in :mod:`gradaccum.ghost_bn_compiled`.
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from gradaccum.ghost_bn_compiled import _compile
 
 #: The implementations ``GhostBatchNorm(impl=...)`` accepts.
 IMPLS = ("auto", "group", "loop", "fold", "compile")
@@ -90,16 +93,31 @@ def _group(
     eps: float,
 ) -> _Result:
     """Ghost batch g's channel c made one group of torch's GroupNorm kernel: the input copied to the (G, C, v·P)
-    layout (P positions per channel), one ``native_group_norm`` call with C groups of one channel each (its
-    per-channel affine is BatchNorm's), the output copied back. The kernel returns each group's mean and
-    r = 1/√(σ̂² + ε); the variance is r⁻² − ε (exact to the rounding of σ̂² + ε, what evaluation uses), times
-    m/(m − 1), m = v·P. Groups far from zero are shifted first (``_FAR``)."""
+    layout (P positions per channel), one kernel call with C groups of one channel each (its per-channel affine is
+    BatchNorm's: :func:`_group_norm`), the output copied back. The kernel gives each group's variance + ε; the
+    variance is that minus ε (exact to the rounding of σ̂² + ε, what evaluation uses), times m/(m − 1), m = v·P."""
     g, c = x.shape[0] // v, x.shape[1]
     if weight is None and x.dtype != stats_like.dtype:  # float32 parameters: GroupNorm's statistics in float32
         weight, bias = stats_like.new_ones(c), stats_like.new_zeros(c)
     grouped = x.reshape(g, v, c, -1).transpose(1, 2).contiguous()
+    out, mean, inv = _group_norm(grouped, weight, bias, eps)
+    out = out.view(g, c, v, -1).transpose(1, 2).reshape(x.shape)
     m = grouped.shape[2] * grouped.shape[3]
-    acc = torch.float64 if x.device.type in ("cpu", "cuda") else torch.float32
+    with torch.no_grad():
+        var = inv.sub_(eps).clamp_(min=0).mean(0).mul_(m / (m - 1))
+        return out, mean.mean(0).to(stats_like.dtype), var.to(stats_like.dtype)
+
+
+def _group_norm(
+    grouped: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One ``native_group_norm`` call on ``grouped`` (G, C, v, P) with C groups of one channel each. The kernel
+    returns each group's mean and r = 1/√(σ̂² + ε); returned are the (G, C, v·P) output and, without a graph and in
+    float64 on the CPU and CUDA, each group's mean and r⁻² = σ̂² + ε. Groups far from zero (``_FAR``) are shifted
+    by their first value and run again, which changes neither output nor gradient."""
+    g, c = grouped.shape[0], grouped.shape[1]
+    m = grouped.shape[2] * grouped.shape[3]
+    acc = torch.float64 if grouped.device.type in ("cpu", "cuda") else torch.float32
     out, mean, rstd = torch.ops.aten.native_group_norm(grouped.view(g, c, m), weight, bias, g, c, m, c, eps)
     with torch.no_grad():
         mean_acc, inv = mean.to(acc), rstd.to(acc).pow(-2)  # inv: each group's variance + eps
@@ -111,10 +129,7 @@ def _group(
         )
         with torch.no_grad():
             mean_acc, inv = mean.to(acc) + shift.view(g, c).to(acc), rstd.to(acc).pow(-2)
-    out = out.view(g, c, v, -1).transpose(1, 2).reshape(x.shape)
-    with torch.no_grad():
-        var = inv.sub_(eps).clamp_(min=0).mean(0).mul_(m / (m - 1))
-        return out, mean_acc.mean(0).to(stats_like.dtype), var.to(stats_like.dtype)
+    return out, mean_acc, inv
 
 
 #: How many of its standard deviations a group's mean may lie from zero before :func:`_group` runs the kernel
@@ -195,135 +210,6 @@ def _loop(
     shape = (x.shape[0] // v, x.shape[1])
     mean, var = stats_like.new_zeros(shape), stats_like.new_zeros(shape)
     return _Loop.apply(x, weight, bias, mean, var, v, eps), mean.mean(0), var.mean(0)
-
-
-def _kernel_forward(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, v: int, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""Ghost BatchNorm written as array math on the (G, v, C, P) view of a contiguous input (P positions per
-    channel; 1 for features), in float32 for float16 and bfloat16 inputs: per ghost batch and channel the mean
-    :math:`\mu` and then the biased variance :math:`\sigma^2` over the v·P values (two passes), then
-    :math:`y = x\,s + (\beta - \mu s)` with :math:`s = \gamma/\sqrt{\sigma^2+\epsilon}`. Returns the output;
-    the mean over ghost batches of their means and of their unbiased variances (the biased ones times m/(m−1),
-    m = v·P), shape (C,); and the (G, 1, C, 1) means and reciprocal standard deviations, for the backward
-    pass."""
-    n, c = x.shape[0], x.shape[1]
-    xs = x.view(n // v, v, c, -1).to(_accumulate_in(x.dtype))
-    mean = xs.mean(dim=(1, 3), keepdim=True)
-    var = (xs - mean).square().mean(dim=(1, 3), keepdim=True)  # two passes, as BatchNorm's CPU kernel
-    rstd = torch.rsqrt(var + eps)
-    scale = rstd if weight is None else rstd * weight.view(1, 1, c, 1).to(rstd.dtype)
-    shift = -mean * scale if bias is None else bias.view(1, 1, c, 1).to(rstd.dtype) - mean * scale
-    m = xs.shape[1] * xs.shape[3]
-    unbiased = var.mean(dim=(0, 1, 3)) * (m / (m - 1))
-    out = (xs * scale + shift).to(x.dtype).view(x.shape)
-    return out, mean.mean(dim=(0, 1, 3)), unbiased, mean, rstd
-
-
-def _kernel_backward(
-    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, v: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""The gradients of :func:`_kernel_forward`, per ghost batch and channel over its m = v·P values:
-    with :math:`\hat x = (x-\mu)\,r` (r the reciprocal standard deviation),
-    :math:`\partial x = \gamma r\,(\partial y - \overline{\partial y} - \hat x\,\overline{\partial y\,\hat x})`
-    (bars: means over the m values); :math:`\partial\gamma = \sum \partial y\,\hat x`,
-    :math:`\partial\beta = \sum \partial y` over all N·P values."""
-    n, c = x.shape[0], x.shape[1]
-    xs = x.view(n // v, v, c, -1).to(rstd.dtype)
-    dys = grad_out.reshape(xs.shape).to(rstd.dtype)
-    xhat = (xs - mean) * rstd
-    m = xs.shape[1] * xs.shape[3]
-    sum_dy = dys.sum(dim=(1, 3), keepdim=True)
-    sum_dy_xhat = (dys * xhat).sum(dim=(1, 3), keepdim=True)
-    scale = rstd if weight is None else rstd * weight.view(1, 1, c, 1).to(rstd.dtype)
-    grad_x = scale * (dys - sum_dy / m - xhat * (sum_dy_xhat / m))
-    return grad_x.to(x.dtype).view(x.shape), sum_dy_xhat.sum(dim=(0, 1, 3)), sum_dy.sum(dim=(0, 1, 3))
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-_COMPILED: dict[Callable[..., object], Callable[..., object]] = {}
-
-
-def _accumulate_in(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the compiled kernel computes in: float32 for float16 and bfloat16 inputs (as BatchNorm does),
-    else the input's."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _compiled(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=False)
-    return cast(Callable[_P, _R], _COMPILED[fn])
-
-
-_compile_failed = False
-
-
-def _run_compiled(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
-    """``fn`` through ``torch.compile``; after the first failure, warned about once, ``fn`` itself (the same
-    formulas, eager: the results stay the same up to float rounding). A failure that the eager formulas share
-    is the input's, not the compiler's: it is raised as it is, and compiling stays on."""
-    global _compile_failed
-    if not _compile_failed:
-        try:
-            return _compiled(fn)(*args, **kwargs)
-        except Exception as err:  # any failure to compile (no C++ compiler, unsupported platform): fall back
-            result = fn(*args, **kwargs)  # raises if the input itself is at fault
-            _compile_failed = True
-            warnings.warn(
-                f"torch.compile failed ({type(err).__name__}: {str(err)[:200]}); GhostBatchNorm("
-                "impl='compile') runs the same formulas eagerly from now on (slower, same results).",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return result
-    return fn(*args, **kwargs)
-
-
-class _Kernel(torch.autograd.Function):
-    """:func:`_kernel_forward` and :func:`_kernel_backward`, each compiled by ``torch.compile`` into a few
-    fused loops (the mean, the variance, then the normalization; the two sums, then the input gradient). The
-    output and the input gradient have the input's dtype, the parameter gradients the parameters'. Once
-    differentiable."""
-
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, v: int, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = x.contiguous()
-        out, mean_c, var_c, mean, rstd = _run_compiled(_kernel_forward, x, weight, bias, v, eps)
-        ctx.save_for_backward(x, weight, mean, rstd)  # type: ignore[arg-type]  # None: no affine
-        ctx.v = v  # type: ignore[attr-defined]
-        ctx.mark_non_differentiable(mean_c, var_c)
-        return out, mean_c, var_c
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():  # backward(create_graph=True): the compiled gradient carries no graph
-            raise ValueError(
-                "GhostBatchNorm's 'compile' implementation is differentiable once; for a double "
-                "backward (create_graph=True) construct the layer with impl='fold'."
-            )
-        x, weight, mean, rstd = ctx.saved_tensors
-        grad_x, grad_w, grad_b = _run_compiled(_kernel_backward, grad_out.contiguous(), x, weight, mean, rstd, ctx.v)
-        if weight is not None:
-            grad_w, grad_b = grad_w.to(weight.dtype), grad_b.to(weight.dtype)
-        keep = ctx.needs_input_grad
-        return (grad_x if keep[0] else None, grad_w if keep[1] else None, grad_b if keep[2] else None, None, None)
-
-
-def _compile(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    stats_like: torch.Tensor,
-    v: int,
-    eps: float,
-) -> _Result:
-    """:class:`_Kernel`: the output, and the means over ghost batches of their means and unbiased variances."""
-    out, mean, var = _Kernel.apply(x, weight, bias, v, eps)
-    return out, mean.to(stats_like.dtype), var.to(stats_like.dtype)
 
 
 _FORWARDS: dict[str, Callable[..., _Result]] = {"group": _group, "loop": _loop, "fold": _fold, "compile": _compile}
