@@ -300,66 +300,77 @@ def tiny_classifier(kind: str, vocab: int, positions: int, num_labels: int = 3, 
     that ignores ``num_items_in_batch`` (transformers issue #47688), as ViT's regression (an MSE mean) does, while
     ViT's single-label loss (``self.loss_function``) divides its summed loss by it."""
     _import("trainer")
-    from transformers import (
-        BertConfig,
-        BertForMaskedLM,
-        BertForSequenceClassification,
-        BertForTokenClassification,
-        LlamaConfig,
-        LlamaForSequenceClassification,
-        ViTConfig,
-        ViTForImageClassification,
-    )
-
     if kind not in CLASSIFIER_KINDS:
         raise ValueError(f"kind must be one of {sorted(CLASSIFIER_KINDS)}, got {kind!r}.")
     with _quiet(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if kind.startswith("bert"):
-            bert = BertConfig(
-                vocab_size=vocab,
-                hidden_size=16,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                intermediate_size=32,
-                max_position_embeddings=positions,
-                hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0,
-            )
-            bert.num_labels = num_labels
-            head = {
-                "bert": BertForSequenceClassification,
-                "bert-token": BertForTokenClassification,
-                "bert-mlm": BertForMaskedLM,
-            }[kind]
-            return head(bert)
+            return _bert_classifier(kind, vocab, positions, num_labels)
         if kind.startswith("vit"):
-            vit = ViTConfig(
-                image_size=positions,
-                patch_size=max(1, positions // 2),
-                num_channels=1,
-                hidden_size=16,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                intermediate_size=32,
-                hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0,
-            )
-            vit.num_labels = 1 if kind == "vit-regression" else num_labels
-            return ViTForImageClassification(vit)
-        if kind == "llama":
-            llama = LlamaConfig(
-                vocab_size=vocab,
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                max_position_embeddings=positions,
-                pad_token_id=0,
-            )
-            llama.num_labels = num_labels
-        return LlamaForSequenceClassification(llama)
+            return _vit_classifier(positions, 1 if kind == "vit-regression" else num_labels)
+        return _llama_classifier(vocab, positions, num_labels)
+
+
+def _bert_classifier(kind: str, vocab: int, positions: int, num_labels: int) -> nn.Module:
+    """:func:`tiny_classifier`'s BERT heads: ``"bert"`` (a label per sequence), ``"bert-token"`` (per token),
+    ``"bert-mlm"`` (the masked-LM head, the vocabulary as classes)."""
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification
+
+    bert = BertConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=positions,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    bert.num_labels = num_labels
+    head = {
+        "bert": BertForSequenceClassification,
+        "bert-token": BertForTokenClassification,
+        "bert-mlm": BertForMaskedLM,
+    }[kind]
+    return head(bert)
+
+
+def _vit_classifier(side: int, num_labels: int) -> nn.Module:
+    """:func:`tiny_classifier`'s ViT: one-channel images of side ``side``, patches of half that; one label is a
+    regression."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    vit = ViTConfig(
+        image_size=side,
+        patch_size=max(1, side // 2),
+        num_channels=1,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    vit.num_labels = num_labels
+    return ViTForImageClassification(vit)
+
+
+def _llama_classifier(vocab: int, positions: int, num_labels: int) -> nn.Module:
+    """:func:`tiny_classifier`'s Llama: a label per sequence, pad token 0."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    llama = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        pad_token_id=0,
+    )
+    llama.num_labels = num_labels
+    return LlamaForSequenceClassification(llama)
 
 
 def trainer_on_causal_lm(
