@@ -66,6 +66,11 @@ def load_digits_split(
     return DigitsSplit(images(x_tr), labels(y_tr), images(x_va), labels(y_va))
 
 
+def flat_digits(x: torch.Tensor) -> torch.Tensor:
+    """The 8×8 digits as 64 features (float64)."""
+    return x.reshape(len(x), -1).double()
+
+
 def load_corpus() -> list[str]:
     """The lines of the text shipped with the package (the Zen of Python and sentences of the book's
     introduction), 52 lines of 19 to 157 characters."""
