@@ -177,8 +177,8 @@ def plot_cast(values: torch.Tensor, log2_scale: float, k: int, shift: float = 0.
     fig, (ax,) = figure(1, 7.2, 3.4)
     ax.hist(
         logs,
-        bins=np.arange(-45, 40, 0.5),
-        histtype="stepfilled",  # type: ignore[arg-type]  # an array works
+        bins=np.arange(-45, 40, 0.5),  # type: ignore[arg-type]  # an array works
+        histtype="stepfilled",
         color=PALETTE["blue"],
         density=True,
     )
