@@ -10,7 +10,7 @@ import torch
 from gradaccum import distributed
 from gradaccum.accumulate import agreement, full_batch_gradient
 from gradaccum.book import ch05_no_sync as ch5
-from gradaccum.book import ddp_workers, exercises, parallel
+from gradaccum.book import ddp_tasks, ddp_workers, exercises, parallel
 from gradaccum.book.models import make_cnn
 
 
@@ -88,7 +88,7 @@ def test_micro_batch_that_fits():
 
 def test_shard_that_does_not_fit_says_what_to_do(digits):
     with pytest.raises(ValueError, match="lower the micro-batch size"):
-        ddp_workers._shard(7, 8, 320, torch.float64, (digits.x_train, digits.y_train))
+        ddp_tasks._shard(7, 8, 320, torch.float64, (digits.x_train, digits.y_train))
 
 
 def test_ring_and_saving_exercises():

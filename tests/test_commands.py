@@ -419,7 +419,7 @@ def test_explicit_defaults_are_the_defaults():
 
 
 def test_two_node_world_fits_the_data(digits):
-    from gradaccum.book.ddp_workers import _shard
+    from gradaccum.book.ddp_tasks import _shard
 
     script = _ddp_train()
     args = script.parser().parse_args([])

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from gradaccum import ghost_bn
+from gradaccum import ghost_bn_compiled
 from gradaccum.ghost_bn import GhostBatchNorm, auto_impl, ghostify
 
 EPS = 1e-5
@@ -154,11 +154,11 @@ def test_failed_compile_falls_back_once_with_the_same_results(monkeypatch):
 
         return fail
 
-    monkeypatch.setattr(ghost_bn, "_compiled", broken)
-    monkeypatch.setattr(ghost_bn, "_compile_failed", False)
+    monkeypatch.setattr(ghost_bn_compiled, "_compiled", broken)
+    monkeypatch.setattr(ghost_bn_compiled, "_compile_failed", False)
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         assert_matches_reference("compile", 2, 3, 4, 3, (2, 2), True, 0.1, torch.float64)
-    assert ghost_bn._compile_failed
+    assert ghost_bn_compiled._compile_failed
     assert_matches_reference("compile", 2, 3, 4, 3, (2, 2), True, 0.1, torch.float64)  # no second warning
 
 
@@ -331,18 +331,18 @@ def test_compiled_kernel_variance_is_accurate_far_from_zero():
 
 
 def test_a_wrong_input_is_refused_and_compiling_stays_on(monkeypatch):
-    monkeypatch.setattr(ghost_bn, "_compile_failed", False)
+    monkeypatch.setattr(ghost_bn_compiled, "_compile_failed", False)
     layer = GhostBatchNorm(4, 2, impl="compile")
     with pytest.raises(ValueError, match="got an input with 5 channels"):
         layer(torch.randn(4, 5, 3, 3))
-    assert not ghost_bn._compile_failed
+    assert not ghost_bn_compiled._compile_failed
 
     def broken(*args):
         raise RuntimeError("the input is wrong")  # the eager formulas fail too: the input's fault
 
     with pytest.raises(RuntimeError, match="the input is wrong"):
-        ghost_bn._run_compiled(broken, 1)
-    assert not ghost_bn._compile_failed
+        ghost_bn_compiled._run_compiled(broken, 1)
+    assert not ghost_bn_compiled._compile_failed
 
 
 @pytest.mark.parametrize("impl", ["group", "loop", "fold"])

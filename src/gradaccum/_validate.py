@@ -20,8 +20,9 @@ def require_k(k: int) -> int:
     """Validate the number of accumulation steps K (a positive Python int; a NumPy integer is refused with a
     message that says to convert it, so that no NumPy scalar leaks into the results)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"K (accumulation steps) must be an int >= 1, got {k!r}{_numpy_hint(k)}; K = 1 means no "
-                         "accumulation.")
+        raise ValueError(
+            f"K (accumulation steps) must be an int >= 1, got {k!r}{_numpy_hint(k)}; K = 1 means no accumulation."
+        )
     return k
 
 
@@ -30,8 +31,10 @@ def require_momentum(m: float, allow_zero: bool = False) -> float:
     ``nn.BatchNorm``: the running statistics never move; a formula for them is then exact and trivial)."""
     span = "[0, 1]" if allow_zero else "(0, 1]"
     if m is None:
-        raise ValueError(f"momentum=None is BatchNorm's cumulative average, not a momentum; pass a number in {span} "
-                         "(PyTorch's default is 0.1).")
+        raise ValueError(
+            f"momentum=None is BatchNorm's cumulative average, not a momentum; pass a number in {span} "
+            "(PyTorch's default is 0.1)."
+        )
     value = float(m) if isinstance(m, numbers.Real) and not isinstance(m, bool) else math.nan
     if not 0.0 <= value <= 1.0 or (value == 0.0 and not allow_zero):  # NaN fails the first test
         raise ValueError(f"momentum must be a number in {span}, got {m!r}; PyTorch's default is 0.1.")
@@ -77,8 +80,10 @@ def require_nonnegative(value: float, name: str) -> float:
 def require_partial(present: int, k: int) -> int:
     """Validate the micro-batches of a partial last window: an int in [1, K)."""
     if isinstance(present, bool) or not isinstance(present, int) or not 1 <= present < k:
-        raise ValueError(f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches (an int), got "
-                         f"{present!r}{_numpy_hint(present)}.")
+        raise ValueError(
+            f"a partial window holds between 1 and K − 1 = {k - 1} micro-batches (an int), got "
+            f"{present!r}{_numpy_hint(present)}."
+        )
     return present
 
 
@@ -94,27 +99,37 @@ def require_vectors(vectors: Sequence[torch.Tensor], name: str = "micro_grads") 
     """K >= 1 finite floating-point tensors of one shape (the micro-gradients, flattened or not), named ``name``
     in the messages; returned as a list."""
     if isinstance(vectors, torch.Tensor) or not isinstance(vectors, Sequence):
-        raise ValueError(f"{name} must be a list of K tensors (one per micro-batch), got "
-                         f"{type(vectors).__name__}; for a stacked (K, n) tensor pass list(t).")
+        raise ValueError(
+            f"{name} must be a list of K tensors (one per micro-batch), got "
+            f"{type(vectors).__name__}; for a stacked (K, n) tensor pass list(t)."
+        )
     require_k(len(vectors))
     first = vectors[0]
     for i, v in enumerate(vectors):
         if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-            raise ValueError(f"{name}[{i}] must be a floating-point tensor (as a gradient is), got "
-                             f"{v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}.")
+            raise ValueError(
+                f"{name}[{i}] must be a floating-point tensor (as a gradient is), got "
+                f"{v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}."
+            )
         if v.shape != first.shape:
-            raise ValueError(f"{name}[{i}] has shape {tuple(v.shape)}, {name}[0] {tuple(first.shape)}: every "
-                             "micro-gradient must cover the same parameters (flatten each with flat_grad).")
+            raise ValueError(
+                f"{name}[{i}] has shape {tuple(v.shape)}, {name}[0] {tuple(first.shape)}: every "
+                "micro-gradient must cover the same parameters (flatten each with flat_grad)."
+            )
         if not torch.isfinite(v).all():
-            raise ValueError(f"{name}[{i}] contains inf or NaN: no step can be computed from it (chapter 4: a "
-                             "GradScaler skips such a step; find the overflow or the NaN upstream).")
+            raise ValueError(
+                f"{name}[{i}] contains inf or NaN: no step can be computed from it (chapter 4: a "
+                "GradScaler skips such a step; find the overflow or the NaN upstream)."
+            )
     return list(vectors)
 
 
 def require_tensor(x: object, name: str = "x") -> torch.Tensor:
     """A torch.Tensor with a batch dimension (a NumPy array is refused with the advice to convert it)."""
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        raise ValueError(f"{name} must be a torch.Tensor with the samples along dimension 0, got "
-                         f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ()'}; convert "
-                         "it with torch.as_tensor(...).")
+        raise ValueError(
+            f"{name} must be a torch.Tensor with the samples along dimension 0, got "
+            f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ()'}; convert "
+            "it with torch.as_tensor(...)."
+        )
     return x

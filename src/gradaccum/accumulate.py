@@ -33,7 +33,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BackwardFn = Callable[[nn.Module, LossFn, torch.Tensor, torch.Tensor, int], float]
 
 
-
 def split_batch(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cut a batch into ``k`` equal, consecutive micro-batches.
 
@@ -69,17 +68,17 @@ def full_batch_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
     return accumulated_gradient(model, loss_fn, x, y, 1)
 
 
-def accumulated_gradient(
-    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int
-) -> torch.Tensor:
+def accumulated_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
     r"""Flat gradient :math:`\frac1K\sum_k \nabla_\theta L(\theta; B_k)` accumulated over K micro-batches.
 
     Each micro-batch loss is divided by K before its backward pass, exactly as a training loop does.
     Runs on a copy of ``model``; the caller's model is not modified.
     """
     if not isinstance(model, nn.Module) or not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("model must be an nn.Module with trainable parameters (requires_grad=True): a frozen model "
-                         "has no gradient to accumulate.")
+        raise ValueError(
+            "model must be an nn.Module with trainable parameters (requires_grad=True): a frozen model "
+            "has no gradient to accumulate."
+        )
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     accumulate_backward(work, loss_fn, x, y, k)
@@ -119,20 +118,29 @@ def agreement(g_ref: torch.Tensor, g: torch.Tensor) -> Agreement:
     for name, t in (("g_ref", g_ref), ("g", g)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a flat (1-D) tensor, got {shape}; flatten it first (flat_grad(model) "
-                             "for a model's gradient, or t.flatten()).")
+            raise ValueError(
+                f"{name} must be a flat (1-D) tensor, got {shape}; flatten it first (flat_grad(model) "
+                "for a model's gradient, or t.flatten())."
+            )
         if t.is_complex() or t.dtype == torch.bool:
-            raise ValueError(f"{name} is a {t.dtype} tensor: a gradient of real parameters is real; compare "
-                             "float tensors (for complex parameters, torch.view_as_real(g).flatten()).")
+            raise ValueError(
+                f"{name} is a {t.dtype} tensor: a gradient of real parameters is real; compare "
+                "float tensors (for complex parameters, torch.view_as_real(g).flatten())."
+            )
         if not t.is_floating_point():
-            raise ValueError(f"{name} is a {t.dtype} tensor: gradients are floating-point; pass the gradients "
-                             "themselves (flat_grad(model)), not counts or indices.")
+            raise ValueError(
+                f"{name} is a {t.dtype} tensor: gradients are floating-point; pass the gradients "
+                "themselves (flat_grad(model)), not counts or indices."
+            )
         if t.is_meta:
-            raise ValueError(f"{name} is on the meta device and holds no values; compare gradients computed on a "
-                             "real device.")
+            raise ValueError(
+                f"{name} is on the meta device and holds no values; compare gradients computed on a real device."
+            )
         if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name} holds NaN or inf entries: a relative error or cosine of it means nothing; "
-                             "find where the gradient overflowed first.")
+            raise ValueError(
+                f"{name} holds NaN or inf entries: a relative error or cosine of it means nothing; "
+                "find where the gradient overflowed first."
+            )
     if g_ref.shape != g.shape:
         raise ValueError(f"gradients have different shapes {tuple(g_ref.shape)} and {tuple(g.shape)}.")
     a, b = g_ref.detach().double(), g.detach().double()
@@ -143,8 +151,10 @@ def agreement(g_ref: torch.Tensor, g: torch.Tensor) -> Agreement:
     a, b = a / scale, b / scale
     ref_norm = torch.linalg.vector_norm(a)
     if not ref_norm > 0:  # g_ref underflowed against g's scale: they differ in size by over float64's range
-        raise ValueError("g is more than about 1e300 times larger than g_ref: a relative error that large is not a "
-                         "float64 number; they are not comparable.")
+        raise ValueError(
+            "g is more than about 1e300 times larger than g_ref: a relative error that large is not a "
+            "float64 number; they are not comparable."
+        )
     rel = float(torch.linalg.vector_norm(b - a) / ref_norm)
     if g_nonzero:  # the cosine of each vector scaled by its own largest entry: no underflow of the smaller one
         a, b = g_ref.detach().double(), g.detach().double()
@@ -193,8 +203,10 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
         raise ValueError("no samples to score: x is empty.")
     size = n if batch_size is None else require_count(batch_size, "batch_size")
     if size > n:
-        raise ValueError(f"batch_size {size} exceeds the {n} samples: no complete chunk to score; pass at most {n} "
-                         "(or None for all at once).")
+        raise ValueError(
+            f"batch_size {size} exceeds the {n} samples: no complete chunk to score; pass at most {n} "
+            "(or None for all at once)."
+        )
     usable = n - n % size  # an incomplete last chunk is left out, as in training
     correct = sum(int((model(x[i : i + size]).argmax(1) == y[i : i + size]).sum()) for i in range(0, usable, size))
     return correct / usable
@@ -237,14 +249,45 @@ def train(
     Validation accuracy is reported twice: in eval mode (running statistics, what a deployed model does) and
     in train mode on micro-batches of size b (what the network computed while it was trained).
     """
-    _check_train(x, batch_size=batch_size, k=k, epochs=epochs, lr=lr, momentum=momentum, seed=seed,
-                 schedule=schedule, optimizer=optimizer)
+    _check_train(
+        x,
+        batch_size=batch_size,
+        k=k,
+        epochs=epochs,
+        lr=lr,
+        momentum=momentum,
+        seed=seed,
+        schedule=schedule,
+        optimizer=optimizer,
+    )
     n, b = x.shape[0], batch_size // k
     backward = backward_fn or accumulate_backward
     loss_fn = nn.CrossEntropyLoss()
     opt, sched = _optimizer(model, optimizer, lr, momentum, schedule, epochs * (n // batch_size))
+    steps, losses = _run_epochs(model, x, y, backward, loss_fn, opt, sched, batch_size, k, epochs, seed)
+    train_mode_acc = accuracy(copy.deepcopy(model).train(), x_val, y_val, batch_size=b)
+    model.eval()
+    return TrainResult(k, b, steps, accuracy(model, x_val, y_val), train_mode_acc, losses)
+
+
+def _run_epochs(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    backward: BackwardFn,
+    loss_fn: LossFn,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler | None,
+    batch_size: int,
+    k: int,
+    epochs: int,
+    seed: int,
+) -> tuple[int, list[float]]:
+    """:func:`train`'s loop, the model in train mode: each epoch a permutation drawn from ``seed``'s generator, one
+    optimizer (and scheduler) step per complete batch, the gradient from ``backward``. Returns the optimizer steps
+    taken and each step's loss."""
     gen = torch.Generator().manual_seed(seed)
-    steps, losses = 0, []
+    n, steps, losses = x.shape[0], 0, []
     model.train()
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).to(x.device)
@@ -256,13 +299,21 @@ def train(
             if sched is not None:
                 sched.step()
             steps += 1
-    train_mode_acc = accuracy(copy.deepcopy(model).train(), x_val, y_val, batch_size=b)
-    model.eval()
-    return TrainResult(k, b, steps, accuracy(model, x_val, y_val), train_mode_acc, losses)
+    return steps, losses
 
 
-def _check_train(x: torch.Tensor, *, batch_size: int, k: int, epochs: int, lr: float, momentum: float, seed: int,
-                 schedule: str, optimizer: str) -> None:
+def _check_train(
+    x: torch.Tensor,
+    *,
+    batch_size: int,
+    k: int,
+    epochs: int,
+    lr: float,
+    momentum: float,
+    seed: int,
+    schedule: str,
+    optimizer: str,
+) -> None:
     """:func:`train`'s arguments, refused with a ValueError that says what to pass."""
     require_k(k)
     require_count(batch_size, "batch_size")
@@ -270,8 +321,9 @@ def _check_train(x: torch.Tensor, *, batch_size: int, k: int, epochs: int, lr: f
     require_count(seed, "seed", 0)
     require_nonnegative(lr, "lr (the learning rate)")
     if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum (SGD's) must be a number in [0, 1), got {momentum!r}; 0.9 is the usual value, 0 "
-                         "is plain SGD.")
+        raise ValueError(
+            f"momentum (SGD's) must be a number in [0, 1), got {momentum!r}; 0.9 is the usual value, 0 is plain SGD."
+        )
     if batch_size % k:
         raise ValueError(f"batch_size ({batch_size}) must be a positive multiple of K ({k}).")
     if schedule not in SCHEDULES:
@@ -282,10 +334,14 @@ def _check_train(x: torch.Tensor, *, batch_size: int, k: int, epochs: int, lr: f
         raise ValueError(f"batch_size ({batch_size}) exceeds the {x.shape[0]} training samples.")
 
 
-def _optimizer(model: nn.Module, optimizer: str, lr: float, momentum: float, schedule: str,
-               total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
+def _optimizer(
+    model: nn.Module, optimizer: str, lr: float, momentum: float, schedule: str, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
     """:func:`train`'s optimizer and its learning-rate schedule (None: constant)."""
-    opt: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-                                  if optimizer == "SGD" else torch.optim.AdamW(model.parameters(), lr=lr))
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        if optimizer == "SGD"
+        else torch.optim.AdamW(model.parameters(), lr=lr)
+    )
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total_steps) if schedule == "cosine" else None
     return opt, sched

@@ -19,6 +19,7 @@ on (b, C) features, :math:`N = b\cdot H\cdot W` for a ``BatchNorm2d`` (the formu
 Under accumulation :math:`B` is a micro-batch: the statistics come from :math:`b` samples, not :math:`Kb`,
 and the running statistics are updated :math:`K` times per optimizer step.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -38,8 +39,9 @@ def batch_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     ``x`` has shape (N, C) or (N, C, *spatial); statistics are over every dimension except C.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise ValueError(f"x must be a floating-point tensor, got "
-                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}.")
+        raise ValueError(
+            f"x must be a floating-point tensor, got {x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}."
+        )
     if x.dim() < 2 or x.shape[1] == 0:
         raise ValueError(f"expected a tensor of shape (N, C, ...) with C >= 1 channels, got shape {tuple(x.shape)}.")
     if not bool(torch.isfinite(x).all()):
@@ -71,8 +73,10 @@ def predicted_mean_variance(sigma2: Any, b: Any, n: int) -> Any:
         if variances.dtype == torch.bool or variances.is_complex() or sizes.is_complex():
             raise TypeError("booleans and complex numbers are not sizes or variances")
     except (TypeError, RuntimeError) as err:
-        raise ValueError(f"sigma2 and b must be numbers or arrays of numbers that broadcast together, got "
-                         f"{sigma2!r} and {b!r} ({err}).") from err
+        raise ValueError(
+            f"sigma2 and b must be numbers or arrays of numbers that broadcast together, got "
+            f"{sigma2!r} and {b!r} ({err})."
+        ) from err
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 2:
         raise ValueError(f"n (the population size) must be an int >= 2, got {n!r}.")
     n = int(n)
@@ -99,8 +103,10 @@ def biased_variance_factor(b: int) -> float:
     ``running_var``; at b = 2 the training-time variance is on average half the population's.
     """
     if isinstance(b, bool) or not isinstance(b, int) or b < 2:
-        raise ValueError(f"b must be an int >= 2 (the biased variance of one sample is 0: the ratio is undefined "
-                         f"for b = 1), got {b!r}{_numpy_hint(b)}.")
+        raise ValueError(
+            f"b must be an int >= 2 (the biased variance of one sample is 0: the ratio is undefined "
+            f"for b = 1), got {b!r}{_numpy_hint(b)}."
+        )
     return (b - 1) / b
 
 
@@ -139,8 +145,10 @@ def layer_inputs(model: nn.Module, x: torch.Tensor, layer: str) -> torch.Tensor:
             values = [*args, *kwargs.values()]
         tensors = [t for t in values if isinstance(t, torch.Tensor)]
         if not tensors:
-            raise ValueError(f"submodule {layer!r} was called without a tensor argument; layer_inputs returns the "
-                             "tensor a layer receives.")
+            raise ValueError(
+                f"submodule {layer!r} was called without a tensor argument; layer_inputs returns the "
+                "tensor a layer receives."
+            )
         captured.append(tensors[0].detach())
 
     handle = modules[layer].register_forward_hook(hook, with_kwargs=True)
@@ -154,8 +162,10 @@ def layer_inputs(model: nn.Module, x: torch.Tensor, layer: str) -> torch.Tensor:
         for m, training in modes:
             m.training = training
     if len(captured) != 1:
-        raise ValueError(f"submodule {layer!r} ran {len(captured)} times in one forward pass; layer_inputs needs a "
-                         "module that runs once.")
+        raise ValueError(
+            f"submodule {layer!r} ran {len(captured)} times in one forward pass; layer_inputs needs a "
+            "module that runs once."
+        )
     return captured[0]
 
 
@@ -203,14 +213,18 @@ def set_bn_momentum(model: nn.Module, m: float) -> int:
     m = require_momentum(m, allow_zero=True)  # stored as a Python float, also for NumPy scalars
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module (its normalization layers are set), got {type(model).__name__}.")
-    layers = [mod for mod in model.modules()
-              if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats]
-    cumulative = [name for name, mod in model.named_modules() if any(mod is layer for layer in layers)
-                  and mod.momentum is None]
+    layers = [
+        mod for mod in model.modules() if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats
+    ]
+    cumulative = [
+        name for name, mod in model.named_modules() if any(mod is layer for layer in layers) and mod.momentum is None
+    ]
     if cumulative:
-        raise ValueError(f"normalization layer(s) {cumulative} use momentum=None (a cumulative average), which "
-                         "accumulation does not speed up; leave them as they are, or set their momentum yourself "
-                         "if you mean to switch them to an exponential average.")
+        raise ValueError(
+            f"normalization layer(s) {cumulative} use momentum=None (a cumulative average), which "
+            "accumulation does not speed up; leave them as they are, or set their momentum yourself "
+            "if you mean to switch them to an exponential average."
+        )
     for mod in layers:
         mod.momentum = m
     return len(layers)

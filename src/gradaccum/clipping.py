@@ -65,15 +65,16 @@ EPS = _tensors.EPS  # clip_grad_norm_'s constant, 1e-6
 def _require_threshold(c: float) -> float:
     """A clipping threshold must be a positive finite number."""
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
-        raise ValueError(f"the clipping threshold must be a positive finite number (a Python float: pass float(c) "
-                         f"for a NumPy or torch scalar), got {c!r}.")
+        raise ValueError(
+            f"the clipping threshold must be a positive finite number (a Python float: pass float(c) "
+            f"for a NumPy or torch scalar), got {c!r}."
+        )
     return float(c)
 
 
 def _require_mode(mode: str) -> None:
     if mode not in ("norm", "value"):
         raise ValueError(f"mode must be 'norm' or 'value', got {mode!r}.")
-
 
 
 def _require_placement(placement: str) -> Placement:
@@ -87,17 +88,27 @@ def clip_vector(v: torch.Tensor, c: float, mode: Literal["norm", "value"] = "nor
     _require_threshold(c)
     _require_mode(mode)
     if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-        raise ValueError(f"v must be a floating-point tensor (as a gradient is), got "
-                         f"{v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}.")
+        raise ValueError(
+            f"v must be a floating-point tensor (as a gradient is), got "
+            f"{v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}."
+        )
     if not bool(torch.isfinite(v).all()):
-        raise ValueError("v contains inf or NaN: clipping cannot make it a gradient (torch's clip_grad_norm_ gives "
-                         "NaN, and a GradScaler skips such a step); find the overflow or the NaN upstream.")
+        raise ValueError(
+            "v contains inf or NaN: clipping cannot make it a gradient (torch's clip_grad_norm_ gives "
+            "NaN, and a GradScaler skips such a step); find the overflow or the NaN upstream."
+        )
     if mode == "norm" and not bool(torch.isfinite(torch.linalg.vector_norm(v))):
-        wider = ("float32 (v.float())" if v.dtype == torch.float16 else "float64 (v.double())"
-                 if v.dtype != torch.float64 else "a rescaled copy (clip v / 2**k: the same result once its norm "
-                 "exceeds c)")
-        raise ValueError(f"the norm of v overflows {v.dtype} although its entries are finite: clip_grad_norm_ would "
-                         f"scale it by c/inf = 0; clip it in {wider}.")
+        wider = (
+            "float32 (v.float())"
+            if v.dtype == torch.float16
+            else "float64 (v.double())"
+            if v.dtype != torch.float64
+            else "a rescaled copy (clip v / 2**k: the same result once its norm exceeds c)"
+        )
+        raise ValueError(
+            f"the norm of v overflows {v.dtype} although its entries are finite: clip_grad_norm_ would "
+            f"scale it by c/inf = 0; clip it in {wider}."
+        )
     return _tensors.clip_vector(v, c, mode)
 
 
@@ -112,8 +123,9 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a64 @ b64 / (torch.linalg.vector_norm(a64) * torch.linalg.vector_norm(b64)))
 
 
-def combine(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement,
-            mode: Literal["norm", "value"] = "norm") -> torch.Tensor:
+def combine(
+    micro_grads: Sequence[torch.Tensor], c: float, placement: Placement, mode: Literal["norm", "value"] = "norm"
+) -> torch.Tensor:
     """The step's gradient from the raw micro-batch gradients ``g_k`` under each clip placement (the math of
     :func:`clipped_accumulation` on plain vectors, used by the widget and the exercises)."""
     _require_threshold(c)
@@ -130,8 +142,9 @@ def combine(micro_grads: Sequence[torch.Tensor], c: float, placement: Placement,
     return clip_running_buffer([g / k for g in micro_grads], c, mode)
 
 
-def clip_running_buffer(contributions: Sequence[torch.Tensor], c: float,
-                        mode: Literal["norm", "value"] = "norm") -> torch.Tensor:
+def clip_running_buffer(
+    contributions: Sequence[torch.Tensor], c: float, mode: Literal["norm", "value"] = "norm"
+) -> torch.Tensor:
     r"""The buffer after adding each contribution and clipping it every time:
     :math:`r_k = \operatorname{clip}_c(r_{k-1} + d_k)`, :math:`r_0 = 0`, returned as :math:`r_K`.
 
@@ -177,9 +190,9 @@ class Comparison:
     """One placement against clipping once, on the same micro-gradients."""
 
     placement: str
-    norm: float        # norm of the placement's step
-    correct: float     # norm of clip_c(g), the correct step
-    cosine: float      # cosine between the two steps (NaN when either is zero up to clip_grad_norm_'s 1e-6)
+    norm: float  # norm of the placement's step
+    correct: float  # norm of clip_c(g), the correct step
+    cosine: float  # cosine between the two steps (NaN when either is zero up to clip_grad_norm_'s 1e-6)
     floor: float = EPS  # below this a step is zero up to clip_grad_norm_'s 1e-6 (see compare_to_once)
 
     @property
@@ -243,8 +256,16 @@ def _clip_grads(params: list[nn.Parameter], c: float, mode: str) -> None:
         raise ValueError(f"mode must be 'norm' or 'value', got {mode!r}.")
 
 
-def clipped_accumulation(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, c: float,
-                         placement: Placement = "once", mode: Literal["norm", "value"] = "norm") -> float:
+def clipped_accumulation(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    c: float,
+    placement: Placement = "once",
+    mode: Literal["norm", "value"] = "norm",
+) -> float:
     """One accumulation loop with the clip placement as a parameter; gradients end in ``.grad``.
 
     Uses ``torch.nn.utils.clip_grad_norm_`` (``clip_grad_value_`` with ``mode="value"``) on the parameters'
@@ -351,17 +372,28 @@ def _require_scaler_scale(scale: float, name: str) -> None:
     require_positive(scale, name)
     top = torch.finfo(torch.float32).max
     if scale > top:
-        raise ValueError(f"GradScaler keeps its scale in float32, whose largest value is {top:g}; got {name} "
-                         f"{scale:g}.")
+        raise ValueError(
+            f"GradScaler keeps its scale in float32, whose largest value is {top:g}; got {name} {scale:g}."
+        )
     held = torch.tensor(float(scale), dtype=torch.float32)
     if float(held) == 0.0 or not math.isfinite(float(held.double().reciprocal().float())):
-        raise ValueError(f"GradScaler unscales by 1/S in float32, which is infinite for S = {scale:g} (below "
-                         f"{1 / top:.3g}): every gradient would become inf or NaN. Use a scale of at least "
-                         f"{1 / top:.3g}.")
+        raise ValueError(
+            f"GradScaler unscales by 1/S in float32, which is infinite for S = {scale:g} (below "
+            f"{1 / top:.3g}): every gradient would become inf or NaN. Use a scale of at least "
+            f"{1 / top:.3g}."
+        )
 
 
-def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, c: float,
-                     unscale_first: bool = True, init_scale: float = 2.0**16) -> torch.Tensor:
+def clip_with_scaler(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    c: float,
+    unscale_first: bool = True,
+    init_scale: float = 2.0**16,
+) -> torch.Tensor:
     """The gradient an optimizer would receive from the torch.amp recipe with accumulation and clipping:
     ``scaler.scale(loss / K).backward()`` per micro-batch, then either ``unscale_`` → clip (right) or clip →
     ``unscale_`` (wrong; ``scaler.step`` would unscale after the clip). Runs on a copy of ``model``."""
@@ -370,9 +402,11 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     require_flag(unscale_first, "unscale_first", "True: unscale_ then clip, the right order")
     _require_scaler_scale(init_scale, "init_scale")
     if any(p.dtype == torch.float16 for p in model.parameters()):
-        raise ValueError("the model has float16 parameters, whose gradients GradScaler refuses to unscale (torch: "
-                         "'Attempting to unscale FP16 gradients'); keep the parameters in float32 and run the forward "
-                         "under torch.autocast(device_type, dtype=torch.float16), the recipe of chapter 4.")
+        raise ValueError(
+            "the model has float16 parameters, whose gradients GradScaler refuses to unscale (torch: "
+            "'Attempting to unscale FP16 gradients'); keep the parameters in float32 and run the forward "
+            "under torch.autocast(device_type, dtype=torch.float16), the recipe of chapter 4."
+        )
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     device_type = next(work.parameters()).device.type
@@ -389,9 +423,11 @@ def clip_with_scaler(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
         scaler.unscale_(opt)
     grad = flat_grad(work).detach()
     if not bool(torch.isfinite(grad).all()):
-        raise ValueError("the gradient is not finite (inf or NaN, from the data or an overflow at this loss scale): "
-                         "GradScaler.step would skip this step, so no optimizer receives a gradient; check the inputs, "
-                         f"or, if S = {init_scale:g} times the gradients overflowed, use a smaller init_scale.")
+        raise ValueError(
+            "the gradient is not finite (inf or NaN, from the data or an overflow at this loss scale): "
+            "GradScaler.step would skip this step, so no optimizer receives a gradient; check the inputs, "
+            f"or, if S = {init_scale:g} times the gradients overflowed, use a smaller init_scale."
+        )
     return grad
 
 
@@ -418,11 +454,15 @@ def raw_micro_all_clipped(agreement: float, k: int, smallest_over_c: float) -> f
     if low - 1e-12 <= agreement <= 1.0 + 1e-12:  # a cosine computed in floating point may step out by an ulp
         agreement = min(1.0, max(low, float(agreement)))
     else:
-        raise ValueError(f"agreement is the mean pairwise cosine of K = {k} unit vectors, which lies in "
-                         f"[-1/(K-1), 1] = [{-1 / max(k - 1, 1):.3g}, 1], got {agreement}.")
+        raise ValueError(
+            f"agreement is the mean pairwise cosine of K = {k} unit vectors, which lies in "
+            f"[-1/(K-1), 1] = [{-1 / max(k - 1, 1):.3g}, 1], got {agreement}."
+        )
     if not smallest_over_c > 1.0:
-        raise ValueError(f"the formula needs every micro-gradient longer than c, but the shortest has norm "
-                         f"{smallest_over_c}·c; compute (a2) with combine(grads, c, 'raw_micro') instead.")
+        raise ValueError(
+            f"the formula needs every micro-gradient longer than c, but the shortest has norm "
+            f"{smallest_over_c}·c; compute (a2) with combine(grads, c, 'raw_micro') instead."
+        )
     return math.sqrt(max(0.0, 1 / k + (1 - 1 / k) * agreement))
 
 

@@ -11,12 +11,8 @@ then run each micro-batch again with a graph and backpropagate :math:`\langle z_
 :math:`\sum_k \partial \langle z_k, G_k\rangle / \partial\theta = \partial L / \partial \theta` exactly, at the cost
 of a second forward per micro-batch (:func:`grad_cache_backward`).
 
-**Mixture-of-experts load balancing.** The Switch Transformer's auxiliary loss over T tokens routed among N
-experts is :math:`N \sum_i f_i P_i`, with :math:`f_i` the fraction of tokens sent to expert i (argmax, no
-gradient) and :math:`P_i` the mean router probability of expert i. A mean of per-micro-batch products is not the
-product of the window's means: :math:`\frac1K \sum_k \sum_i f_i^{(k)} P_i^{(k)} \neq \sum_i f_i P_i`. Because
-:math:`f` carries no gradient, the window's loss is recovered exactly by counting the window's routing first and
-giving every micro-batch the *window's* :math:`f` (:func:`switch_aux_loss` with ``fractions=``).
+**Mixture-of-experts load balancing** (:func:`expert_fractions`, :func:`switch_aux_loss`,
+:func:`window_fractions`) is in :mod:`gradaccum.load_balancing`, re-exported here.
 
 **Activation checkpointing × BatchNorm.** ``torch.utils.checkpoint`` reruns the forward during backward; a
 BatchNorm inside updates its running statistics again, so each micro-batch moves them twice, with the same batch
@@ -38,11 +34,24 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gradaccum import _tensors
-from gradaccum._validate import require_count, require_k, require_momentum, require_tensor
+from gradaccum._validate import require_count, require_k, require_momentum
 
-__all__ = ["info_nce", "micro_batch_info_nce", "plain_accumulation_backward", "grad_cache_backward",
-           "expert_fractions", "switch_aux_loss", "window_fractions", "checkpoint_keeping_bn_stats",
-           "recompute_momentum"]
+# the mixture-of-experts load-balancing loss lives in gradaccum.load_balancing; chapter 8 reads it from here too
+from gradaccum.load_balancing import expert_fractions as expert_fractions
+from gradaccum.load_balancing import switch_aux_loss as switch_aux_loss
+from gradaccum.load_balancing import window_fractions as window_fractions
+
+__all__ = [
+    "info_nce",
+    "micro_batch_info_nce",
+    "plain_accumulation_backward",
+    "grad_cache_backward",
+    "expert_fractions",
+    "switch_aux_loss",
+    "window_fractions",
+    "checkpoint_keeping_bn_stats",
+    "recompute_momentum",
+]
 
 _BN = nn.modules.batchnorm._BatchNorm
 _NORM = nn.modules.batchnorm._NormBase  # BatchNorm and InstanceNorm: both may keep running statistics
@@ -53,8 +62,10 @@ def _require_embeddings(a: torch.Tensor, b: torch.Tensor) -> None:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise ValueError(f"a and b must be torch tensors (n, d), got {type(a).__name__} and {type(b).__name__}.")
     if a.shape != b.shape or a.dim() != 2 or a.shape[1] == 0:
-        raise ValueError(f"a and b must be (n, d) embeddings of the same shape with d >= 1, got {tuple(a.shape)} "
-                         f"and {tuple(b.shape)}.")
+        raise ValueError(
+            f"a and b must be (n, d) embeddings of the same shape with d >= 1, got {tuple(a.shape)} "
+            f"and {tuple(b.shape)}."
+        )
     if not a.is_floating_point() or a.dtype != b.dtype:
         raise ValueError(f"a and b must be floating-point embeddings of one dtype, got {a.dtype} and {b.dtype}.")
     if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
@@ -65,18 +76,27 @@ def _temperature(temperature: float | torch.Tensor, dtype: torch.dtype | None = 
     """A positive finite temperature (or a one-element floating tensor, for a learnable one, as a scalar) whose
     inverse is finite in ``dtype`` (the similarities it divides: 1/τ must not overflow)."""
     if isinstance(temperature, torch.Tensor):  # a learnable temperature: one positive finite value
-        valid = (temperature.numel() == 1 and temperature.is_floating_point()
-                 and bool(torch.isfinite(temperature).all()) and bool((temperature > 0).all()))
+        valid = (
+            temperature.numel() == 1
+            and temperature.is_floating_point()
+            and bool(torch.isfinite(temperature).all())
+            and bool((temperature > 0).all())
+        )
     else:
-        valid = (isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
-                 and 0 < temperature < math.inf)
+        valid = (
+            isinstance(temperature, numbers.Real) and not isinstance(temperature, bool) and 0 < temperature < math.inf
+        )
     if not valid:
-        raise ValueError(f"temperature must be a positive finite number (or a one-element floating tensor, for a "
-                         f"learnable temperature), got {temperature!r}.")
+        raise ValueError(
+            f"temperature must be a positive finite number (or a one-element floating tensor, for a "
+            f"learnable temperature), got {temperature!r}."
+        )
     value = float(temperature.detach()) if isinstance(temperature, torch.Tensor) else float(temperature)
     if dtype is not None and value < 1 / torch.finfo(dtype).max:
-        raise ValueError(f"temperature {value:g} is so small that 1/temperature overflows {dtype}; "
-                         "typical temperatures lie between 0.01 and 1.")
+        raise ValueError(
+            f"temperature {value:g} is so small that 1/temperature overflows {dtype}; "
+            "typical temperatures lie between 0.01 and 1."
+        )
     if isinstance(temperature, torch.Tensor):
         return temperature.reshape(())  # a (1, 1) temperature must not broadcast the logits to 3-D
     return temperature
@@ -93,8 +113,9 @@ def info_nce(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.1) -> torc
     return F.cross_entropy(logits, torch.arange(len(a), device=a.device))
 
 
-def micro_batch_info_nce(a: torch.Tensor, b: torch.Tensor, k: int,
-                         temperature: float | torch.Tensor = 0.1) -> torch.Tensor:
+def micro_batch_info_nce(
+    a: torch.Tensor, b: torch.Tensor, k: int, temperature: float | torch.Tensor = 0.1
+) -> torch.Tensor:
     r"""The loss plain accumulation optimizes, in one pass: the mean over the K micro-batches (consecutive
     blocks of m = n/K rows, as ``torch.chunk`` cuts them) of their own InfoNCE, :math:`\frac1K\sum_k L(B_k)`. It
     is InfoNCE with every similarity outside a sample's own block masked out (:math:`s_{ij} = -\infty`): each
@@ -109,8 +130,9 @@ def micro_batch_info_nce(a: torch.Tensor, b: torch.Tensor, k: int,
     n = len(a)
     require_k(k)
     if n == 0 or n % k:
-        raise ValueError(f"K = {k} does not divide the batch of {n} into non-empty micro-batches; pick a batch "
-                         "that K divides.")
+        raise ValueError(
+            f"K = {k} does not divide the batch of {n} into non-empty micro-batches; pick a batch that K divides."
+        )
     temperature = _temperature(temperature, a.dtype)
     logits = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T / temperature
     block = torch.arange(n, device=a.device) // (n // k)
@@ -124,34 +146,45 @@ def _split(inputs: Sequence[torch.Tensor], k: int) -> list[tuple[torch.Tensor, .
     if any(len(x) != n for x in inputs):
         raise ValueError(f"every input needs the same number of samples, got {[len(x) for x in inputs]}.")
     if n == 0 or n % k:
-        raise ValueError(f"K = {k} does not divide the batch of {n} into non-empty micro-batches; pick a batch "
-                         "that K divides.")
+        raise ValueError(
+            f"K = {k} does not divide the batch of {n} into non-empty micro-batches; pick a batch that K divides."
+        )
     return _tensors.split_tensors(inputs, k)
 
 
 def _check_encoders(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> None:
     if len(encoders) != len(inputs) or not encoders:
-        raise ValueError(f"give one encoder per input (the same module twice if they share weights), got "
-                         f"{len(encoders)} encoder(s) for {len(inputs)} input(s).")
+        raise ValueError(
+            f"give one encoder per input (the same module twice if they share weights), got "
+            f"{len(encoders)} encoder(s) for {len(inputs)} input(s)."
+        )
     for i, (enc, x) in enumerate(zip(encoders, inputs)):
         if not isinstance(enc, nn.Module):
-            raise ValueError(f"encoder {i} is a {type(enc).__name__}, not an nn.Module: GradCache reads a module's "
-                             "layers and buffers to refuse what it cannot recompute exactly; wrap the function in an "
-                             "nn.Module (its forward calling it).")
+            raise ValueError(
+                f"encoder {i} is a {type(enc).__name__}, not an nn.Module: GradCache reads a module's "
+                "layers and buffers to refuse what it cannot recompute exactly; wrap the function in an "
+                "nn.Module (its forward calling it)."
+            )
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            raise ValueError(f"input {i} must be a torch.Tensor with a batch dimension, got "
-                             f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ()'}; "
-                             "convert it with torch.as_tensor(...) and keep the samples along dimension 0.")
+            raise ValueError(
+                f"input {i} must be a torch.Tensor with a batch dimension, got "
+                f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ()'}; "
+                "convert it with torch.as_tensor(...) and keep the samples along dimension 0."
+            )
         if x.is_inference():
-            raise ValueError(f"input {i} was made under torch.inference_mode(), and autograd cannot save inference "
-                             "tensors for backward; make it outside inference mode (or pass x.clone() made there).")
+            raise ValueError(
+                f"input {i} was made under torch.inference_mode(), and autograd cannot save inference "
+                "tensors for backward; make it outside inference mode (or pass x.clone() made there)."
+            )
     for enc in encoders:
         for name, m in enc.named_modules():
             if isinstance(m, _BN) and (m.training or m.running_mean is None):
-                raise ValueError(f"{type(enc).__name__}.{name or 'self'} is a BatchNorm that normalizes with batch "
-                                 "statistics (training mode, or track_running_stats=False): they couple the samples "
-                                 "of each micro-batch, so no per-micro-batch recomputation can be exact. Use "
-                                 "GroupNorm/LayerNorm, or a BatchNorm in eval mode with running statistics.")
+                raise ValueError(
+                    f"{type(enc).__name__}.{name or 'self'} is a BatchNorm that normalizes with batch "
+                    "statistics (training mode, or track_running_stats=False): they couple the samples "
+                    "of each micro-batch, so no per-micro-batch recomputation can be exact. Use "
+                    "GroupNorm/LayerNorm, or a BatchNorm in eval mode with running statistics."
+                )
 
 
 #: A buffer as a module holds it: (owning module, its name there, the tensor, the encoder-qualified name, a copy
@@ -183,21 +216,30 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _refuse_changed_buffers(buffers: list[_Buffer]) -> None:
     """Raise a ``ValueError`` naming the buffers the forward passes changed — in place, or replaced by another
     tensor — after putting every one back."""
-    changed = [label for module, name, buf, label, old in buffers
-               if module._buffers.get(name) is not buf or not _same(buf, old)]
+    changed = [
+        label
+        for module, name, buf, label, old in buffers
+        if module._buffers.get(name) is not buf or not _same(buf, old)
+    ]
     if changed:
         for module, name, buf, _, old in buffers:
             buf.copy_(old)
             module._buffers[name] = buf
-        raise ValueError(f"the encoders' forward pass changed the buffer(s) {', '.join(changed)} (running "
-                         "statistics, a power iteration, a counter): GradCache runs every micro-batch twice, so "
-                         "its second pass would run in another state than the first and the gradient would not be "
-                         "exact. Put those layers in eval mode or remove them from the encoder (the buffers were "
-                         "restored).")
+        raise ValueError(
+            f"the encoders' forward pass changed the buffer(s) {', '.join(changed)} (running "
+            "statistics, a power iteration, a counter): GradCache runs every micro-batch twice, so "
+            "its second pass would run in another state than the first and the gradient would not be "
+            "exact. Put those layers in eval mode or remove them from the encoder (the buffers were "
+            "restored)."
+        )
 
 
-def plain_accumulation_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor], k: int,
-                                loss_fn: Callable[..., torch.Tensor] = info_nce) -> float:
+def plain_accumulation_backward(
+    encoders: Sequence[nn.Module],
+    inputs: Sequence[torch.Tensor],
+    k: int,
+    loss_fn: Callable[..., torch.Tensor] = info_nce,
+) -> float:
     """Plain accumulation of a batch-coupled loss: ``loss_fn`` on each micro-batch's embeddings, divided by K,
     backpropagated micro-batch by micro-batch (negatives only from the same micro-batch). Returns the summed loss."""
     _check_encoders(encoders, inputs)
@@ -240,8 +282,10 @@ def _embedding(enc: nn.Module, x: torch.Tensor, saved: list[_Buffer]) -> torch.T
     if not isinstance(z, torch.Tensor) or z.dim() == 0:
         _refuse_changed_buffers(saved)
         got = "a 0-dimensional tensor" if isinstance(z, torch.Tensor) else f"a {type(z).__name__}"
-        raise ValueError(f"{type(enc).__name__} returned {got}: GradCache caches one tensor of embeddings (rows "
-                         "first) per encoder and micro-batch; return a single tensor.")
+        raise ValueError(
+            f"{type(enc).__name__} returned {got}: GradCache caches one tensor of embeddings (rows "
+            "first) per encoder and micro-batch; return a single tensor."
+        )
     return z
 
 
@@ -249,13 +293,20 @@ def _scalar(loss: object) -> torch.Tensor:
     """The loss, refused unless it is a one-element tensor."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn returned {shape}, not a scalar tensor: GradCache backpropagates one full-batch "
-                         "loss; reduce it (.mean() or .sum(), as the loss you want to train).")
+        raise ValueError(
+            f"loss_fn returned {shape}, not a scalar tensor: GradCache backpropagates one full-batch "
+            "loss; reduce it (.mean() or .sum(), as the loss you want to train)."
+        )
     return loss
 
 
-def _replay(enc: nn.Module, x: torch.Tensor, state: tuple[torch.Tensor, list[torch.Tensor]], devices: list[int],
-            cached: torch.Tensor) -> torch.Tensor:
+def _replay(
+    enc: nn.Module,
+    x: torch.Tensor,
+    state: tuple[torch.Tensor, list[torch.Tensor]],
+    devices: list[int],
+    cached: torch.Tensor,
+) -> torch.Tensor:
     """``enc(x)`` again, with a graph, under the random state saved before its first run (the same dropout masks);
     refused unless it is the cached embedding (its shape, and its values to a thousand rounding steps)."""
     with torch.random.fork_rng(devices=devices):
@@ -265,23 +316,52 @@ def _replay(enc: nn.Module, x: torch.Tensor, state: tuple[torch.Tensor, list[tor
             torch.cuda.set_rng_state(s, d)
         z = enc(x)
     if z.shape != cached.shape:
-        raise ValueError(f"{type(enc).__name__} returned {tuple(z.shape)} when embedding a micro-batch again, "
-                         f"{tuple(cached.shape)} the first time: GradCache needs a forward pass that repeats "
-                         "itself; .grad now holds a partial gradient (zero it).")
+        raise ValueError(
+            f"{type(enc).__name__} returned {tuple(z.shape)} when embedding a micro-batch again, "
+            f"{tuple(cached.shape)} the first time: GradCache needs a forward pass that repeats "
+            "itself; .grad now holds a partial gradient (zero it)."
+        )
     if z.is_floating_point():
         eps = torch.finfo(z.dtype).eps
         gap = float((z.detach() - cached).double().norm())
         if not gap <= 1e3 * eps * float(cached.double().norm()) + 1e-30:
-            raise ValueError(f"{type(enc).__name__} returned another embedding when embedding a micro-batch again "
-                             f"(relative difference {gap / max(float(cached.double().norm()), 1e-300):.2g}): its "
-                             "forward pass changed something it reads (an input scaled in place, x.div_(255), an "
-                             "attribute, a parameter), so GradCache's replay runs another network; .grad now holds "
-                             "a partial gradient (zero it).")
+            raise ValueError(
+                f"{type(enc).__name__} returned another embedding when embedding a micro-batch again "
+                f"(relative difference {gap / max(float(cached.double().norm()), 1e-300):.2g}): its "
+                "forward pass changed something it reads (an input scaled in place, x.div_(255), an "
+                "attribute, a parameter), so GradCache's replay runs another network; .grad now holds "
+                "a partial gradient (zero it)."
+            )
     return z
 
 
-def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Tensor], k: int,
-                        loss_fn: Callable[..., torch.Tensor] = info_nce) -> float:
+def _embed_without_graph(
+    encoders: Sequence[nn.Module], chunks: Sequence[Sequence[torch.Tensor]], devices: list[int]
+) -> tuple[list[list[tuple[torch.Tensor, list[torch.Tensor]]]], list[list[torch.Tensor]]]:
+    """GradCache's step 1: every micro-batch (``chunks[j]``, one input per encoder) embedded by each encoder without
+    a graph, the random state saved before each embedding; refused (the buffers put back) if a forward pass changed
+    a buffer. Returns the states and the embeddings, indexed [micro-batch][encoder]."""
+    saved = _buffers(encoders)
+    states: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = []
+    cached: list[list[torch.Tensor]] = []
+    with torch.no_grad():
+        for chunk in chunks:
+            row_states, row = [], []
+            for enc, x in zip(encoders, chunk):
+                row_states.append(_rng_state(devices))  # replayed in step 3: the same dropout masks
+                row.append(_embedding(enc, x, saved))
+            states.append(row_states)
+            cached.append(row)
+        _refuse_changed_buffers(saved)
+    return states, cached
+
+
+def grad_cache_backward(
+    encoders: Sequence[nn.Module],
+    inputs: Sequence[torch.Tensor],
+    k: int,
+    loss_fn: Callable[..., torch.Tensor] = info_nce,
+) -> float:
     """GradCache: add to ``.grad`` the exact gradient of ``loss_fn(*[enc(x) for enc, x in zip(encoders, inputs)])``
     over the whole batch while holding the graph of one micro-batch at a time. Returns the full-batch loss.
 
@@ -305,18 +385,7 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
     _check_encoders(encoders, inputs)
     chunks = _split(cut := _cut(inputs), k)
     devices = _rng_devices()
-    saved = _buffers(encoders)
-    states: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = []
-    cached: list[list[torch.Tensor]] = []
-    with torch.no_grad():
-        for chunk in chunks:
-            row_states, row = [], []
-            for enc, x in zip(encoders, chunk):
-                row_states.append(_rng_state(devices))  # replayed in step 3: the same dropout masks
-                row.append(_embedding(enc, x, saved))
-            states.append(row_states)
-            cached.append(row)
-        _refuse_changed_buffers(saved)
+    states, cached = _embed_without_graph(encoders, chunks, devices)
     reps = [torch.cat([row[i] for row in cached]).requires_grad_() for i in range(len(encoders))]
     loss = _scalar(loss_fn(*reps))
     loss.backward()
@@ -326,85 +395,10 @@ def grad_cache_backward(encoders: Sequence[nn.Module], inputs: Sequence[torch.Te
         for i, (enc, x) in enumerate(zip(encoders, chunk)):
             z, rows, gz = _replay(enc, x, states[j][i], devices, cached[j][i]), len(cached[j][i]), grads[i]
             if z.requires_grad and gz is not None:  # a frozen encoder has nothing to update
-                z.backward(gz[starts[i]:starts[i] + rows])
+                z.backward(gz[starts[i] : starts[i] + rows])
             starts[i] += rows
     _join(inputs, cut)
     return float(loss.detach())
-
-
-# ----------------------------------------------------------------------------------------- mixture of experts
-
-
-def expert_fractions(expert: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """:math:`f_i`: the fraction of tokens routed to each expert (``expert``: the chosen expert per token). With
-    top-k routing (``expert`` of shape (T, k)) the fractions sum to 1, divided by T·k as Megatron-LM does;
-    Hugging Face's Mixtral loss divides by T, so its fractions sum to k and its loss is k times larger."""
-    require_count(n_experts, "n_experts")
-    if not isinstance(expert, torch.Tensor):
-        raise ValueError(f"expert must be a tensor of expert indices (torch.tensor(...)), got {type(expert).__name__}.")
-    if expert.numel() == 0:
-        raise ValueError("no tokens: the fractions are undefined.")
-    if expert.is_floating_point() or expert.is_complex() or expert.dtype == torch.bool \
-            or int(expert.min()) < 0 or int(expert.max()) >= n_experts:
-        raise ValueError(f"expert must hold integer expert indices in [0, {n_experts}), got dtype {expert.dtype}, "
-                         f"values from {expert.min().item()} to {expert.max().item()}.")
-    return torch.bincount(expert.reshape(-1), minlength=n_experts).to(torch.float64) / expert.numel()
-
-
-def switch_aux_loss(probs: torch.Tensor, fractions: torch.Tensor | None = None) -> torch.Tensor:
-    r"""The Switch Transformer's load-balancing loss :math:`N \sum_i f_i P_i` for router probabilities ``probs``
-    (tokens × N). :math:`f` is computed from the argmax of ``probs`` unless ``fractions`` (e.g. a window's,
-    :func:`window_fractions`) is given; :math:`P_i` is the mean of ``probs`` over these tokens."""
-    if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.shape[0] == 0:
-        raise ValueError(f"probs must be a (tokens, experts) tensor with at least one token, got "
-                         f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__}.")
-    if not probs.is_floating_point():
-        raise ValueError(f"probs must be floating-point router probabilities (a softmax), got {probs.dtype}.")
-    sums = probs.detach().to(torch.float64).sum(1)
-    slack = max(1e-4, torch.finfo(probs.dtype).eps)  # a bf16 softmax's rows sum to 1 within about 2^-8
-    off = float((sums - 1).abs().max())
-    if bool((probs.detach() < 0).any()) or not off <= slack:
-        raise ValueError(f"each row of probs must be a probability distribution (non-negative, summing to 1; a row "
-                         f"here is off by {off:.3g}, more than {probs.dtype}'s rounding allows): pass the router's "
-                         "softmax, not its logits.")
-    n = probs.shape[1]
-    f = expert_fractions(probs.argmax(1), n) if fractions is None else fractions
-    if not isinstance(f, torch.Tensor) or f.shape != (n,):
-        raise ValueError(f"fractions must be a tensor with one entry per expert ({n}), got "
-                         f"{tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__}.")
-    total = float(f.sum())
-    if not f.is_floating_point() or not bool(torch.isfinite(f).all()) or bool((f < 0).any()) \
-            or not abs(total - 1) <= 1e-6:
-        raise ValueError(f"fractions must be non-negative floats summing to 1 (for top-k routing, divide the counts "
-                         f"by tokens × k, as expert_fractions does), got a sum of {total:g}.")
-    return n * (f.to(probs.dtype) * probs.mean(0)).sum()
-
-
-def window_fractions(router: Callable[[torch.Tensor], torch.Tensor], micro_batches: Sequence[torch.Tensor],
-                     n_experts: int) -> torch.Tensor:
-    """:math:`f` over a whole window: route every micro-batch without a graph and count (top-1, the argmax; under
-    data parallelism, all-reduce the counts and keep each rank's :math:`P` local). With it,
-    :func:`switch_aux_loss` per micro-batch, weighted :math:`n_k/T` (its share of the window's tokens, 1/K for
-    equal micro-batches), sums to the window's loss exactly. In a deep MoE the routers' inputs come from the
-    layers before them: counting the window then costs a forward pass without a graph."""
-    require_count(n_experts, "n_experts")
-    if len(micro_batches) == 0:
-        raise ValueError("no micro-batches: pass the window's K micro-batches.")
-    for x in micro_batches:
-        require_tensor(x, "each micro-batch")
-    with torch.no_grad():
-        scores = [router(x) for x in micro_batches]
-    if not all(isinstance(sc, torch.Tensor) for sc in scores):
-        raise ValueError("the router must return a tensor of scores, (tokens, n_experts); got "
-                         f"{sorted({type(sc).__name__ for sc in scores})} (NumPy micro-batches: convert them with "
-                         "torch.as_tensor(...)).")
-    if any(not bool(torch.isfinite(sc).all()) for sc in scores):
-        raise ValueError("the router's scores contain inf or NaN: an argmax over them would send those tokens to "
-                         "expert 0; fix the router first.")
-    if any(sc.dim() != 2 or sc.shape[1] != n_experts for sc in scores):
-        raise ValueError(f"the router must give (tokens, {n_experts}) scores, one column per expert; got shapes "
-                         f"{sorted({tuple(sc.shape) for sc in scores})}.")
-    return expert_fractions(torch.cat([sc.argmax(1) for sc in scores]), n_experts)
 
 
 # ------------------------------------------------------------------------------ checkpointing and BatchNorm
@@ -415,8 +409,10 @@ def recompute_momentum(m: float, k: int, reruns: int = 1) -> float:
     ``1 + reruns`` times with the same statistics: :math:`1 - (1-m)^{(1+\\text{reruns})K}`."""
     require_k(k)
     if m is None:
-        raise ValueError("momentum=None is BatchNorm's cumulative average: reruns add more batches to the average "
-                         "instead of moving it by a momentum, so this formula does not apply.")
+        raise ValueError(
+            "momentum=None is BatchNorm's cumulative average: reruns add more batches to the average "
+            "instead of moving it by a momentum, so this formula does not apply."
+        )
     m = float(require_momentum(m, allow_zero=True))
     require_count(reruns, "reruns", minimum=0)
     return 1 - (1 - m) ** ((1 + reruns) * k)
@@ -425,17 +421,22 @@ def recompute_momentum(m: float, k: int, reruns: int = 1) -> float:
 def _require_module(module: object) -> None:
     """The layers kept are the module's own: a function reaching layers through a closure is refused."""
     if not isinstance(module, nn.Module):
-        raise ValueError(f"checkpoint_keeping_bn_stats needs the nn.Module to checkpoint (its BatchNorm layers are the "
-                         f"ones kept), got {type(module).__name__}; wrap the function's layers in an nn.Module, or "
-                         "pass the module whose method you checkpoint.")
+        raise ValueError(
+            f"checkpoint_keeping_bn_stats needs the nn.Module to checkpoint (its BatchNorm layers are the "
+            f"ones kept), got {type(module).__name__}; wrap the function's layers in an nn.Module, or "
+            "pass the module whose method you checkpoint."
+        )
 
 
 @contextlib.contextmanager
 def _frozen_bn(module: nn.Module) -> Iterator[None]:
     """BatchNorm and InstanceNorm layers of ``module`` that track running statistics normalize as usual but do not
     update them."""
-    saved = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
-             for m in module.modules() if isinstance(m, _NORM) and m.track_running_stats]
+    saved = [
+        (m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+        for m in module.modules()
+        if isinstance(m, _NORM) and m.track_running_stats
+    ]
     for m, _, _ in saved:
         m.momentum = 0.0
     try:
@@ -453,5 +454,6 @@ def checkpoint_keeping_bn_stats(module: nn.Module, *args: torch.Tensor) -> torch
     first forward left them.
     The output and the gradient are the same as without checkpointing (``module``: an ``nn.Module``)."""
     _require_module(module)
-    return checkpoint(module, *args, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), _frozen_bn(module)))
+    return checkpoint(
+        module, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _frozen_bn(module))
+    )

@@ -19,6 +19,7 @@ each synchronized backward launches one all-reduce per bucket. Without a communi
 copying each gradient into its bucket (``at::mul_out`` in ``reducer.cpp``), so a synchronization makes two passes
 over the gradients besides the all-reduce: copy in (and divide), copy out.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -51,8 +52,7 @@ def ddp_accumulate(model: DDP, loss_fn: Callable, x: torch.Tensor, y: torch.Tens
 PLACEMENTS = ("sync every micro-batch", "no_sync", "last forward inside", "forward outside")
 
 
-def placed_accumulate(model: DDP, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int,
-                      placement: str) -> None:
+def placed_accumulate(model: DDP, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, placement: str) -> None:
     """One optimizer step's K forward/backward passes (loss / K each) with ``no_sync()`` placed as ``placement``
     says (one of :data:`PLACEMENTS`)."""
     if placement not in PLACEMENTS:
@@ -101,8 +101,9 @@ def register_counter(model: nn.Module) -> CommCounter:
     """Register :func:`counting_hook` on a DDP model, with a :class:`CommCounter` that averages over the model's own
     process group; returns the counter."""
     if not isinstance(model, DDP):
-        raise ValueError(f"register_counter needs a DistributedDataParallel model, got {type(model).__name__}; wrap "
-                         "it in DDP first.")
+        raise ValueError(
+            f"register_counter needs a DistributedDataParallel model, got {type(model).__name__}; wrap it in DDP first."
+        )
     counter = CommCounter(process_group=model.process_group)
     model.register_comm_hook(counter, counting_hook)
     return counter
@@ -120,11 +121,15 @@ def micro_batch_that_fits(n_images: int, world_size: int, k: int, steps: int, ca
             raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
     b = min(cap, n_images // (world_size * k * steps))
     if b < 1:
-        raise ValueError(f"{world_size} ranks × K={k} × {steps} steps need more than the {n_images} images even "
-                         + (f"with micro-batches of 1; use at most {n_images // (world_size * k)} steps or a smaller K."
-                            if n_images >= world_size * k else
-                            f"with micro-batches of 1; even one step needs {world_size * k} images: use a smaller K "
-                            "or fewer ranks."))
+        raise ValueError(
+            f"{world_size} ranks × K={k} × {steps} steps need more than the {n_images} images even "
+            + (
+                f"with micro-batches of 1; use at most {n_images // (world_size * k)} steps or a smaller K."
+                if n_images >= world_size * k
+                else f"with micro-batches of 1; even one step needs {world_size * k} images: use a smaller K "
+                "or fewer ranks."
+            )
+        )
     return b
 
 
@@ -144,8 +149,10 @@ class Interconnect:
 
 def _require_link(link: object) -> None:
     if not isinstance(link, Interconnect):
-        raise ValueError(f"link must be an Interconnect (one of distributed.PRESETS, or Interconnect(name, "
-                         f"bandwidth, latency, source)), got {type(link).__name__}.")
+        raise ValueError(
+            f"link must be an Interconnect (one of distributed.PRESETS, or Interconnect(name, "
+            f"bandwidth, latency, source)), got {type(link).__name__}."
+        )
 
 
 #: Nominal per-direction link rates from the standards and datasheets cited in the chapter; the latencies are
@@ -188,9 +195,17 @@ class StepPrediction:
         return self.with_sync - self.with_no_sync
 
 
-def predict_step(params: int, k: int, p: int, link: Interconnect, micro_compute: float,
-                 bytes_per_param: int = 4, buckets: int = 1, copy_bandwidth: float | None = None,
-                 copy_passes: int = 2) -> StepPrediction:
+def predict_step(
+    params: int,
+    k: int,
+    p: int,
+    link: Interconnect,
+    micro_compute: float,
+    bytes_per_param: int = 4,
+    buckets: int = 1,
+    copy_bandwidth: float | None = None,
+    copy_passes: int = 2,
+) -> StepPrediction:
     """α–β prediction of one optimizer step: K micro-batches of ``micro_compute`` seconds each, plus K (naive)
     or 1 (no_sync) synchronizations of all gradients, split into ``buckets`` messages.
 
@@ -207,8 +222,10 @@ def predict_step(params: int, k: int, p: int, link: Interconnect, micro_compute:
     require_count(bytes_per_param, "bytes_per_param")
     require_count(copy_passes, "copy_passes", minimum=0)
     if buckets > params:
-        raise ValueError(f"{buckets} buckets for {params} parameters: a bucket holds at least one parameter; use at "
-                         f"most {params} buckets.")
+        raise ValueError(
+            f"{buckets} buckets for {params} parameters: a bucket holds at least one parameter; use at "
+            f"most {params} buckets."
+        )
     require_nonnegative(micro_compute, "micro_compute (s)")
     if copy_bandwidth is not None:
         require_positive(copy_bandwidth, "copy_bandwidth (bytes/s)")

@@ -7,6 +7,7 @@ on. The backward goes stage by stage from the top: stage s is recomputed per mic
 c's correction needs only the K gradients a = ∂L/∂x̂ at the cut. The cost is memory (:class:`CacheBytes`).
 Chapter 2 of the book.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,9 @@ from gradaccum.fullbatch_stats import _cuda_devices, _NoFunctionalBatchNorm, _Rn
 from gradaccum.fullbatch_trace import _Plan
 
 
-def _find_rng_starts(model: nn.Module, micro_batches: Sequence[torch.Tensor], names: dict[_BatchNorm, str],
-                     rng: _Rng) -> None:
+def _find_rng_starts(
+    model: nn.Module, micro_batches: Sequence[torch.Tensor], names: dict[_BatchNorm, str], rng: _Rng
+) -> None:
     """The uncached statistics pass's first sweep, for its generator states only (see :class:`_Rng`): micro-batch
     0's whole forward, and, if it drew random numbers, every micro-batch's."""
     patch = _Patch(names, {})
@@ -54,9 +56,11 @@ def _find_rng_starts(model: nn.Module, micro_batches: Sequence[torch.Tensor], na
                     model(xb)
                 rng.ended(i)
                 if received[-1] is not xb:
-                    raise ValueError("a forward pre-hook on the model changes its input; cache=True runs the "
-                                     "traced stages on the micro-batches themselves. Remove the hook or use "
-                                     "cache=False.")
+                    raise ValueError(
+                        "a forward pre-hook on the model changes its input; cache=True runs the "
+                        "traced stages on the micro-batches themselves. Remove the hook or use "
+                        "cache=False."
+                    )
     finally:
         last.remove()
 
@@ -78,8 +82,15 @@ class _Cached:
     micro-batches: ``held`` (values a later stage reads), ``xhat`` (x̂ of every cut) and ``grads`` (∂L/∂value at
     the cuts; for a cut node ∂L/∂x̂), all on ``device`` (the model's, or the CPU for cache="cpu")."""
 
-    def __init__(self, plan: _Plan, micro: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                 rng: _Rng, exact: bool, meter: list[int] | None = None):
+    def __init__(
+        self,
+        plan: _Plan,
+        micro: list[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+        rng: _Rng,
+        exact: bool,
+        meter: list[int] | None = None,
+    ):
         self.plan, self.rng, self.exact, self.device, self.meter = plan, rng, exact, device, meter
         self.xs, self.ys = [xb for xb, _ in micro], [yb for _, yb in micro]
         self.home = self.xs[0].device
@@ -110,8 +121,11 @@ class _Cached:
     def _measure(self) -> None:
         if self.meter is None:
             return
-        tensors = [*(v for h in self.held for v in h.values()), *(t for ts in self.xhat for t in ts),
-                   *(g for d in self.grads for g in d.values())]
+        tensors = [
+            *(v for h in self.held for v in h.values()),
+            *(t for ts in self.xhat for t in ts),
+            *(g for d in self.grads for g in d.values()),
+        ]
         self.meter.append(tensor_bytes(t for t in tensors if isinstance(t, torch.Tensor)))
 
     def _check(self, live: dict[fx.Node, Any], versions: dict[fx.Node, int], step: int) -> None:
@@ -123,9 +137,11 @@ class _Cached:
             read = self.plan.read_at.get(n)
             if read is not None and read[0] < step:
                 raise ValueError(_inplace_message(read[1]))
-            raise ValueError(f"the value {n.name!r} of the traced forward is read after a BatchNorm layer and "
-                             "modified in place; cache=True keeps such values from pass to pass and cannot follow "
-                             "the change. Use the out-of-place operation, or cache=False.")
+            raise ValueError(
+                f"the value {n.name!r} of the traced forward is read after a BatchNorm layer and "
+                "modified in place; cache=True keeps such values from pass to pass and cannot follow "
+                "the change. Use the out-of-place operation, or cache=False."
+            )
         for n in [n for n in live if self.plan.last_use[n] <= step]:
             del live[n]
             versions.pop(n, None)
@@ -151,9 +167,11 @@ class _Cached:
                     state[i] = rng.state()
                 for n, v in zip(stage.outputs, outs if s < last else ()):
                     if i == 0 and not isinstance(v, torch.Tensor) and _holds_tensors(v):
-                        raise ValueError(f"the value {n.name!r} of the traced forward, read after a BatchNorm layer, "
-                                         f"is a {type(v).__name__} of tensors; cache=True keeps single tensors across "
-                                         "the layers. Index it before the layer, or use cache=False.")
+                        raise ValueError(
+                            f"the value {n.name!r} of the traced forward, read after a BatchNorm layer, "
+                            f"is a {type(v).__name__} of tensors; cache=True keeps single tensors across "
+                            "the layers. Index it before the layer, or use cache=False."
+                        )
                     self.held[i][n] = self._put(v)
                     if i == 0:
                         live[n] = v
@@ -180,9 +198,11 @@ class _Cached:
             x = torch.cat(parts)
             total = Moments.of(x)
             if total.count < 2:
-                raise ValueError(f"BatchNorm layer {_label(self.plan.read_at[xn][1])} sees {total.count} value per "
-                                 "channel in the whole batch; batch statistics need at least 2 (nn.BatchNorm "
-                                 "refuses this too).")
+                raise ValueError(
+                    f"BatchNorm layer {_label(self.plan.read_at[xn][1])} sees {total.count} value per "
+                    "channel in the whole batch; batch statistics need at least 2 (nn.BatchNorm "
+                    "refuses this too)."
+                )
             shape = _shape(x)
             mean, scale = total.mean.view(shape), torch.sqrt(total.var + layer.eps).view(shape)
             xhat = (x - mean) / scale
@@ -332,8 +352,10 @@ def saved_activation_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y
         saved.append(t)
         return t
 
-    with torch.random.fork_rng(devices=_cuda_devices(model, x)), torch.autograd.graph.saved_tensors_hooks(
-            pack, lambda t: t):
+    with (
+        torch.random.fork_rng(devices=_cuda_devices(model, x)),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         loss = loss_fn(work(x), y)
     del loss
     return tensor_bytes(saved, exclude=own)

@@ -5,6 +5,7 @@ x̂ = (x − μ)/s with the full batch's μ and s = √(σ² + ε), whose backwa
 the exact scheme, the full-batch BatchNorm gradient; :class:`_Patch`, what each layer's ``forward`` becomes during
 one pass; :func:`normalized_with`. Chapter 2 of the book.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,9 +47,11 @@ class Moments:
         return self.m2 / self.count
 
 
-ORDER_MESSAGE = ("the model calls its BatchNorm layers in a different order for different micro-batches, or not all "
-                 "of them for every micro-batch (data-dependent control flow?); the scheme needs the same BatchNorm "
-                 "calls, in the same order, for every micro-batch.")
+ORDER_MESSAGE = (
+    "the model calls its BatchNorm layers in a different order for different micro-batches, or not all "
+    "of them for every micro-batch (data-dependent control flow?); the scheme needs the same BatchNorm "
+    "calls, in the same order, for every micro-batch."
+)
 
 
 class _StopForward(Exception):
@@ -64,24 +67,30 @@ def _label(name: str) -> str:
 
 
 def _twice_message(name: str) -> str:
-    return (f"BatchNorm layer {_label(name)} is called more than once per forward pass; the scheme gives each layer "
-            "one set of full-batch statistics, so it needs each batch-statistics BatchNorm called once. Give each "
-            "call its own BatchNorm module (or freeze this one with .eval()). If the second call is activation "
-            "checkpointing recomputing the layer during backward, the scheme supports it only with "
-            "torch.utils.checkpoint(..., use_reentrant=False) and cache=True (its running statistics are then "
-            "updated once, as by a full batch without checkpointing; a checkpointed full batch updates them twice, "
-            "once more in the recomputation).")
+    return (
+        f"BatchNorm layer {_label(name)} is called more than once per forward pass; the scheme gives each layer "
+        "one set of full-batch statistics, so it needs each batch-statistics BatchNorm called once. Give each "
+        "call its own BatchNorm module (or freeze this one with .eval()). If the second call is activation "
+        "checkpointing recomputing the layer during backward, the scheme supports it only with "
+        "torch.utils.checkpoint(..., use_reentrant=False) and cache=True (its running statistics are then "
+        "updated once, as by a full batch without checkpointing; a checkpointed full batch updates them twice, "
+        "once more in the recomputation)."
+    )
 
 
 def _inplace_message(name: str) -> str:
-    return (f"the input of BatchNorm layer {_label(name)} was modified in place after the layer read it (e.g. "
-            "x.relu_() or x += ... on the tensor fed to the layer); its gradient needs that input, and "
-            "nn.BatchNorm's own backward fails on this too. Use the out-of-place operation.")
+    return (
+        f"the input of BatchNorm layer {_label(name)} was modified in place after the layer read it (e.g. "
+        "x.relu_() or x += ... on the tensor fed to the layer); its gradient needs that input, and "
+        "nn.BatchNorm's own backward fails on this too. Use the out-of-place operation."
+    )
 
 
 def _no_grad_message() -> str:
-    return ("the loss needs no gradient: no parameter that requires grad reaches it (or gradients are disabled, "
-            "e.g. under torch.no_grad()).")
+    return (
+        "the loss needs no gradient: no parameter that requires grad reaches it (or gradients are disabled, "
+        "e.g. under torch.no_grad())."
+    )
 
 
 class _Sweep:
@@ -93,8 +102,9 @@ class _Sweep:
     input, which the backward would read, is refused before any gradient is computed.
     """
 
-    def __init__(self, corrections: dict[_BatchNorm, tuple[torch.Tensor, torch.Tensor]],
-                 collect: _BatchNorm | None = None):
+    def __init__(
+        self, corrections: dict[_BatchNorm, tuple[torch.Tensor, torch.Tensor]], collect: _BatchNorm | None = None
+    ):
         self.corrections = corrections
         self.collect = collect
         self.sums: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -119,8 +129,9 @@ class _FullBatchNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor,
-                layer: _BatchNorm, sweep: _Sweep | None) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, layer: _BatchNorm, sweep: _Sweep | None
+    ) -> torch.Tensor:
         ctx.scale, ctx.layer, ctx.sweep = scale, layer, sweep
         if sweep is not None:
             ctx.mean = mean
@@ -155,8 +166,13 @@ class _Patch:
     ``once``: refuse a layer called twice in one forward (call :meth:`new_forward` before each forward).
     """
 
-    def __init__(self, names: dict[_BatchNorm, str], stats: dict[_BatchNorm, Moments], sweep: _Sweep | None = None,
-                 once: bool = True):
+    def __init__(
+        self,
+        names: dict[_BatchNorm, str],
+        stats: dict[_BatchNorm, Moments],
+        sweep: _Sweep | None = None,
+        once: bool = True,
+    ):
         self.names, self.stats, self.sweep, self.once = names, stats, sweep, once
         self.discover = False
         self.stop_after_first = False

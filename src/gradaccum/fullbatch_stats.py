@@ -2,6 +2,7 @@
 their input moments over all K micro-batches (layer by layer, in call order), the generator states that replay
 dropout's masks, and the one running-statistics update of a full-batch forward. Chapter 2 of the book.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,8 +84,13 @@ def batchnorm_layers(model: nn.Module, x: torch.Tensor) -> list[tuple[str, _Batc
 def _cuda_devices(model: nn.Module, x: torch.Tensor) -> list[int]:
     """Indices of the CUDA devices holding the model or the input (whose generators dropout draws from)."""
     tensors = [*model.parameters(), *model.buffers(), x]
-    return sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
-                   for t in tensors if t.device.type == "cuda"})
+    return sorted(
+        {
+            t.device.index if t.device.index is not None else torch.cuda.current_device()
+            for t in tensors
+            if t.device.type == "cuda"
+        }
+    )
 
 
 class _Rng:
@@ -138,9 +144,11 @@ class _NoFunctionalBatchNorm(TorchFunctionMode):
         if func in (F.batch_norm, torch.batch_norm, torch.native_batch_norm):
             training = kwargs.get("training", args[5] if len(args) > 5 else False)
             if training:
-                raise ValueError("the forward calls a batch normalization with batch statistics that is not a "
-                                 "BatchNorm module (F.batch_norm(..., training=True)); the scheme replaces BatchNorm "
-                                 "modules only, so it would normalize per micro-batch. Use an nn.BatchNorm module.")
+                raise ValueError(
+                    "the forward calls a batch normalization with batch statistics that is not a "
+                    "BatchNorm module (F.batch_norm(..., training=True)); the scheme replaces BatchNorm "
+                    "modules only, so it would normalize per micro-batch. Use an nn.BatchNorm module."
+                )
         return func(*args, **kwargs)
 
 
@@ -172,8 +180,9 @@ def _discover(model: nn.Module, micro_batches: Sequence[torch.Tensor], patch: _P
     return order
 
 
-def _gather_inputs(model: nn.Module, micro_batches: Sequence[torch.Tensor], patch: _Patch, rng: _Rng,
-                   layer: _BatchNorm) -> None:
+def _gather_inputs(
+    model: nn.Module, micro_batches: Sequence[torch.Tensor], patch: _Patch, rng: _Rng, layer: _BatchNorm
+) -> None:
     """One sweep stopped at ``layer``, gathering the moments of its inputs over all micro-batches."""
     patch.target, patch.total = layer, None
     for i, xb in enumerate(micro_batches):
@@ -187,8 +196,9 @@ def _gather_inputs(model: nn.Module, micro_batches: Sequence[torch.Tensor], patc
             raise ValueError(ORDER_MESSAGE)
 
 
-def _statistics_pass(model: nn.Module, micro_batches: Sequence[torch.Tensor], names: dict[_BatchNorm, str],
-                     rng: _Rng) -> dict[_BatchNorm, Moments]:
+def _statistics_pass(
+    model: nn.Module, micro_batches: Sequence[torch.Tensor], names: dict[_BatchNorm, str], rng: _Rng
+) -> dict[_BatchNorm, Moments]:
     """Full-batch input moments of every batch-statistics layer, in call order (see :func:`full_batch_statistics`)."""
     stats: dict[_BatchNorm, Moments] = {}
     if not names:
@@ -203,8 +213,10 @@ def _statistics_pass(model: nn.Module, micro_batches: Sequence[torch.Tensor], na
             if moments is None:  # pragma: no cover - the layer was reached in sweep 1
                 raise RuntimeError("a BatchNorm layer was not reached")
             if moments.count < 2:
-                raise ValueError(f"BatchNorm layer {_label(names[layer])} sees {moments.count} value per channel in "
-                                 "the whole batch; batch statistics need at least 2 (nn.BatchNorm refuses this too).")
+                raise ValueError(
+                    f"BatchNorm layer {_label(names[layer])} sees {moments.count} value per channel in "
+                    "the whole batch; batch statistics need at least 2 (nn.BatchNorm refuses this too)."
+                )
             stats[layer] = moments
             patch.target, patch.total = None, None
     return stats

@@ -2,6 +2,7 @@
 last BatchNorm layer first) gather the full-batch means of a = ∂L/∂x̂ and a·x̂, then one forward/backward per
 micro-batch with the full batch's statistics gives loss / K's gradient. Chapter 2 of the book.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,9 +14,15 @@ from gradaccum.fullbatch_norm import ORDER_MESSAGE, Moments, _no_grad_message, _
 from gradaccum.fullbatch_stats import _Rng, _statistics_pass, update_running_stats
 
 
-def _collect_corrections(model: nn.Module, loss_fn: LossFn, micro: list, k: int, stats: dict[_BatchNorm, Moments],
-                         names: dict[_BatchNorm, str],
-                         rng: _Rng) -> dict[_BatchNorm, tuple[torch.Tensor, torch.Tensor]]:
+def _collect_corrections(
+    model: nn.Module,
+    loss_fn: LossFn,
+    micro: list,
+    k: int,
+    stats: dict[_BatchNorm, Moments],
+    names: dict[_BatchNorm, str],
+    rng: _Rng,
+) -> dict[_BatchNorm, tuple[torch.Tensor, torch.Tensor]]:
     """Backward sweeps from the last BatchNorm layer to the first: sweep ℓ gathers Σa and Σa·x̂ of layer ℓ over
     all micro-batches, with the corrections of the layers after it already applied. A layer whose input needs
     no gradient (BatchNorm on the raw input, everything before it frozen) needs no correction: one forward
@@ -40,8 +47,9 @@ def _collect_corrections(model: nn.Module, loss_fn: LossFn, micro: list, k: int,
     return corrections
 
 
-def _uncached_step(model: nn.Module, loss_fn: LossFn, micro: list, k: int, exact: bool, names: dict[_BatchNorm, str],
-                   rng: _Rng) -> float:
+def _uncached_step(
+    model: nn.Module, loss_fn: LossFn, micro: list, k: int, exact: bool, names: dict[_BatchNorm, str], rng: _Rng
+) -> float:
     """Statistics pass, the exact scheme's sweeps (``exact=True``), then the last forward/backward per micro-batch
     with the full batch's statistics; running statistics updated once. Returns the batch loss."""
     stats = _statistics_pass(model, [xb for xb, _ in micro], names, rng)

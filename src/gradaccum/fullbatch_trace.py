@@ -2,6 +2,7 @@
 batch-statistics BatchNorm calls into L + 1 stages (:class:`_Plan`), or refuses, saying why, a model whose trace
 would not compute what its forward computes. Chapter 2 of the book.
 """
+
 from __future__ import annotations
 
 import random
@@ -33,13 +34,16 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return isinstance(m, _BatchNorm) or super().is_leaf_module(m, module_qualified_name)
 
-    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> Any:
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         name = self.path_of_module(m)
         if _has_hooks(m) and not self.is_leaf_module(m, name):
-            raise _Refused(f"module {_label(name)} has hooks; cache=True runs a torch.fx trace of the model, which "
-                           "runs only the hooks of the modules it keeps whole (torch.nn layers). Remove the hooks "
-                           "or use cache=False.")
+            raise _Refused(
+                f"module {_label(name)} has hooks; cache=True runs a torch.fx trace of the model, which "
+                "runs only the hooks of the modules it keeps whole (torch.nn layers). Remove the hooks "
+                "or use cache=False."
+            )
         return super().call_module(m, forward, args, kwargs)
 
 
@@ -74,12 +78,16 @@ def _plan(model: nn.Module, names: dict[_BatchNorm, str]) -> _Plan:
     for hooks the stages would skip: on the model (a forward pre-hook that only looks is allowed; one that changes
     the input is refused when it runs, see :func:`_find_rng_starts`) and on the BatchNorm layers they replace."""
     if model._forward_hooks or model._backward_hooks or model._backward_pre_hooks:
-        raise ValueError("the model has forward or backward hooks; cache=True runs a torch.fx trace of its forward, "
-                         "which leaves them out (forward pre-hooks are allowed). Remove them or use cache=False.")
+        raise ValueError(
+            "the model has forward or backward hooks; cache=True runs a torch.fx trace of its forward, "
+            "which leaves them out (forward pre-hooks are allowed). Remove them or use cache=False."
+        )
     hooked = [name for layer, name in names.items() if _has_hooks(layer)]
     if hooked:
-        raise ValueError(f"BatchNorm layer {_label(hooked[0])} has hooks; cache=True computes the layers it cuts at "
-                         "itself, so their hooks would not run. Remove them or use cache=False.")
+        raise ValueError(
+            f"BatchNorm layer {_label(hooked[0])} has hooks; cache=True computes the layers it cuts at "
+            "itself, so their hooks would not run. Remove them or use cache=False."
+        )
     return _trace(model, names)
 
 
@@ -115,26 +123,35 @@ def _traced_graph(model: nn.Module) -> fx.Graph:
     except _Refused:
         raise
     except Exception as e:
-        raise ValueError(f"cache=True cuts the model's forward at its BatchNorm layers with torch.fx, which cannot "
-                         f"trace this model ({type(e).__name__}: {e}). Use cache=False — unless model(x) itself "
-                         f"raises this error, which is then a bug in the model to fix first.") from e
+        raise ValueError(
+            f"cache=True cuts the model's forward at its BatchNorm layers with torch.fx, which cannot "
+            f"trace this model ({type(e).__name__}: {e}). Use cache=False — unless model(x) itself "
+            f"raises this error, which is then a bug in the model to fix first."
+        ) from e
     if random.getstate() != state:
         random.setstate(state)
-        raise ValueError("the forward draws from Python's random module; a torch.fx trace would freeze the value "
-                         "drawn while tracing. Use cache=False (or torch's generators, which the scheme replays).")
+        raise ValueError(
+            "the forward draws from Python's random module; a torch.fx trace would freeze the value "
+            "drawn while tracing. Use cache=False (or torch's generators, which the scheme replays)."
+        )
     if changes:
-        raise ValueError(f"the forward changes autograd's mode ({changes[0]}, e.g. a torch.no_grad() block); a "
-                         "torch.fx trace does not record that, so cache=True would compute gradients the model "
-                         "switched off. Use cache=False.")
+        raise ValueError(
+            f"the forward changes autograd's mode ({changes[0]}, e.g. a torch.no_grad() block); a "
+            "torch.fx trace does not record that, so cache=True would compute gradients the model "
+            "switched off. Use cache=False."
+        )
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
-        raise ValueError(f"cache=True runs models called as model(x); this forward takes {len(placeholders)} "
-                         "inputs. Use cache=False.")
+        raise ValueError(
+            f"cache=True runs models called as model(x); this forward takes {len(placeholders)} "
+            "inputs. Use cache=False."
+        )
     return graph
 
 
-def _steps(graph: fx.Graph, model: nn.Module, names: dict[_BatchNorm, str]) -> tuple[
-        dict[fx.Node, int], list[fx.Node], list[_BatchNorm], dict[fx.Node, tuple[int, str]]]:
+def _steps(
+    graph: fx.Graph, model: nn.Module, names: dict[_BatchNorm, str]
+) -> tuple[dict[fx.Node, int], list[fx.Node], list[_BatchNorm], dict[fx.Node, tuple[int, str]]]:
     """Number every node by its step (the input −1, stage s 2s, cut c 2c − 1; ``get_attr`` nodes left out), with
     the cuts, their layers and, per BatchNorm input, the first step whose layer reads it."""
     cuts: list[fx.Node] = []
@@ -152,8 +169,10 @@ def _steps(graph: fx.Graph, model: nn.Module, names: dict[_BatchNorm, str]) -> t
             raise ValueError(_twice_message(names[layer]))
         x = n.args[0] if len(n.args) == 1 and not n.kwargs else None
         if not isinstance(x, fx.Node) or x.op == "get_attr":
-            raise ValueError(f"BatchNorm layer {_label(names[layer])} is called with {n.args} {n.kwargs}; cache=True "
-                             "handles one input computed in the forward. Use cache=False.")
+            raise ValueError(
+                f"BatchNorm layer {_label(names[layer])} is called with {n.args} {n.kwargs}; cache=True "
+                "handles one input computed in the forward. Use cache=False."
+            )
         cuts.append(n)
         layers.append(layer)
         step[n] = 2 * len(cuts) - 1

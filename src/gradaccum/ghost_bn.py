@@ -4,19 +4,23 @@ Plain gradient accumulation with micro-batches of b = v computes exactly the sam
 :class:`GhostBatchNorm` on the whole batch: accumulation *is* ghost BatchNorm. :func:`ghostify` swaps every
 BatchNorm layer of a model for one. The opposite wish, full-batch statistics under accumulation, is
 :mod:`gradaccum.fullbatch_bn`. Chapter 2 of the book.
+
+The layer normalizes with one of four implementations, with equal results up to rounding: the group, the loop and
+the fold here, and the compiled formulas in :mod:`gradaccum.ghost_bn_compiled`.
 """
+
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from gradaccum.ghost_bn_compiled import _compile
 
 #: The implementations ``GhostBatchNorm(impl=...)`` accepts.
 IMPLS = ("auto", "group", "loop", "fold", "compile")
@@ -51,8 +55,14 @@ def auto_impl(x: torch.Tensor, virtual_batch_size: int) -> str:
     return "loop" if x[:virtual_batch_size].numel() >= LOOP_MIN_VALUES else "fold"
 
 
-def _fold(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor, v: int,
-          eps: float) -> _Result:
+def _fold(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    stats_like: torch.Tensor,
+    v: int,
+    eps: float,
+) -> _Result:
     """Ghost batches folded into the channel dimension, a (v, G·C, ...) copy, and one ``F.batch_norm`` call on
     it, which writes each ghost batch's mean and unbiased variance into zeroed "running" statistics with
     momentum 1 (zeros like ``stats_like``, the layer's running mean); the output is copied back."""
@@ -60,39 +70,66 @@ def _fold(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
     g = n // v
     folded = x.reshape(g, v, c, *rest).transpose(0, 1).reshape(v, g * c, *rest)
     mean, var = stats_like.new_zeros(g * c), stats_like.new_zeros(g * c)
-    out = F.batch_norm(folded, mean, var, None if weight is None else weight.repeat(g),
-                       None if bias is None else bias.repeat(g), True, 1.0, eps)
+    out = F.batch_norm(
+        folded,
+        mean,
+        var,
+        None if weight is None else weight.repeat(g),
+        None if bias is None else bias.repeat(g),
+        True,
+        1.0,
+        eps,
+    )
     out = out.reshape(v, g, c, *rest).transpose(0, 1).reshape(x.shape)
     return out, mean.view(g, c).mean(0), var.view(g, c).mean(0)
 
 
-def _group(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor, v: int,
-           eps: float) -> _Result:
+def _group(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    stats_like: torch.Tensor,
+    v: int,
+    eps: float,
+) -> _Result:
     """Ghost batch g's channel c made one group of torch's GroupNorm kernel: the input copied to the (G, C, v·P)
-    layout (P positions per channel), one ``native_group_norm`` call with C groups of one channel each (its
-    per-channel affine is BatchNorm's), the output copied back. The kernel returns each group's mean and
-    r = 1/√(σ̂² + ε); the variance is r⁻² − ε (exact to the rounding of σ̂² + ε, what evaluation uses), times
-    m/(m − 1), m = v·P. Groups far from zero are shifted first (``_FAR``)."""
+    layout (P positions per channel), one kernel call with C groups of one channel each (its per-channel affine is
+    BatchNorm's: :func:`_group_norm`), the output copied back. The kernel gives each group's variance + ε; the
+    variance is that minus ε (exact to the rounding of σ̂² + ε, what evaluation uses), times m/(m − 1), m = v·P."""
     g, c = x.shape[0] // v, x.shape[1]
     if weight is None and x.dtype != stats_like.dtype:  # float32 parameters: GroupNorm's statistics in float32
         weight, bias = stats_like.new_ones(c), stats_like.new_zeros(c)
     grouped = x.reshape(g, v, c, -1).transpose(1, 2).contiguous()
+    out, mean, inv = _group_norm(grouped, weight, bias, eps)
+    out = out.view(g, c, v, -1).transpose(1, 2).reshape(x.shape)
     m = grouped.shape[2] * grouped.shape[3]
-    acc = torch.float64 if x.device.type in ("cpu", "cuda") else torch.float32
+    with torch.no_grad():
+        var = inv.sub_(eps).clamp_(min=0).mean(0).mul_(m / (m - 1))
+        return out, mean.mean(0).to(stats_like.dtype), var.to(stats_like.dtype)
+
+
+def _group_norm(
+    grouped: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One ``native_group_norm`` call on ``grouped`` (G, C, v, P) with C groups of one channel each. The kernel
+    returns each group's mean and r = 1/√(σ̂² + ε); returned are the (G, C, v·P) output and, without a graph and in
+    float64 on the CPU and CUDA, each group's mean and r⁻² = σ̂² + ε. Groups far from zero (``_FAR``) are shifted
+    by their first value and run again, which changes neither output nor gradient."""
+    g, c = grouped.shape[0], grouped.shape[1]
+    m = grouped.shape[2] * grouped.shape[3]
+    acc = torch.float64 if grouped.device.type in ("cpu", "cuda") else torch.float32
     out, mean, rstd = torch.ops.aten.native_group_norm(grouped.view(g, c, m), weight, bias, g, c, m, c, eps)
     with torch.no_grad():
         mean_acc, inv = mean.to(acc), rstd.to(acc).pow(-2)  # inv: each group's variance + eps
         far = bool((mean_acc.square() > _FAR**2 * inv).any())
     if far:
         shift = grouped[:, :, :1, :1].detach()
-        out, mean, rstd = torch.ops.aten.native_group_norm((grouped - shift).view(g, c, m), weight, bias, g, c, m, c,
-                                                           eps)
+        out, mean, rstd = torch.ops.aten.native_group_norm(
+            (grouped - shift).view(g, c, m), weight, bias, g, c, m, c, eps
+        )
         with torch.no_grad():
             mean_acc, inv = mean.to(acc) + shift.view(g, c).to(acc), rstd.to(acc).pow(-2)
-    out = out.view(g, c, v, -1).transpose(1, 2).reshape(x.shape)
-    with torch.no_grad():
-        var = inv.sub_(eps).clamp_(min=0).mean(0).mul_(m / (m - 1))
-        return out, mean_acc.mean(0).to(stats_like.dtype), var.to(stats_like.dtype)
+    return out, mean_acc, inv
 
 
 #: How many of its standard deviations a group's mean may lie from zero before :func:`_group` runs the kernel
@@ -109,14 +146,33 @@ class _Loop(torch.autograd.Function):
     Once differentiable."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                means: torch.Tensor, variances: torch.Tensor, v: int, eps: float) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        means: torch.Tensor,
+        variances: torch.Tensor,
+        v: int,
+        eps: float,
+    ) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
         save_mean, save_invstd = torch.empty_like(means), torch.empty_like(variances)
         for i, (xi, oi) in enumerate(zip(x.split(v), out.split(v))):
-            torch.ops.aten.native_batch_norm.out(xi, weight, bias, means[i], variances[i], True, 1.0, eps, out=oi,
-                                                 save_mean=save_mean[i], save_invstd=save_invstd[i])
+            torch.ops.aten.native_batch_norm.out(
+                xi,
+                weight,
+                bias,
+                means[i],
+                variances[i],
+                True,
+                1.0,
+                eps,
+                out=oi,
+                save_mean=save_mean[i],
+                save_invstd=save_invstd[i],
+            )
         ctx.save_for_backward(x, weight, save_mean, save_invstd)  # type: ignore[arg-type]  # None: no affine
         ctx.v, ctx.eps = v, eps  # type: ignore[attr-defined]
         return out
@@ -124,141 +180,36 @@ class _Loop(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # backward(create_graph=True): the saved statistics carry no graph
-            raise ValueError("GhostBatchNorm's 'loop' implementation (impl='loop', or what impl='auto' picks for "
-                             "large ghost batches on the CPU) is differentiable once; for a double backward "
-                             "(create_graph=True) construct the layer with impl='fold'.")
+            raise ValueError(
+                "GhostBatchNorm's 'loop' implementation (impl='loop', or what impl='auto' picks for "
+                "large ghost batches on the CPU) is differentiable once; for a double backward "
+                "(create_graph=True) construct the layer with impl='fold'."
+            )
         x, weight, save_mean, save_invstd = ctx.saved_tensors
         mask = list(ctx.needs_input_grad[:3])
-        grads = [torch.ops.aten.native_batch_norm_backward(go, xi, weight, None, None, save_mean[i], save_invstd[i],
-                                                           True, ctx.eps, mask)
-                 for i, (go, xi) in enumerate(zip(grad_out.split(ctx.v), x.split(ctx.v)))]
+        grads = [
+            torch.ops.aten.native_batch_norm_backward(
+                go, xi, weight, None, None, save_mean[i], save_invstd[i], True, ctx.eps, mask
+            )
+            for i, (go, xi) in enumerate(zip(grad_out.split(ctx.v), x.split(ctx.v)))
+        ]
         grad_x = torch.cat([gr[0] for gr in grads]) if mask[0] else None
         grad_w, grad_b = (torch.stack([gr[j] for gr in grads]).sum(0) if mask[j] else None for j in (1, 2))
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
-def _loop(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor, v: int,
-          eps: float) -> _Result:
+def _loop(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    stats_like: torch.Tensor,
+    v: int,
+    eps: float,
+) -> _Result:
     """Each ghost batch normalized by its own BatchNorm call (:class:`_Loop`)."""
     shape = (x.shape[0] // v, x.shape[1])
     mean, var = stats_like.new_zeros(shape), stats_like.new_zeros(shape)
     return _Loop.apply(x, weight, bias, mean, var, v, eps), mean.mean(0), var.mean(0)
-
-
-def _kernel_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, v: int,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""Ghost BatchNorm written as array math on the (G, v, C, P) view of a contiguous input (P positions per
-    channel; 1 for features), in float32 for float16 and bfloat16 inputs: per ghost batch and channel the mean
-    :math:`\mu` and then the biased variance :math:`\sigma^2` over the v·P values (two passes), then
-    :math:`y = x\,s + (\beta - \mu s)` with :math:`s = \gamma/\sqrt{\sigma^2+\epsilon}`. Returns the output;
-    the mean over ghost batches of their means and of their unbiased variances (the biased ones times m/(m−1),
-    m = v·P), shape (C,); and the (G, 1, C, 1) means and reciprocal standard deviations, for the backward
-    pass."""
-    n, c = x.shape[0], x.shape[1]
-    xs = x.view(n // v, v, c, -1).to(_accumulate_in(x.dtype))
-    mean = xs.mean(dim=(1, 3), keepdim=True)
-    var = (xs - mean).square().mean(dim=(1, 3), keepdim=True)  # two passes, as BatchNorm's CPU kernel
-    rstd = torch.rsqrt(var + eps)
-    scale = rstd if weight is None else rstd * weight.view(1, 1, c, 1).to(rstd.dtype)
-    shift = -mean * scale if bias is None else bias.view(1, 1, c, 1).to(rstd.dtype) - mean * scale
-    m = xs.shape[1] * xs.shape[3]
-    unbiased = var.mean(dim=(0, 1, 3)) * (m / (m - 1))
-    out = (xs * scale + shift).to(x.dtype).view(x.shape)
-    return out, mean.mean(dim=(0, 1, 3)), unbiased, mean, rstd
-
-
-def _kernel_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
-                     rstd: torch.Tensor, v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""The gradients of :func:`_kernel_forward`, per ghost batch and channel over its m = v·P values:
-    with :math:`\hat x = (x-\mu)\,r` (r the reciprocal standard deviation),
-    :math:`\partial x = \gamma r\,(\partial y - \overline{\partial y} - \hat x\,\overline{\partial y\,\hat x})`
-    (bars: means over the m values); :math:`\partial\gamma = \sum \partial y\,\hat x`,
-    :math:`\partial\beta = \sum \partial y` over all N·P values."""
-    n, c = x.shape[0], x.shape[1]
-    xs = x.view(n // v, v, c, -1).to(rstd.dtype)
-    dys = grad_out.reshape(xs.shape).to(rstd.dtype)
-    xhat = (xs - mean) * rstd
-    m = xs.shape[1] * xs.shape[3]
-    sum_dy = dys.sum(dim=(1, 3), keepdim=True)
-    sum_dy_xhat = (dys * xhat).sum(dim=(1, 3), keepdim=True)
-    scale = rstd if weight is None else rstd * weight.view(1, 1, c, 1).to(rstd.dtype)
-    grad_x = scale * (dys - sum_dy / m - xhat * (sum_dy_xhat / m))
-    return grad_x.to(x.dtype).view(x.shape), sum_dy_xhat.sum(dim=(0, 1, 3)), sum_dy.sum(dim=(0, 1, 3))
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-_COMPILED: dict[Callable[..., object], Callable[..., object]] = {}
-
-
-def _accumulate_in(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the compiled kernel computes in: float32 for float16 and bfloat16 inputs (as BatchNorm does),
-    else the input's."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _compiled(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=False)
-    return cast(Callable[_P, _R], _COMPILED[fn])
-
-
-_compile_failed = False
-
-
-def _run_compiled(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
-    """``fn`` through ``torch.compile``; after the first failure, warned about once, ``fn`` itself (the same
-    formulas, eager: the results stay the same up to float rounding). A failure that the eager formulas share
-    is the input's, not the compiler's: it is raised as it is, and compiling stays on."""
-    global _compile_failed
-    if not _compile_failed:
-        try:
-            return _compiled(fn)(*args, **kwargs)
-        except Exception as err:  # any failure to compile (no C++ compiler, unsupported platform): fall back
-            result = fn(*args, **kwargs)  # raises if the input itself is at fault
-            _compile_failed = True
-            warnings.warn(f"torch.compile failed ({type(err).__name__}: {str(err)[:200]}); GhostBatchNorm("
-                          "impl='compile') runs the same formulas eagerly from now on (slower, same results).",
-                          RuntimeWarning, stacklevel=4)
-            return result
-    return fn(*args, **kwargs)
-
-
-class _Kernel(torch.autograd.Function):
-    """:func:`_kernel_forward` and :func:`_kernel_backward`, each compiled by ``torch.compile`` into a few
-    fused loops (the mean, the variance, then the normalization; the two sums, then the input gradient). The
-    output and the input gradient have the input's dtype, the parameter gradients the parameters'. Once
-    differentiable."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, v: int,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = x.contiguous()
-        out, mean_c, var_c, mean, rstd = _run_compiled(_kernel_forward, x, weight, bias, v, eps)
-        ctx.save_for_backward(x, weight, mean, rstd)  # type: ignore[arg-type]  # None: no affine
-        ctx.v = v  # type: ignore[attr-defined]
-        ctx.mark_non_differentiable(mean_c, var_c)
-        return out, mean_c, var_c
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():  # backward(create_graph=True): the compiled gradient carries no graph
-            raise ValueError("GhostBatchNorm's 'compile' implementation is differentiable once; for a double "
-                             "backward (create_graph=True) construct the layer with impl='fold'.")
-        x, weight, mean, rstd = ctx.saved_tensors
-        grad_x, grad_w, grad_b = _run_compiled(_kernel_backward, grad_out.contiguous(), x, weight, mean, rstd,
-                                               ctx.v)
-        if weight is not None:
-            grad_w, grad_b = grad_w.to(weight.dtype), grad_b.to(weight.dtype)
-        keep = ctx.needs_input_grad
-        return (grad_x if keep[0] else None, grad_w if keep[1] else None, grad_b if keep[2] else None, None, None)
-
-
-def _compile(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, stats_like: torch.Tensor,
-             v: int, eps: float) -> _Result:
-    """:class:`_Kernel`: the output, and the means over ghost batches of their means and unbiased variances."""
-    out, mean, var = _Kernel.apply(x, weight, bias, v, eps)
-    return out, mean.to(stats_like.dtype), var.to(stats_like.dtype)
 
 
 _FORWARDS: dict[str, Callable[..., _Result]] = {"group": _group, "loop": _loop, "fold": _fold, "compile": _compile}
@@ -301,8 +252,16 @@ class GhostBatchNorm(_BatchNorm):
     running_var: torch.Tensor
     num_batches_tracked: torch.Tensor
 
-    def __init__(self, num_features: int, virtual_batch_size: int, dims: int = 2, eps: float = 1e-5,
-                 momentum: float | None = 0.1, affine: bool = True, impl: str = "auto"):
+    def __init__(
+        self,
+        num_features: int,
+        virtual_batch_size: int,
+        dims: int = 2,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        impl: str = "auto",
+    ):
         if dims not in (1, 2):
             raise ValueError(f"dims must be 1 (features) or 2 (feature maps), got {dims}.")
         if isinstance(virtual_batch_size, bool) or not isinstance(virtual_batch_size, int) or virtual_batch_size < 2:
@@ -313,11 +272,15 @@ class GhostBatchNorm(_BatchNorm):
                 "ImageNet)."
             )
         if not eps > 0:
-            raise ValueError(f"eps must be positive, got {eps!r} (F.batch_norm refuses it in training too): a ghost "
-                             "batch whose channel is constant would divide zero by zero.")
+            raise ValueError(
+                f"eps must be positive, got {eps!r} (F.batch_norm refuses it in training too): a ghost "
+                "batch whose channel is constant would divide zero by zero."
+            )
         if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}; 'auto' picks the "
-                             "fastest measured one for the device and shape.")
+            raise ValueError(
+                f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}; 'auto' picks the "
+                "fastest measured one for the device and shape."
+            )
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
         self.virtual_batch_size = virtual_batch_size
         self.dims = dims
@@ -326,18 +289,26 @@ class GhostBatchNorm(_BatchNorm):
     def _check_input_dim(self, x: torch.Tensor) -> None:
         expected = 4 if self.dims == 2 else 2
         if x.dim() != expected:
-            raise ValueError(f"GhostBatchNorm(dims={self.dims}) expects a {expected}-D input, got {x.dim()}-D"
-                             + ("; for (N, C, L) sequences, reshape to (N, C, 1, L) and use dims=2 (a layer "
-                                "ghostify made from an nn.BatchNorm1d that sees sequences: reshape around it in the "
-                                "model's forward, or leave that layer an nn.BatchNorm1d)."
-                                if x.dim() == 3 else "."))
+            raise ValueError(
+                f"GhostBatchNorm(dims={self.dims}) expects a {expected}-D input, got {x.dim()}-D"
+                + (
+                    "; for (N, C, L) sequences, reshape to (N, C, 1, L) and use dims=2 (a layer "
+                    "ghostify made from an nn.BatchNorm1d that sees sequences: reshape around it in the "
+                    "model's forward, or leave that layer an nn.BatchNorm1d)."
+                    if x.dim() == 3
+                    else "."
+                )
+            )
         if not x.is_floating_point():
-            raise ValueError(f"GhostBatchNorm normalizes floating-point inputs, got {x.dtype}: convert the input "
-                             "(x.float()) first.")
+            raise ValueError(
+                f"GhostBatchNorm normalizes floating-point inputs, got {x.dtype}: convert the input (x.float()) first."
+            )
         if x.shape[1] != self.num_features:
-            raise ValueError(f"GhostBatchNorm({self.num_features}, ...) got an input with {x.shape[1]} channels "
-                             f"(shape {tuple(x.shape)}): its dimension 1 must hold the {self.num_features} "
-                             "channels.")
+            raise ValueError(
+                f"GhostBatchNorm({self.num_features}, ...) got an input with {x.shape[1]} channels "
+                f"(shape {tuple(x.shape)}): its dimension 1 must hold the {self.num_features} "
+                "channels."
+            )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, virtual_batch_size={self.virtual_batch_size}, impl={self.impl!r}"
@@ -346,8 +317,10 @@ class GhostBatchNorm(_BatchNorm):
         self._check_input_dim(x)
         stats = self.running_mean.dtype
         if torch.float64 in (x.dtype, stats) and x.dtype != stats:  # lower precisions mix under autocast
-            raise ValueError(f"the input is {x.dtype} and the layer's statistics {stats}: cast the model (.double() "
-                             "or .float()) or the input to one precision; nn.BatchNorm2d cannot mix them either.")
+            raise ValueError(
+                f"the input is {x.dtype} and the layer's statistics {stats}: cast the model (.double() "
+                "or .float()) or the input to one precision; nn.BatchNorm2d cannot mix them either."
+            )
         n, v = x.shape[0], self.virtual_batch_size
         if not self.training or n == v or x.numel() == 0:  # an empty batch: nn.BatchNorm returns it empty too
             return super().forward(x)
@@ -414,24 +387,39 @@ def ghostify(model: nn.Module, virtual_batch_size: int, impl: str = "auto") -> n
 def _check_ghostable(name: str, layer: _BatchNorm) -> None:
     """Refuse, naming the layer, a BatchNorm that :func:`ghostify` cannot replace with the same computation."""
     if type(layer) not in (nn.BatchNorm1d, nn.BatchNorm2d):
-        raise ValueError(f"layer {name!r} is {type(layer).__name__}: GhostBatchNorm replaces nn.BatchNorm1d "
-                         "and nn.BatchNorm2d only; keep this layer, or write its ghost version by hand.")
+        raise ValueError(
+            f"layer {name!r} is {type(layer).__name__}: GhostBatchNorm replaces nn.BatchNorm1d "
+            "and nn.BatchNorm2d only; keep this layer, or write its ghost version by hand."
+        )
     if not layer.track_running_stats:
-        raise ValueError(f"layer {name!r} keeps no running statistics (track_running_stats=False); "
-                         "GhostBatchNorm needs them: construct the layer with track_running_stats=True.")
+        raise ValueError(
+            f"layer {name!r} keeps no running statistics (track_running_stats=False); "
+            "GhostBatchNorm needs them: construct the layer with track_running_stats=True."
+        )
     if layer.affine and (layer.weight is None or layer.bias is None):
-        raise ValueError(f"layer {name!r} is affine with only a scale or only a shift (bias=False); "
-                         "GhostBatchNorm keeps both or neither: construct it with affine=False, or keep both.")
+        raise ValueError(
+            f"layer {name!r} is affine with only a scale or only a shift (bias=False); "
+            "GhostBatchNorm keeps both or neither: construct it with affine=False, or keep both."
+        )
     if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
-        raise ValueError(f"layer {name!r} has hooks, which a new GhostBatchNorm would not carry over; remove "
-                         "them, ghostify, and register them on the new layer.")
+        raise ValueError(
+            f"layer {name!r} has hooks, which a new GhostBatchNorm would not carry over; remove "
+            "them, ghostify, and register them on the new layer."
+        )
 
 
 def _ghost_of(child: _BatchNorm, virtual_batch_size: int, impl: str) -> GhostBatchNorm:
     """The GhostBatchNorm holding ``child``'s own parameters and running statistics, in ``child``'s mode."""
     dims = 1 if isinstance(child, nn.BatchNorm1d) else 2
-    ghost = GhostBatchNorm(child.num_features, virtual_batch_size, dims=dims, eps=child.eps,
-                           momentum=child.momentum, affine=child.affine, impl=impl)
+    ghost = GhostBatchNorm(
+        child.num_features,
+        virtual_batch_size,
+        dims=dims,
+        eps=child.eps,
+        momentum=child.momentum,
+        affine=child.affine,
+        impl=impl,
+    )
     # the layer's own tensors, not copies: a parameter tied to another layer (or used elsewhere
     # in the model) stays tied, and frozen stays frozen
     for key, param in child._parameters.items():

@@ -8,44 +8,54 @@ so every gradient computed inside the backward pass carries the factor :math:`S/
 micro-batch. ``.grad`` (fp32 under autocast) accumulates :math:`S\,g`, and ``unscale_`` divides by :math:`S`
 once, at the boundary. For that to be right, :math:`S` must not change inside the window, the inf/NaN check
 must see the accumulated gradient, and a skip must skip the whole effective step.
+
+Here: where a backward pass's gradients sit in a format's range (:func:`activation_gradients`,
+:func:`kernel_gradients`), the scale a GradScaler holds and what mixing scales does, and the largest safe scale.
+The window of the recipe and of its mistakes (:func:`amp_window`) is in :mod:`gradaccum.amp_recipe`; formats and
+casts are in :mod:`gradaccum.formats`; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import copy
 import numbers
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, cast
+from collections.abc import Sequence
+from typing import Literal, cast
 
 import torch
 from torch import nn
 
-from gradaccum._validate import require_count, require_k, require_positive, require_vectors
+from gradaccum._validate import require_count, require_k, require_vectors
 from gradaccum.accumulate import LossFn, flat_grad, full_batch_gradient, split_batch
-from gradaccum.formats import LOW_PRECISION, _require_scale
 
-# formats and casts live in gradaccum.formats; chapter 4 reads them from here too
+# the amp window and its patterns live in gradaccum.amp_recipe, formats and casts in gradaccum.formats; chapter 4
+# reads them from here too
+from gradaccum.amp_recipe import PATTERNS as PATTERNS
+from gradaccum.amp_recipe import Pattern as Pattern
+from gradaccum.amp_recipe import WindowResult as WindowResult
+from gradaccum.amp_recipe import _require_amp, _require_divide, _require_float32_model
+from gradaccum.amp_recipe import amp_window as amp_window
 from gradaccum.formats import CastReport as CastReport
 from gradaccum.formats import FormatInfo as FormatInfo
+from gradaccum.formats import _require_scale
 from gradaccum.formats import accumulate_in as accumulate_in
 from gradaccum.formats import accumulation_error as accumulation_error
 from gradaccum.formats import cast_report as cast_report
 from gradaccum.formats import format_info as format_info
 from gradaccum.formats import largest_fitting_log2 as largest_fitting_log2
 
-_T = TypeVar("_T")
-
 
 def _hooked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Leaf modules, plus modules that own parameters directly (their computation may bypass their children,
     as ``nn.MultiheadAttention`` does with ``out_proj``)."""
-    return [(name, m) for name, m in model.named_modules()
-            if not list(m.children()) or list(m.parameters(recurse=False))]
+    return [
+        (name, m) for name, m in model.named_modules() if not list(m.children()) or list(m.parameters(recurse=False))
+    ]
 
 
-def activation_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                         k: int = 1) -> torch.Tensor:
+def activation_gradients(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int = 1
+) -> torch.Tensor:
     r"""Gradients of the loss / K with respect to every leaf module's output (what a backward pass holds in
     low precision under autocast), computed in the model's own precision; on a copy of ``model``.
 
@@ -66,9 +76,11 @@ def activation_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     def watch(name: str):
         def keep(module: nn.Module, inputs: object, out: object) -> None:
             if not isinstance(out, torch.Tensor):
-                raise ValueError(f"activation_gradients needs modules that return one tensor; module "
-                                 f"{name or '(root)'!r} ({type(module).__name__}) returns {type(out).__name__}. "
-                                 "Pass a model without it, or hook the tensor you care about yourself.")
+                raise ValueError(
+                    f"activation_gradients needs modules that return one tensor; module "
+                    f"{name or '(root)'!r} ({type(module).__name__}) returns {type(out).__name__}. "
+                    "Pass a model without it, or hook the tensor you care about yourself."
+                )
             if out.requires_grad:
                 slot = len(grads)
                 grads.append(None)
@@ -77,6 +89,7 @@ def activation_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
                     grads[slot] = g.detach().clone()
 
                 out.register_hook(store)
+
         return keep
 
     hooks = [m.register_forward_hook(watch(name)) for name, m in _hooked_modules(work)]
@@ -89,8 +102,7 @@ def activation_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
 
 
 #: The layers whose kernels autocast runs in fp16: their weight and bias gradients are written in fp16 too.
-FP16_KERNELS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-                nn.ConvTranspose3d)
+FP16_KERNELS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
 def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
@@ -112,17 +124,26 @@ def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     kernels = FP16_KERNELS + ((nn.LayerNorm,) if x.device.type == "cpu" else ())
     fp32 = (nn.modules.batchnorm._NormBase, nn.GroupNorm) + (() if x.device.type == "cpu" else (nn.LayerNorm,))
     params = [p for m in work.modules() if isinstance(m, kernels) for p in m.parameters(recurse=False)]
-    other = [f"{name}.{pname}" if name else pname for name, m in work.named_modules()
-             if not isinstance(m, kernels + fp32) for pname, _ in m.named_parameters(recurse=False)]
+    other = [
+        f"{name}.{pname}" if name else pname
+        for name, m in work.named_modules()
+        if not isinstance(m, kernels + fp32)
+        for pname, _ in m.named_parameters(recurse=False)
+    ]
     if other:
-        raise ValueError(f"parameter(s) {other[:3]} sit outside linear, convolution and normalization modules: "
-                         "whether an fp16 kernel writes their gradients is not known here, so the prediction "
-                         "would leave them out; measure the edge with amp_window instead.")
+        raise ValueError(
+            f"parameter(s) {other[:3]} sit outside linear, convolution and normalization modules: "
+            "whether an fp16 kernel writes their gradients is not known here, so the prediction "
+            "would leave them out; measure the edge with amp_window instead."
+        )
     if not params:
         raise ValueError("the model has no linear or convolution layer: no parameter gradient is written in fp16.")
     calls: dict[str, int] = {}
-    hooks = [m.register_forward_hook(lambda mod, i, o, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
-             for name, m in work.named_modules() if isinstance(m, kernels)]
+    hooks = [
+        m.register_forward_hook(lambda mod, i, o, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+        for name, m in work.named_modules()
+        if isinstance(m, kernels)
+    ]
     out = []
     try:
         for xb, yb in split_batch(x, y, k):
@@ -131,10 +152,12 @@ def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
             loss_fn(work(xb), yb).backward()
             twice = sorted(name for name, n in calls.items() if n > 1)
             if twice:  # each call writes its own fp16 gradient; their fp16 sum can overflow where the total fits
-                raise ValueError(f"layer(s) {twice[:3]} run more than once per forward pass: autocast writes an "
-                                 "fp16 weight gradient for each call and adds them in fp16, so a part can overflow "
-                                 "where the summed gradient fits and the prediction would be too high; measure the "
-                                 "edge with amp_window instead.")
+                raise ValueError(
+                    f"layer(s) {twice[:3]} run more than once per forward pass: autocast writes an "
+                    "fp16 weight gradient for each call and adds them in fp16, so a part can overflow "
+                    "where the summed gradient fits and the prediction would be too high; measure the "
+                    "edge with amp_window instead."
+                )
             out += [p.grad.detach().reshape(-1) for p in params if p.grad is not None]
     finally:
         for hook in hooks:
@@ -142,227 +165,13 @@ def kernel_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     return torch.cat(out)
 
 
-def _require_divide(divide: object) -> None:
-    if divide not in ("loss", "grads"):
-        raise ValueError(f"divide must be 'loss' (divide each micro-batch's loss by K) or 'grads' (divide the "
-                         f"accumulated gradients by K after unscale_), got {divide!r}.")
-
-
 def _require_input_dtype(model: nn.Module, x: torch.Tensor) -> None:
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if isinstance(x, torch.Tensor) and x.is_floating_point() and dtypes and x.dtype not in dtypes:
-        raise ValueError(f"x is {x.dtype} and the model's parameters {sorted(map(str, dtypes))}: pass x in the "
-                         f"model's precision (x.to({sorted(map(str, dtypes))[0]})).")
-
-
-def _require_float32_model(model: nn.Module, x: torch.Tensor | None = None) -> None:
-    """Autocast (fp16/bf16) casts only float32 tensors: a float64 model would silently run in float64, so a
-    "mixed-precision" experiment on it measures nothing. Refuse any floating-point parameter that is not float32,
-    a model without trainable parameters, and a float64 input ``x``."""
-    if not isinstance(model, nn.Module) or not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the model has no trainable parameters: there is no gradient to scale.")
-    bad = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
-    if bad:
-        raise ValueError(f"the model's parameters must be float32 for autocast fp16/bf16 (autocast leaves "
-                         f"{', '.join(bad)} alone, so nothing would run in 16 bits); pass model.float() or "
-                         "build it with dtype=torch.float32.")
-    if x is not None and x.dtype == torch.float64:
-        raise ValueError("x is float64, which autocast leaves alone (and a float32 model cannot take); pass "
-                         "x.float().")
-
-
-def _require_amp(device_type: str, dtype: torch.dtype) -> None:
-    """Autocast must exist on the device and accept the dtype; otherwise say what to use instead."""
-    if dtype not in LOW_PRECISION:
-        raise ValueError(f"autocast dtype must be torch.float16 or torch.bfloat16, got {dtype}; for full precision "
-                         "run without autocast.")
-    try:
-        available = torch.amp.is_autocast_available(device_type)
-    except RuntimeError:  # not a device type torch knows
-        available = False
-    if not available:
-        raise ValueError(f"autocast is not available on device type {device_type!r}; use 'cpu' or 'cuda'.")
-    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ValueError("this GPU does not support bfloat16; use torch.float16 with a GradScaler.")
-
-
-Pattern = Literal["correct", "unscale_per_micro", "unscale_update_per_micro", "scale_changes_in_window",
-                  "step_per_micro", "no_scaler"]
-
-
-PATTERNS: tuple[str, ...] = ("correct", "unscale_per_micro", "unscale_update_per_micro", "scale_changes_in_window",
-                             "step_per_micro", "no_scaler")
-
-
-@dataclass
-class WindowResult:
-    """One accumulation window run with an amp pattern.
-
-    ``update``: the sum of the gradients the optimizer applied, read as it stepped (plain SGD moves the weights by
-    −lr times it; exact at any learning rate); ``steps``: optimizer steps actually taken; ``scales``: the loss
-    scale used for each micro-batch's backward pass; ``final_scale``: after the window; ``error``: the message of
-    an exception the pattern raised, if any.
-    """
-
-    update: torch.Tensor
-    steps: int
-    scales: list[float] = field(default_factory=list)
-    final_scale: float = float("nan")
-    error: str | None = None
-
-
-def amp_window(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
-               pattern: Pattern = "correct", dtype: torch.dtype = torch.float16, init_scale: float = 2.0**16,
-               overflow_micro: int | None = None, lr: float = 0.1,
-               divide: Literal["loss", "grads"] = "loss") -> WindowResult:
-    r"""Run one accumulation window of the torch.amp recipe, or of one of its common mistakes, on a copy.
-
-    * ``correct``: per micro-batch ``scaler.scale(loss / K).backward()`` under autocast; at the boundary
-      ``unscale_`` → ``step`` → ``update``.
-    * ``unscale_per_micro``: ``unscale_`` after every backward (raises on the second call).
-    * ``unscale_update_per_micro``: ``unscale_`` then ``update()`` after every backward, ``step`` + ``update`` at
-      the boundary. Nothing raises: each ``unscale_`` divides the whole running ``.grad`` by S again (and
-      ``step`` unscales once more), and an inf stays in ``.grad``, so every later ``update()`` backs off again.
-    * ``scale_changes_in_window``: the scale is set by hand to twice its value after every micro-batch
-      (``update(new_scale=2·S)``), so micro-gradients are summed at different scales and ``unscale_`` divides
-      them all by the scale in force at the boundary, :math:`2^K S`, which none of them used (a dynamic scaler
-      grows only after ``growth_interval`` clean ``update()`` calls, never inside a window by itself).
-    * ``step_per_micro``: ``step`` and ``update`` after every micro-batch: K small steps, not one.
-    * ``no_scaler``: autocast only, loss / K (right for bf16; for fp16 small gradients underflow).
-
-    ``overflow_micro`` makes that micro-batch overflow in fp16 (inputs × 10⁶; a ValueError with bf16, or where its
-    gradients come out finite). The copy runs in ``model``'s mode (compare runs with dropout off).
-
-    ``divide``: where the 1/K goes. ``"loss"`` (the recipe): each micro-batch's loss is divided by K before
-    ``backward``, so the backward pass holds :math:`\tfrac{S}{K}\,\nabla L`. ``"grads"``: the loss is only
-    scaled by S, and the accumulated gradients are divided by K after ``unscale_``; the backward pass then holds
-    :math:`S\,\nabla L`, K times larger, and overflows at a K times smaller S.
-    """
-    _check_window(model, x, k, pattern, dtype, init_scale, overflow_micro, lr, divide)
-    work = copy.deepcopy(model)  # in the mode it is in, as the other tools here (a training step: model.train())
-    device_type = next(work.parameters()).device.type
-    _require_amp(device_type, dtype)
-    opt = torch.optim.SGD(work.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=pattern != "no_scaler")
-    result = WindowResult(update=torch.empty(0), steps=0)
-    applied, taken, handle = _record_steps(work, opt)
-    opt.zero_grad(set_to_none=True)
-    try:
-        for i, (xb, yb) in enumerate(split_batch(x, y, k)):
-            _micro_backward(work, loss_fn, xb * 1e6 if i == overflow_micro else xb, yb, k, i == overflow_micro, i,
-                            device_type, dtype, divide, scaler, result.scales)
-            _after_micro(pattern, scaler, opt)
-        if pattern != "step_per_micro":
-            _at_boundary(work, k, divide, scaler, opt)
-    except _ScalerRefused as err:  # only the GradScaler's own errors are the pattern's result
-        result.error = str(err)
-    handle.remove()
-    result.steps = len(taken)
-    result.final_scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
-    result.update = torch.cat([t.flatten() for t in applied])
-    return result
-
-
-def _record_steps(work: nn.Module, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[int], Any]:
-    """Sum, per parameter, the gradients the optimizer applies, read as it steps (GradScaler calls opt.step() only
-    for a step it does not skip): exact at any learning rate, where a weight difference read back in fp32 loses the
-    small updates. Returns (the sums, one entry per step taken, the hook's handle)."""
-    applied = [torch.zeros_like(p, dtype=torch.float32) for p in work.parameters()]
-    taken: list[int] = []
-
-    def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        taken.append(1)
-        for total, p in zip(applied, work.parameters()):
-            if p.grad is not None:
-                total.add_(p.grad.detach().float())
-
-    return applied, taken, opt.register_step_pre_hook(record)
-
-
-def _check_window(model: nn.Module, x: torch.Tensor, k: int, pattern: str, dtype: torch.dtype, init_scale: float,
-                  overflow_micro: int | None, lr: float, divide: str) -> None:
-    """:func:`amp_window`'s arguments, refused with a ValueError that says what to pass."""
-    require_k(k)
-    _require_scale(init_scale)
-    if pattern not in PATTERNS:
-        raise ValueError(f"unknown pattern {pattern!r}; choose one of {PATTERNS}.")
-    _require_divide(divide)
-    if divide == "grads" and pattern not in ("correct", "no_scaler"):
-        raise ValueError(f"divide='grads' is defined for the patterns 'correct' and 'no_scaler', not {pattern!r}.")
-    _require_float32_model(model, x)
-    require_k(k)
-    if overflow_micro is not None and (isinstance(overflow_micro, bool) or not isinstance(overflow_micro, int)
-                                       or not 0 <= overflow_micro < k):
-        raise ValueError(f"overflow_micro must be None or the index of a micro-batch, an int in [0, {k}), got "
-                         f"{overflow_micro!r}.")
-    require_positive(lr, "lr (the update is divided by it)")
-    if overflow_micro is not None and dtype != torch.float16:
-        raise ValueError(f"overflow_micro makes a micro-batch overflow fp16 (inputs times 10^6); {dtype} shares "
-                         "float32's range and does not overflow that way: use dtype=torch.float16.")
-
-
-def _micro_backward(work: nn.Module, loss_fn: LossFn, xb: torch.Tensor, yb: torch.Tensor, k: int, overflow: bool,
-                    i: int, device_type: str, dtype: torch.dtype, divide: str, scaler: torch.amp.GradScaler,
-                    scales: list[float]) -> None:
-    """One micro-batch under autocast: ``scaler.scale(loss [/ K]).backward()``, its scale appended to ``scales``;
-    ValueError when the micro-batch meant to overflow (``overflow``, number ``i``) did not."""
-    with torch.autocast(device_type, dtype=dtype):
-        loss = loss_fn(work(xb), yb)
-        if divide == "loss":
-            loss = loss / k
-    # the scale as the scaler holds it, in float32 (before its first use get_scale() returns the Python
-    # float it was given)
-    scales.append(float(torch.tensor(scaler.get_scale(), dtype=torch.float32)) if scaler.is_enabled() else 1.0)
-    scaler.scale(loss).backward()
-    if overflow and all(bool(torch.isfinite(p.grad).all()) for p in work.parameters() if p.grad is not None):
-        raise ValueError(f"overflow_micro={i}: that micro-batch's inputs times 10^6 did not overflow fp16 "
-                         "(a normalization at the model's input, say, removes the scale), so the window "
-                         "would not show an overflow; choose a model whose first layer is linear or "
-                         "convolutional.")
-
-
-def _after_micro(pattern: str, scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> None:
-    """What the pattern does after each micro-batch's backward (the recipe: nothing)."""
-    if pattern == "unscale_per_micro":
-        _scaler(scaler.unscale_, opt)
-    elif pattern == "unscale_update_per_micro":
-        _scaler(scaler.unscale_, opt)
-        _scaler(scaler.update)
-    elif pattern == "scale_changes_in_window":
-        _scaler(scaler.update, new_scale=2.0 * float(scaler.get_scale()))
-    elif pattern == "step_per_micro":
-        _scaler(_step, scaler, opt)
-        opt.zero_grad(set_to_none=True)
-
-
-def _at_boundary(work: nn.Module, k: int, divide: str, scaler: torch.amp.GradScaler,
-                 opt: torch.optim.Optimizer) -> None:
-    """The window's boundary: (``divide="grads"``: ``unscale_``, then .grad / K) ``step`` and ``update``."""
-    if divide == "grads":
-        _scaler(scaler.unscale_, opt)  # no-op when the scaler is disabled
-        for p in work.parameters():
-            if p.grad is not None:
-                p.grad /= k
-    _scaler(_step, scaler, opt)
-
-
-class _ScalerRefused(Exception):
-    """A GradScaler call raised: what a mistaken pattern leads to, reported in :class:`WindowResult`."""
-
-
-def _scaler(call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """``call(*args, **kwargs)``, with a RuntimeError or AssertionError the GradScaler raises turned into
-    :class:`_ScalerRefused` (errors of the model or the loss, raised outside these calls, propagate as they are)."""
-    try:
-        return call(*args, **kwargs)
-    except (RuntimeError, AssertionError) as err:
-        raise _ScalerRefused(f"{type(err).__name__}: {err}") from err
-
-
-def _step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> None:
-    """scaler.step + update (a skipped step leaves the parameters alone and never calls ``opt.step``)."""
-    scaler.step(opt)
-    scaler.update()
+        raise ValueError(
+            f"x is {x.dtype} and the model's parameters {sorted(map(str, dtypes))}: pass x in the "
+            f"model's precision (x.to({sorted(map(str, dtypes))[0]}))."
+        )
 
 
 def reference_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -392,13 +201,20 @@ def mixed_scale_sum(micro_grads: Sequence[torch.Tensor], scales: Sequence[float]
         _require_scale(s)
     total = cast(torch.Tensor, sum(s / unscale_by * g / k for s, g in zip(scales, micro_grads)))  # K >= 1 terms
     if not bool(torch.isfinite(total).all()):
-        raise ValueError("the weighted sum overflows: scales / unscale_by this far apart are not ones a GradScaler "
-                         "holds in one window (float32's range); check the scales.")
+        raise ValueError(
+            "the weighted sum overflows: scales / unscale_by this far apart are not ones a GradScaler "
+            "holds in one window (float32's range); check the scales."
+        )
     return total
 
 
-def scale_history(updates: int, growth_interval: int, overflow_at: Sequence[int] = (),
-                  init_scale: float = 2.0**16, device_type: str = "cpu") -> list[float]:
+def scale_history(
+    updates: int,
+    growth_interval: int,
+    overflow_at: Sequence[int] = (),
+    init_scale: float = 2.0**16,
+    device_type: str = "cpu",
+) -> list[float]:
     """The scale a real ``torch.amp.GradScaler`` holds after each of ``updates`` iterations of
     ``scale(loss).backward()`` → ``step`` → ``update`` on a one-parameter model; the iterations listed in
     ``overflow_at`` (0-based) produce an inf gradient.
@@ -410,7 +226,8 @@ def scale_history(updates: int, growth_interval: int, overflow_at: Sequence[int]
     require_count(updates, "updates")
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
         raise ValueError(
-            f"growth_interval must be an int >= 1 (GradScaler's default is 2000), got {growth_interval!r}.")
+            f"growth_interval must be an int >= 1 (GradScaler's default is 2000), got {growth_interval!r}."
+        )
     if not isinstance(overflow_at, (list, tuple, range)):
         raise ValueError(f"overflow_at must be a list of iterations, e.g. (4,), got {overflow_at!r}.")
     overflow_at = [int(i) if isinstance(i, numbers.Integral) and not isinstance(i, bool) else i for i in overflow_at]
@@ -430,8 +247,16 @@ def scale_history(updates: int, growth_interval: int, overflow_at: Sequence[int]
     return history
 
 
-def scaled_window_grads(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, scale: float,
-                        divide: Literal["loss", "grads"] = "loss", dtype: torch.dtype = torch.float16) -> torch.Tensor:
+def scaled_window_grads(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    scale: float,
+    divide: Literal["loss", "grads"] = "loss",
+    dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
     r"""The flat fp32 ``.grad`` after one window under autocast with the loss multiplied by ``scale`` (what
     ``scaler.scale(loss)`` does), before any unscaling; on a copy of ``model`` (float32 parameters).
 
@@ -457,14 +282,30 @@ def scaled_window_grads(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
     return flat_grad(work).detach()
 
 
-def _window_is_finite(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, scale: float,
-                      divide: Literal["loss", "grads"], dtype: torch.dtype) -> bool:
+def _window_is_finite(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    scale: float,
+    divide: Literal["loss", "grads"],
+    dtype: torch.dtype,
+) -> bool:
     return bool(torch.isfinite(scaled_window_grads(model, loss_fn, x, y, k, scale, divide, dtype)).all())
 
 
-def largest_safe_log2_scale(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
-                            divide: Literal["loss", "grads"] = "loss", lo: int = 0, hi: int = 40,
-                            dtype: torch.dtype = torch.float16) -> int:
+def largest_safe_log2_scale(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    divide: Literal["loss", "grads"] = "loss",
+    lo: int = 0,
+    hi: int = 40,
+    dtype: torch.dtype = torch.float16,
+) -> int:
     r"""The largest integer s in [lo, hi] for which one window (K micro-batches under autocast, loss scaled by
     :math:`S = 2^s`) leaves finite accumulated gradients — the edge a dynamic scaler probes.
 
@@ -477,8 +318,9 @@ def largest_safe_log2_scale(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, 
     _require_divide(divide)
     for name, value in (("lo", lo), ("hi", hi)):
         if isinstance(value, bool) or not isinstance(value, int) or not -126 <= value <= 127:
-            raise ValueError(f"{name} is a power of two's exponent: an int in [-126, 127] (float32's range), got "
-                             f"{value!r}.")
+            raise ValueError(
+                f"{name} is a power of two's exponent: an int in [-126, 127] (float32's range), got {value!r}."
+            )
     if not lo < hi:
         raise ValueError(f"need lo < hi, got lo={lo}, hi={hi}.")
     _require_float32_model(model, x)
@@ -488,12 +330,12 @@ def largest_safe_log2_scale(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, 
         raise ValueError(f"the window already overflows at S = 2^{lo}; lower lo.")
     if finite(hi):
         if dtype == torch.bfloat16:
-            raise ValueError(f"the window does not overflow bf16 even at S = 2^{hi}: bf16 shares float32's range, "
-                             "so it needs no loss scale (chapter 4); there is no edge to find.")
+            raise ValueError(
+                f"the window does not overflow bf16 even at S = 2^{hi}: bf16 shares float32's range, "
+                "so it needs no loss scale (chapter 4); there is no edge to find."
+            )
         raise ValueError(f"the window does not overflow even at S = 2^{hi}; raise hi (at most 127).")
     while hi - lo > 1:  # invariant: finite at lo, overflow at hi
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if finite(mid) else (lo, mid)
     return lo
-
-

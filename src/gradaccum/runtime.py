@@ -53,8 +53,7 @@ def pick_device(prefer: str | None = None) -> torch.device:
         raise ValueError(f"unknown device {choice!r}; use 'cpu', 'cuda' or 'cuda:N'.") from err
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            f"device {choice!r} was asked for but CUDA is not available here; "
-            f"use 'cpu' or unset {DEVICE_ENV}."
+            f"device {choice!r} was asked for but CUDA is not available here; use 'cpu' or unset {DEVICE_ENV}."
         )
     return device
 

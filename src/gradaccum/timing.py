@@ -38,8 +38,9 @@ def _timed(fn: Callable[[], object], cuda: bool, clock: Callable[[], float] = ti
     return clock() - start
 
 
-def median_time(fn: Callable[[], object], device: torch.device | str = "cpu", repeat: int = 20,
-                warmup: int = 3) -> float:
+def median_time(
+    fn: Callable[[], object], device: torch.device | str = "cpu", repeat: int = 20, warmup: int = 3
+) -> float:
     """Median wall seconds of ``fn()`` over ``repeat`` calls after ``warmup`` untimed calls.
 
     On CUDA the device is synchronized before and after each call, so queued kernels are counted.
@@ -55,9 +56,15 @@ def median_time(fn: Callable[[], object], device: torch.device | str = "cpu", re
     return statistics.median(times)
 
 
-def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", repeat: int = 7,
-                      warmup: int = 1, clock: Clock = "wall", statistic: Statistic = "median",
-                      rotate: bool = False) -> dict[str, float]:
+def interleaved_times(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device | str = "cpu",
+    repeat: int = 7,
+    warmup: int = 1,
+    clock: Clock = "wall",
+    statistic: Statistic = "median",
+    rotate: bool = False,
+) -> dict[str, float]:
     """Seconds of each function, measured *interleaved*: every round calls each function once, in turn, so
     that a machine getting busier or quieter during the measurement affects all of them alike (one function
     timed after another would carry that drift into the comparison). Each function's ``repeat`` timed
@@ -70,18 +77,23 @@ def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device
     time a GPU's work, which runs outside the process's CPU time, and is refused for any device but the CPU.
     """
     if repeat < 1 or warmup < 0 or not fns:
-        raise ValueError(f"need at least one function, repeat >= 1 and warmup >= 0; got {len(fns)} functions, "
-                         f"repeat={repeat}, warmup={warmup}.")
+        raise ValueError(
+            f"need at least one function, repeat >= 1 and warmup >= 0; got {len(fns)} functions, "
+            f"repeat={repeat}, warmup={warmup}."
+        )
     if clock not in (*_CLOCKS, "auto") or statistic not in _STATISTICS:
-        raise ValueError(f"clock must be one of {[*_CLOCKS, 'auto']} and statistic one of {list(_STATISTICS)}, "
-                         f"got {clock!r} and {statistic!r}.")
+        raise ValueError(
+            f"clock must be one of {[*_CLOCKS, 'auto']} and statistic one of {list(_STATISTICS)}, "
+            f"got {clock!r} and {statistic!r}."
+        )
     kind = torch.device(device).type
     cuda = kind == "cuda"
     if clock == "auto":
         clock = "process" if kind == "cpu" and torch.get_num_threads() == 1 else "wall"
     if kind != "cpu" and clock == "process":
-        raise ValueError(f"the process clock counts CPU seconds and misses the work of a {kind!r} device; "
-                         "time it with clock='wall'.")
+        raise ValueError(
+            f"the process clock counts CPU seconds and misses the work of a {kind!r} device; time it with clock='wall'."
+        )
     times: dict[str, list[float]] = {name: [] for name in fns}
     items = list(fns.items())
     for round_ in range(warmup + repeat):
@@ -93,7 +105,12 @@ def interleaved_times(fns: dict[str, Callable[[], object]], device: torch.device
     return {name: _STATISTICS[statistic](t) for name, t in times.items()}
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", repeat: int = 7,
-                        warmup: int = 1, rotate: bool = False) -> dict[str, float]:
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device | str = "cpu",
+    repeat: int = 7,
+    warmup: int = 1,
+    rotate: bool = False,
+) -> dict[str, float]:
     """Median wall seconds of each function, measured interleaved (:func:`interleaved_times`)."""
     return interleaved_times(fns, device, repeat, warmup, rotate=rotate)

@@ -1,5 +1,6 @@
 r"""Chapter 6: the other silent bugs — token-level loss normalization, dropout seeds, step counting,
-the last partial window, and logging the loss of a window.
+the last partial window, and logging the loss of a window. Step counting (schedulers and Adam stepped per
+micro-batch) is in :mod:`gradaccum.step_counts`, re-exported here.
 
 **Token-level normalization.** A language-model loss is a mean over *tokens*. Micro-batch k holds
 :math:`n_k` tokens with summed loss :math:`x_k`; the loss of the window is :math:`\sum_k x_k/\sum_k n_k`. Averaging
@@ -31,7 +32,6 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-import warnings
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -49,6 +49,12 @@ from gradaccum._validate import (
 )
 from gradaccum.accumulate import flat_grad, split_batch
 
+# step counting (schedulers, Adam) lives in gradaccum.step_counts; chapter 6 reads it from here too
+from gradaccum.step_counts import adam_step_count as adam_step_count
+from gradaccum.step_counts import lr_trajectory as lr_trajectory
+from gradaccum.step_counts import onecycle_steps_before_error as onecycle_steps_before_error
+from gradaccum.step_counts import scheduler_order_warnings as scheduler_order_warnings
+
 #: Target of padding positions, skipped by ``cross_entropy(ignore_index=IGNORE)``: -100, PyTorch's default
 #: ``ignore_index`` and Hugging Face's padding label. This module's functions count and skip exactly these targets;
 #: relabel other padding targets (0, say) to it first.
@@ -62,57 +68,84 @@ def token_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -
     except where the vocabulary is as long as the sequence: then (N, vocabulary, T) has the same shape as
     (N, T, vocabulary) and cannot be told apart, so keep the vocabulary last."""
     if not isinstance(y, torch.Tensor) or y.dtype != torch.int64:
-        raise ValueError(f"targets must be an int64 tensor of class indices (pass y.long()), got "
-                         f"{y.dtype if isinstance(y, torch.Tensor) else type(y).__name__}.")
+        raise ValueError(
+            f"targets must be an int64 tensor of class indices (pass y.long()), got "
+            f"{y.dtype if isinstance(y, torch.Tensor) else type(y).__name__}."
+        )
     if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != y.shape:
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"logits must be (..., vocabulary) with the targets' shape {tuple(y.shape)} in front, got "
-                         f"{got}; logits laid out (N, vocabulary, T) for F.cross_entropy: pass "
-                         "logits.transpose(1, 2).")
+        raise ValueError(
+            f"logits must be (..., vocabulary) with the targets' shape {tuple(y.shape)} in front, got "
+            f"{got}; logits laid out (N, vocabulary, T) for F.cross_entropy: pass "
+            "logits.transpose(1, 2)."
+        )
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}; for per-token losses call "
-                         "F.cross_entropy(..., reduction='none') yourself.")
+        raise ValueError(
+            f"reduction must be 'mean' or 'sum', got {reduction!r}; for per-token losses call "
+            "F.cross_entropy(..., reduction='none') yourself."
+        )
     counted = y[y != IGNORE]
     if reduction == "mean" and counted.numel() == 0:
-        raise ValueError(f"every target is padding ({IGNORE}): a mean over zero tokens is NaN; leave the batch out, "
-                         "or use reduction='sum' (0) and divide by the window's token count.")
+        raise ValueError(
+            f"every target is padding ({IGNORE}): a mean over zero tokens is NaN; leave the batch out, "
+            "or use reduction='sum' (0) and divide by the window's token count."
+        )
     vocab = logits.shape[-1]
     if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= vocab):
         bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
-        raise ValueError(f"target {bad} is outside the vocabulary [0, {vocab}); padding must be written as "
-                         f"{IGNORE} (windows.IGNORE), the index cross_entropy skips.")
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE,
-                           reduction=reduction)
+        raise ValueError(
+            f"target {bad} is outside the vocabulary [0, {vocab}); padding must be written as "
+            f"{IGNORE} (windows.IGNORE), the index cross_entropy skips."
+        )
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE, reduction=reduction
+    )
 
 
 def count_tokens(y: torch.Tensor) -> int:
     """The number of non-padding targets (not :data:`IGNORE`) in integer targets."""
     if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise ValueError(f"count_tokens needs integer class targets (int64, padding {IGNORE}), got "
-                         f"{y.dtype if isinstance(y, torch.Tensor) else type(y).__name__}.")
+        raise ValueError(
+            f"count_tokens needs integer class targets (int64, padding {IGNORE}), got "
+            f"{y.dtype if isinstance(y, torch.Tensor) else type(y).__name__}."
+        )
     return int((y != IGNORE).sum())
 
 
 def _require_count(total_tokens: object, own: int) -> int:
     """A window's token count given by the caller: a positive integer (Python, NumPy, or a one-element integer
     tensor such as an all-reduced count), at least the ``own`` tokens of the window it is used for."""
-    if isinstance(total_tokens, torch.Tensor) and total_tokens.numel() == 1 and not total_tokens.is_floating_point() \
-            and total_tokens.dtype != torch.bool:
+    if (
+        isinstance(total_tokens, torch.Tensor)
+        and total_tokens.numel() == 1
+        and not total_tokens.is_floating_point()
+        and total_tokens.dtype != torch.bool
+    ):
         total_tokens = int(total_tokens.item())
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, numbers.Integral) or total_tokens < 1:
-        raise ValueError(f"total_tokens must be a positive integer count of tokens, got {total_tokens!r}; pass the "
-                         "number of non-padding targets of the whole window (all-reduced across ranks under DDP).")
+        raise ValueError(
+            f"total_tokens must be a positive integer count of tokens, got {total_tokens!r}; pass the "
+            "number of non-padding targets of the whole window (all-reduced across ranks under DDP)."
+        )
     if total_tokens < own:
-        raise ValueError(f"total_tokens = {total_tokens} is less than the {own} tokens of this window alone: pass the "
-                         "count of the whole window (all ranks' tokens under DDP), not of one micro-batch.")
+        raise ValueError(
+            f"total_tokens = {total_tokens} is less than the {own} tokens of this window alone: pass the "
+            "count of the whole window (all ranks' tokens under DDP), not of one micro-batch."
+        )
     return int(total_tokens)
 
 
 Normalization = Literal["mean_of_means", "window_tokens"]
 
 
-def window_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
-                    normalization: Normalization = "window_tokens", total_tokens: int | None = None) -> float:
+def window_backward(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    normalization: Normalization = "window_tokens",
+    total_tokens: int | None = None,
+) -> float:
     """One window's backward passes for a token-level loss; gradients are added to ``.grad``.
 
     ``mean_of_means``: each micro-batch's mean token loss divided by K (what a generic accumulation loop does).
@@ -131,8 +164,10 @@ def window_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
     elif normalization != "mean_of_means":
         raise ValueError(f"unknown normalization {normalization!r}; use 'mean_of_means' or 'window_tokens'.")
     elif total_tokens is not None:
-        raise ValueError("total_tokens is used only with normalization='window_tokens' (the mean of means divides "
-                         "each micro-batch by its own count); drop it, or normalize by the window's tokens.")
+        raise ValueError(
+            "total_tokens is used only with normalization='window_tokens' (the mean of means divides "
+            "each micro-batch by its own count); drop it, or normalize by the window's tokens."
+        )
     value = 0.0
     for xb, yb in micro:
         if normalization == "mean_of_means":
@@ -142,15 +177,18 @@ def window_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
         else:
             loss = token_loss(model(xb), yb, "sum") / total
         if not bool(torch.isfinite(loss)):
-            raise ValueError(f"a micro-batch's loss is {float(loss)}: the model's output or weights hold inf or NaN "
-                             "(nothing to normalize).")
+            raise ValueError(
+                f"a micro-batch's loss is {float(loss)}: the model's output or weights hold inf or NaN "
+                "(nothing to normalize)."
+            )
         loss.backward()
         value += float(loss.detach())
     return value
 
 
-def window_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
-                    normalization: Normalization) -> torch.Tensor:
+def window_gradient(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int, normalization: Normalization
+) -> torch.Tensor:
     work = copy.deepcopy(model)
     work.zero_grad(set_to_none=True)
     window_backward(work, x, y, k, normalization)
@@ -162,8 +200,9 @@ def token_mean_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
     return window_gradient(model, x, y, 1, "window_tokens")
 
 
-def ranks_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int, k: int,
-                   global_count: bool) -> torch.Tensor:
+def ranks_gradient(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int, k: int, global_count: bool
+) -> torch.Tensor:
     """What DDP would apply with p ranks (equal shares of the batch), K micro-batches each, token-sum loss.
 
     Each rank divides by its own token count (``global_count=False``) or by the all-reduced count of all ranks,
@@ -171,11 +210,15 @@ def ranks_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int, k
     """
     require_count(p, "p (the number of ranks)")
     if not isinstance(global_count, bool):
-        raise ValueError(f"global_count must be True (divide by all ranks' tokens) or False (each rank by its own), "
-                         f"got {global_count!r}.")
+        raise ValueError(
+            f"global_count must be True (divide by all ranks' tokens) or False (each rank by its own), "
+            f"got {global_count!r}."
+        )
     if x.shape[0] % p:
-        raise ValueError(f"a batch of {x.shape[0]} sequences cannot be shared equally by p = {p} ranks; give a "
-                         "multiple of p sequences.")
+        raise ValueError(
+            f"a batch of {x.shape[0]} sequences cannot be shared equally by p = {p} ranks; give a "
+            "multiple of p sequences."
+        )
     shares = split_batch(x, y, p)
     total = sum(count_tokens(ys) for _, ys in shares)  # what an all-reduce of the counts gives every rank
     grads = []
@@ -191,16 +234,18 @@ def ranks_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int, k
     return torch.stack(grads).mean(0)  # DDP's average over ranks
 
 
-def dropout_masks(steps: int, k: int, shape: tuple[int, ...], p: float = 0.5, reset_seed: bool = False,
-                  seed: int = 0) -> torch.Tensor:
+def dropout_masks(
+    steps: int, k: int, shape: tuple[int, ...], p: float = 0.5, reset_seed: bool = False, seed: int = 0
+) -> torch.Tensor:
     """The dropout masks a loop draws: (steps, K, *shape). With ``reset_seed`` the loop calls
     ``torch.manual_seed(seed + micro_index)`` before each micro-batch, the bug this chapter shows."""
     require_k(k)
     require_count(steps, "steps", minimum=0)
     require_count(seed, "seed", minimum=0)
     require_flag(reset_seed, "reset_seed", "re-seed before every micro-batch")
-    if not isinstance(shape, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
-                                               for d in shape):
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape
+    ):
         raise ValueError(f"shape must be a tuple of positive ints, one mask's shape such as (512,), got {shape!r}.")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
         raise ValueError(f"dropout probability must lie in (0, 1), got {p}.")
@@ -221,11 +266,13 @@ def mask_agreement(masks: torch.Tensor) -> tuple[float, float]:
     and the same for two different micro indices in one step (0.5 for independent masks with p = 0.5). ``masks``:
     (steps, K, ...) as :func:`dropout_masks` returns, with at least two steps and two micro-batches."""
     if not isinstance(masks, torch.Tensor):
-        raise ValueError(f"masks must be a tensor (steps, K, ...) as dropout_masks returns, got "
-                         f"{type(masks).__name__}.")
+        raise ValueError(
+            f"masks must be a tensor (steps, K, ...) as dropout_masks returns, got {type(masks).__name__}."
+        )
     if masks.dim() < 2 or masks.shape[0] < 2 or masks.shape[1] < 2:
-        raise ValueError(f"masks must be (steps, K, ...) with steps >= 2 and K >= 2 to compare, got shape "
-                         f"{tuple(masks.shape)}.")
+        raise ValueError(
+            f"masks must be (steps, K, ...) with steps >= 2 and K >= 2 to compare, got shape {tuple(masks.shape)}."
+        )
     same_index = (masks[1:] == masks[:-1]).float().mean()
     other_index = (masks[:, 1:] == masks[:, :-1]).float().mean()
     return float(same_index), float(other_index)
@@ -244,106 +291,12 @@ def dropout_gradient(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor
     return flat_grad(work).detach()
 
 
-def lr_trajectory(optimizer_steps: int, k: int, warmup: int, per_micro: bool,
-                  lr: float = 1.0) -> tuple[list[float], list[str]]:
-    """The learning rate each *optimizer step* uses under a linear warmup of ``warmup`` steps
-    (``LambdaLR``), when ``scheduler.step()`` is called per optimizer step or, wrongly, per micro-batch; and the
-    warnings PyTorch raised along the way. The per-micro-batch loop it models makes the window's K scheduler steps
-    before its optimizer step (one step ahead of the right loop even at K = 1); in a loop that steps the scheduler
-    after each micro-batch's backward, with the optimizer step on the last one, the first optimizer step uses the
-    rate after K − 1 scheduler steps instead of K (the same as the right loop at K = 1), and each later one K more."""
-
-    require_k(k)
-    require_count(optimizer_steps, "optimizer_steps")
-    require_count(warmup, "warmup (schedule steps)")
-    require_flag(per_micro, "per_micro", "True: scheduler.step() per micro-batch; False: per optimizer step")
-    require_positive(lr, "lr")
-    param = nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([param], lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / warmup))
-    used = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(optimizer_steps):
-            for _ in range(k):
-                if per_micro:
-                    sched.step()
-            used.append(opt.param_groups[0]["lr"])
-            opt.step()
-            if not per_micro:
-                sched.step()
-    return used, [str(w.message).split(". ")[0] for w in caught]
-
-
-def scheduler_order_warnings(k: int, windows: int, optimizer_first: bool) -> list[str]:
-    """The warnings PyTorch raises for a loop that (wrongly) calls ``scheduler.step()`` after every micro-batch and
-    ``optimizer.step()`` once per window, K·windows scheduler steps in all. With ``optimizer_first`` one optimizer
-    step runs before the loop (as in a loop whose first scheduler step follows an optimizer step). PyTorch checks
-    the order only at the scheduler's first ``step()``."""
-
-    require_k(k)
-    require_count(windows, "windows")
-    require_flag(optimizer_first, "optimizer_first", "one optimizer step before the loop")
-    param = nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([param], lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if optimizer_first:
-            opt.step()
-        for _ in range(windows):
-            for _ in range(k):
-                sched.step()
-            opt.step()
-    return [str(w.message).split(". ")[0] for w in caught]
-
-
-def onecycle_steps_before_error(total_steps: int, k: int) -> int | None:
-    """Scheduler steps a ``OneCycleLR(total_steps=...)``, sized in optimizer steps, takes in a loop that (wrongly)
-    steps it after every micro-batch before it raises its ``ValueError`` ("Tried to step ... times"): ``total_steps``
-    (the next one raises, after about 1/K of the windows); None if the ``total_steps`` windows finish (K = 1)."""
-    require_count(total_steps, "total_steps")
-    require_k(k)
-    param = nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([param], lr=0.1)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total_steps)
-    taken = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the order warning of the first step: scheduler_order_warnings shows it
-        for _ in range(total_steps):
-            for _ in range(k):
-                try:
-                    sched.step()
-                except ValueError:
-                    return taken
-                taken += 1
-            opt.step()
-    return None
-
-
-def adam_step_count(windows: int, k: int, step_per_micro: bool) -> int:
-    """Adam's ``state['step']`` after ``windows`` accumulation windows (it drives the bias correction
-    1/(1 − β^t)); stepping per micro-batch advances it K times per window."""
-    require_k(k)
-    require_count(windows, "windows", minimum=0)
-    require_flag(step_per_micro, "step_per_micro", "optimizer.step() after every micro-batch")
-    param = nn.Parameter(torch.zeros(3))
-    opt = torch.optim.Adam([param], lr=1e-3)
-    for _ in range(windows):
-        for _ in range(k):
-            param.grad = torch.ones(3)
-            if step_per_micro:
-                opt.step()
-        if not step_per_micro:
-            opt.step()
-    return int(opt.state[param]["step"]) if opt.state else 0  # no step taken: no state yet
-
-
 PartialPolicy = Literal["divide_by_K", "divide_by_actual", "drop"]
 
 
-def partial_window_gradient(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, b: int, k: int,
-                            policy: PartialPolicy) -> torch.Tensor | None:
+def partial_window_gradient(
+    model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, b: int, k: int, policy: PartialPolicy
+) -> torch.Tensor | None:
     """Gradient of a last window that holds only ``len(x)/b < K`` micro-batches of b.
 
     ``divide_by_K`` keeps the 1/K factor of full windows (Lightning's behaviour reported in #19987), so the
@@ -381,12 +334,25 @@ def _make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=lr)
     if name == "adam_beta1_0":  # Adam without the first moment's memory: the newest gradient over sqrt(v)
         return torch.optim.Adam(params, lr=lr, betas=(0.0, 0.999))
-    raise ValueError(f"unknown optimizer {name!r}; use 'sgd', 'momentum' (SGD with momentum 0.9), 'adam' or "
-                     "'adam_beta1_0' (Adam with beta1 = 0).")
+    raise ValueError(
+        f"unknown optimizer {name!r}; use 'sgd', 'momentum' (SGD with momentum 0.9), 'adam' or "
+        "'adam_beta1_0' (Adam with beta1 = 0)."
+    )
 
 
-def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, b: int, k: int, present: int,
-                       optimizer: OptimizerName, lr: float, warm_windows: int = 0, seed: int = 0) -> float:
+def partial_step_ratio(
+    model: nn.Module,
+    loss_fn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    b: int,
+    k: int,
+    present: int,
+    optimizer: OptimizerName,
+    lr: float,
+    warm_windows: int = 0,
+    seed: int = 0,
+) -> float:
     r"""How much smaller the optimizer's *step* is when a last window of ``present`` < K micro-batches is divided
     by K instead of by ``present``: :math:`\lVert\Delta\theta_{/K}\rVert / \lVert\Delta\theta_{/k'}\rVert`.
 
@@ -427,8 +393,10 @@ def partial_step_ratio(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tens
         squared = cast(torch.Tensor, sum(((p.detach() - q) ** 2).sum() for p, q in zip(trial.parameters(), before)))
         norms.append(float(torch.sqrt(squared)))
     if not (math.isfinite(norms[0]) and math.isfinite(norms[1]) and norms[1] > 0):
-        raise ValueError(f"the partial window's step has norm {norms[1]} (divided by k') and {norms[0]} (by K): "
-                         "a ratio needs a finite, nonzero step; are all its targets ignored, or the inputs NaN?")
+        raise ValueError(
+            f"the partial window's step has norm {norms[1]} (divided by k') and {norms[0]} (by K): "
+            "a ratio needs a finite, nonzero step; are all its targets ignored, or the inputs NaN?"
+        )
     return norms[0] / norms[1]
 
 
@@ -447,8 +415,10 @@ def window_log(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int) -> Wi
     :func:`window_backward` does, a micro-batch that holds only padding: its mean loss is undefined."""
     micro = split_batch(x, y, k)
     if any(count_tokens(yb) == 0 for _, yb in micro):
-        raise ValueError("a micro-batch holds only padding: its mean loss (and so the mean of means and the last "
-                         "micro-batch's loss) is undefined (NaN); put real tokens in every micro-batch.")
+        raise ValueError(
+            "a micro-batch holds only padding: its mean loss (and so the mean of means and the last "
+            "micro-batch's loss) is undefined (NaN); put real tokens in every micro-batch."
+        )
     with torch.no_grad():
         means = [float(token_loss(model(xb), yb)) for xb, yb in micro]
         sums = [float(token_loss(model(xb), yb, "sum")) for xb, yb in micro]

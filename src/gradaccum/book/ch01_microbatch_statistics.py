@@ -3,6 +3,7 @@ and the figures.
 
 The book layer over :mod:`gradaccum.bn_statistics` (the torch-only tools the chapter derives).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -95,8 +96,10 @@ def moment_spread(features: torch.Tensor, b: int, draws: int = 2000, seed: int =
         raise ValueError(f"features must have shape (N, C), got {tuple(features.shape)}.")
     n = features.shape[0]
     if b >= n:
-        raise ValueError(f"micro-batch size {b} must be below the {n} available samples: a micro-batch of all of "
-                         "them always has the same mean (its spread is 0, and the ratio to it undefined).")
+        raise ValueError(
+            f"micro-batch size {b} must be below the {n} available samples: a micro-batch of all of "
+            "them always has the same mean (its spread is 0, and the ratio to it undefined)."
+        )
     feats = features.detach().double().cpu()
     if not bool(torch.isfinite(feats).all()):
         raise ValueError("features hold NaN or inf values; pass finite activations.")
@@ -119,14 +122,16 @@ def moment_spread(features: torch.Tensor, b: int, draws: int = 2000, seed: int =
     predicted = predicted_mean_variance(sigma2, b, n)
 
     def ratios(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-        return torch.stack([(mu.var(0) / predicted).mean(), (var.mean(0) / sigma2).mean(),
-                            (mu.std(0) / sigma2.sqrt()).mean()])
+        return torch.stack(
+            [(mu.var(0) / predicted).mean(), (var.mean(0) / sigma2).mean(), (mu.std(0) / sigma2.sqrt()).mean()]
+        )
 
     whole = ratios(means, biased)
     per = draws // REPLICATES
     if per >= 2:
-        groups = torch.stack([ratios(means[i * per:(i + 1) * per], biased[i * per:(i + 1) * per])
-                              for i in range(REPLICATES)])
+        groups = torch.stack(
+            [ratios(means[i * per : (i + 1) * per], biased[i * per : (i + 1) * per]) for i in range(REPLICATES)]
+        )
         se = groups.std(0) / REPLICATES**0.5
     else:
         se = torch.full((3,), float("nan"), dtype=torch.float64)
@@ -147,8 +152,11 @@ def spread_deviations(s: MomentSpread, n: int) -> tuple[float, float, float]:
     (the variance ratio from 1): (variance of the mean, biased variance, spread of the mean). NaN where the
     standard error is (fewer than two draws per group)."""
     biased, spread = moment_theory(s.b, n)
-    return ((s.mean_var_ratio - 1) / s.mean_var_se, (s.biased_var_ratio - biased) / s.biased_var_se,
-            (s.rel_mean_std - spread) / s.rel_mean_std_se)
+    return (
+        (s.mean_var_ratio - 1) / s.mean_var_se,
+        (s.biased_var_ratio - biased) / s.biased_var_se,
+        (s.rel_mean_std - spread) / s.rel_mean_std_se,
+    )
 
 
 def moment_spread_table(spreads: list[MomentSpread], n: int) -> Table:
@@ -156,9 +164,16 @@ def moment_spread_table(spreads: list[MomentSpread], n: int) -> Table:
     rows = []
     for s in spreads:
         biased, spread = moment_theory(s.b, n)
-        rows.append([s.b, f"{s.mean_var_ratio:.3f} ± {s.mean_var_se:.3f}",
-                     f"{s.biased_var_ratio:.4f} ± {s.biased_var_se:.4f}", f"{biased:.4f}",
-                     f"{s.rel_mean_std:.4f} ± {s.rel_mean_std_se:.4f}", f"{spread:.4f}"])
+        rows.append(
+            [
+                s.b,
+                f"{s.mean_var_ratio:.3f} ± {s.mean_var_se:.3f}",
+                f"{s.biased_var_ratio:.4f} ± {s.biased_var_se:.4f}",
+                f"{biased:.4f}",
+                f"{s.rel_mean_std:.4f} ± {s.rel_mean_std_se:.4f}",
+                f"{spread:.4f}",
+            ]
+        )
     return Table(["b", "Var(mean): measured/theory", "E[biased var]/σ²", "theory", "std(mean)/σ", "theory"], rows)
 
 
@@ -196,8 +211,9 @@ def microbatch_effect(
     require_tensor(x, "x")
     require_tensor(y, "y")
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise ValueError(f"y holds class labels for the cross-entropy: an integer tensor, got {y.dtype}; convert "
-                         "it with y.long().")
+        raise ValueError(
+            f"y holds class labels for the cross-entropy: an integer tensor, got {y.dtype}; convert it with y.long()."
+        )
     n = k * b
     if n > x.shape[0]:
         raise ValueError(f"K·b = {k}·{b} = {n} exceeds the {x.shape[0]} images available; lower K or b.")
@@ -239,13 +255,24 @@ def _check_micro_batch(norm: NormKind, b: int, batch_size: int) -> None:
         raise ValueError(f"micro-batch size {b} does not divide the batch size {batch_size}.")
 
 
-def fingerprint_run(split: DigitsSplit, norm: NormKind, b: int, seed: int, batch_size: int = 64, epochs: int = 8,
-                    lr: float = 0.05) -> FingerprintRun:
+def fingerprint_run(
+    split: DigitsSplit, norm: NormKind, b: int, seed: int, batch_size: int = 64, epochs: int = 8, lr: float = 0.05
+) -> FingerprintRun:
     """One run of :func:`run_fingerprint`: a fresh SmallCNN with ``norm`` layers, micro-batches of ``b``."""
     _check_micro_batch(norm, b, batch_size)
     model = make_cnn(norm, seed=seed, device=split.x_train.device)
-    r = train(model, split.x_train, split.y_train, split.x_val, split.y_val,
-              batch_size=batch_size, k=batch_size // b, epochs=epochs, lr=lr, seed=seed)
+    r = train(
+        model,
+        split.x_train,
+        split.y_train,
+        split.x_val,
+        split.y_val,
+        batch_size=batch_size,
+        k=batch_size // b,
+        epochs=epochs,
+        lr=lr,
+        seed=seed,
+    )
     return FingerprintRun(norm, b, r.k, seed, r.optimizer_steps, r.val_acc, r.val_acc_train_mode)
 
 
@@ -267,8 +294,12 @@ def run_fingerprint(
     for norm, sizes in plan.items():  # refuse a bad plan before training anything
         for b in sizes:
             _check_micro_batch(norm, b, batch_size)
-    jobs = [dict(split=split, norm=norm, b=b, seed=seed, batch_size=batch_size, epochs=epochs, lr=lr)
-            for seed in seeds for norm, sizes in plan.items() for b in sizes]
+    jobs = [
+        dict(split=split, norm=norm, b=b, seed=seed, batch_size=batch_size, epochs=epochs, lr=lr)
+        for seed in seeds
+        for norm, sizes in plan.items()
+        for b in sizes
+    ]
     return run_jobs(fingerprint_run, jobs, workers)
 
 
@@ -278,16 +309,29 @@ def summarize_fingerprint(runs: list[FingerprintRun]) -> dict[tuple[str, int], d
     for key in dict.fromkeys((r.norm, r.b) for r in runs):
         acc = np.array([r.val_acc for r in runs if (r.norm, r.b) == key])
         gap = np.array([r.gap for r in runs if (r.norm, r.b) == key])
-        table[key] = {"acc": acc.mean(), "acc_min": acc.min(), "acc_max": acc.max(),
-                      "gap": gap.mean(), "gap_min": gap.min(), "gap_max": gap.max()}
+        table[key] = {
+            "acc": acc.mean(),
+            "acc_min": acc.min(),
+            "acc_max": acc.max(),
+            "gap": gap.mean(),
+            "gap_min": gap.min(),
+            "gap_max": gap.max(),
+        }
     return table
 
 
 def format_fingerprint(table: dict[tuple[str, int], dict[str, float]], batch_size: int = 64) -> Table:
     """The summary as a table, percentages to one decimal."""
-    rows = [[norm, b, batch_size // b,
-             f"{100 * s['acc']:.1f}% ({100 * s['acc_min']:.1f}–{100 * s['acc_max']:.1f})", f"{100 * s['gap']:+.1f}%"]
-            for (norm, b), s in table.items()]
+    rows = [
+        [
+            norm,
+            b,
+            batch_size // b,
+            f"{100 * s['acc']:.1f}% ({100 * s['acc_min']:.1f}–{100 * s['acc_max']:.1f})",
+            f"{100 * s['gap']:+.1f}%",
+        ]
+        for (norm, b), s in table.items()
+    ]
     return Table(["norm", "b", "K", "val acc (mean, min–max)", "train-mode − eval (mean)"], rows)
 
 
@@ -297,15 +341,27 @@ def plot_moment_spread(spreads: list[MomentSpread], n: int):
     fig, (ax1, ax2) = figure(2, 9.6, 3.6)
     bs = np.array([s.b for s in spreads])
     fine = np.arange(2, bs.max() + 1)
-    ax1.plot(fine, np.sqrt(predicted_mean_variance(1.0, fine, n)), color=PALETTE["black"],
-             label=r"theory $\sqrt{(n-b)/(b(n-1))}$")
+    ax1.plot(
+        fine,
+        np.sqrt(predicted_mean_variance(1.0, fine, n)),
+        color=PALETTE["black"],
+        label=r"theory $\sqrt{(n-b)/(b(n-1))}$",
+    )
     ax1.plot(bs, [s.rel_mean_std for s in spreads], "o", color=NORM_COLORS["batch"], label="measured")
-    decorate(ax1, "micro-batch size b", r"std($\hat\mu_b$) / $\sigma$", "Spread of the batch mean",
-             xscale="log", yscale="log", xticks=bs)
+    decorate(
+        ax1,
+        "micro-batch size b",
+        r"std($\hat\mu_b$) / $\sigma$",
+        "Spread of the batch mean",
+        xscale="log",
+        yscale="log",
+        xticks=bs,
+    )
     ax2.plot(fine, (fine - 1) / fine, color=PALETTE["black"], label=r"theory $(b-1)/b$")
     ax2.plot(bs, [s.biased_var_ratio for s in spreads], "o", color=NORM_COLORS["batch"], label="measured")
-    decorate(ax2, "micro-batch size b", r"E[$\hat\sigma^2_b$] / $\sigma^2$", "Biased batch variance",
-             xscale="log", xticks=bs)
+    decorate(
+        ax2, "micro-batch size b", r"E[$\hat\sigma^2_b$] / $\sigma^2$", "Biased batch variance", xscale="log", xticks=bs
+    )
     return fig
 
 
@@ -319,8 +375,15 @@ def plot_gradient_agreement(rows: dict[str, dict[int, float]]):
     for norm, by_b in rows.items():
         bs = sorted(b for b in by_b if by_b[b] > 0)
         ax.plot(bs, [by_b[b] for b in bs], marker=NORM_MARKERS[norm], color=NORM_COLORS[norm], label=f"{norm} norm")
-    decorate(ax, "micro-batch size b (K = 64 / b)", "relative error of the gradient",
-             "Accumulated vs full-batch gradient (float64)", xscale="log", yscale="log", xticks=bs)
+    decorate(
+        ax,
+        "micro-batch size b (K = 64 / b)",
+        "relative error of the gradient",
+        "Accumulated vs full-batch gradient (float64)",
+        xscale="log",
+        yscale="log",
+        xticks=bs,
+    )
     return fig
 
 
@@ -331,11 +394,21 @@ def plot_momentum_weights(m: float, k: int):
     j = np.arange(k)
     width = 0.27
     ax.bar(j - width, micro_batch_weights(m, k), width, color=PALETTE["vermillion"], label=f"m = {m} each update")
-    ax.bar(j, micro_batch_weights(corrected_momentum(m, k), k), width, color=PALETTE["blue"],
-           label=f"corrected m' = {corrected_momentum(m, k):.4f}")
+    ax.bar(
+        j,
+        micro_batch_weights(corrected_momentum(m, k), k),
+        width,
+        color=PALETTE["blue"],
+        label=f"corrected m' = {corrected_momentum(m, k):.4f}",
+    )
     ax.bar(j + width, np.full(k, m / k), width, color=PALETTE["green"], label="one full-batch update (m/K each)")
-    decorate(ax, "micro-batch j in the accumulation window", "weight in the running statistic",
-             f"Running statistics after one step, K = {k}", xticks=list(j))
+    decorate(
+        ax,
+        "micro-batch j in the accumulation window",
+        "weight in the running statistic",
+        f"Running statistics after one step, K = {k}",
+        xticks=list(j),
+    )
     return fig
 
 
@@ -348,12 +421,18 @@ def plot_fingerprint(table: dict[tuple[str, int], dict[str, float]], batch_size:
         mean = np.array([100 * table[norm, b]["acc"] for b in bs])
         lo = mean - [100 * table[norm, b]["acc_min"] for b in bs]
         hi = [100 * table[norm, b]["acc_max"] for b in bs] - mean
-        ax.errorbar(bs, mean, yerr=[lo, hi], marker=NORM_MARKERS[norm], color=NORM_COLORS[norm], capsize=3,
-                    label=f"{norm} norm")
+        ax.errorbar(
+            bs, mean, yerr=[lo, hi], marker=NORM_MARKERS[norm], color=NORM_COLORS[norm], capsize=3, label=f"{norm} norm"
+        )
     all_b = sorted({b for _, b in table})
-    decorate(ax, f"micro-batch size b (K = {batch_size} / b, one optimizer step per {batch_size} images)",
-             "validation accuracy (%)", "Digits, same batches and steps, only b changes", xscale="log",
-             xticks=all_b)
+    decorate(
+        ax,
+        f"micro-batch size b (K = {batch_size} / b, one optimizer step per {batch_size} images)",
+        "validation accuracy (%)",
+        "Digits, same batches and steps, only b changes",
+        xscale="log",
+        xticks=all_b,
+    )
     return fig
 
 
@@ -365,32 +444,50 @@ def plot_microbatch_effect(k: int, b: int, x: torch.Tensor, y: torch.Tensor):
     norms = list(effect.rel_error)
     ax1.bar(norms, [max(effect.rel_error[n], 1e-17) for n in norms], color=[NORM_COLORS[n] for n in norms])
     for i, n in enumerate(norms):
-        ax1.annotate(f"cos {effect.cosine[n]:.3f}", (i, max(effect.rel_error[n], 1e-17)), ha="center",
-                     va="bottom", fontsize=8)
-    decorate(ax1, "normalization", "relative gradient error", f"K = {k}, b = {b} vs one batch of {k * b}",
-             yscale="log")
+        ax1.annotate(
+            f"cos {effect.cosine[n]:.3f}", (i, max(effect.rel_error[n], 1e-17)), ha="center", va="bottom", fontsize=8
+        )
+    decorate(ax1, "normalization", "relative gradient error", f"K = {k}, b = {b} vs one batch of {k * b}", yscale="log")
     ax1.set_ylim(1e-17, 10)
     sizes = np.array([2, 4, 8, 16, 32, 64, 128])
     ax2.plot(sizes, np.sqrt(predicted_mean_variance(1.0, sizes, x.shape[0])), color=PALETTE["black"], label="theory")
     ax2.plot([b], [effect.rel_mean_std], "o", color=NORM_COLORS["batch"], label=f"measured at b = {b}")
-    decorate(ax2, "micro-batch size b", r"std($\hat\mu_b$) / $\sigma$", "Spread of BatchNorm's batch mean",
-             xscale="log", yscale="log", xticks=sizes)
+    decorate(
+        ax2,
+        "micro-batch size b",
+        r"std($\hat\mu_b$) / $\sigma$",
+        "Spread of BatchNorm's batch mean",
+        xscale="log",
+        yscale="log",
+        xticks=sizes,
+    )
     return fig
 
 
-def bn_error_grid(ks: tuple[int, ...], bs: tuple[int, ...], x: torch.Tensor, y: torch.Tensor,
-                  seed: int = 0) -> np.ndarray:
+def bn_error_grid(
+    ks: tuple[int, ...], bs: tuple[int, ...], x: torch.Tensor, y: torch.Tensor, seed: int = 0
+) -> np.ndarray:
     """BatchNorm's relative gradient error for every (K, b) in the grid, on the SmallCNN initialized with
     ``seed``; rows are K, columns b."""
-    return np.array([[microbatch_effect(k, b, x, y, norms=("batch",), seed=seed).rel_error["batch"] for b in bs]
-                     for k in ks])
+    return np.array(
+        [[microbatch_effect(k, b, x, y, norms=("batch",), seed=seed).rel_error["batch"] for b in bs] for k in ks]
+    )
 
 
 def plot_bn_error_grid(grid: np.ndarray, ks: tuple[int, ...], bs: tuple[int, ...]):
     """Heat map of :func:`bn_error_grid`, each cell labelled with its value."""
 
     fig, (ax,) = figure(1, 6.4, 4.0)
-    image = heatmap(ax, grid, ks, bs, vmin=0.0, aspect="equal", xlabel="micro-batch size b",
-                    ylabel="accumulation steps K", title="BatchNorm: relative error of the accumulated gradient")
+    image = heatmap(
+        ax,
+        grid,
+        ks,
+        bs,
+        vmin=0.0,
+        aspect="equal",
+        xlabel="micro-batch size b",
+        ylabel="accumulation steps K",
+        title="BatchNorm: relative error of the accumulated gradient",
+    )
     fig.colorbar(image, ax=ax, label="‖g_acc − g_full‖ / ‖g_full‖")
     return fig

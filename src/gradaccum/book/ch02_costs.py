@@ -40,12 +40,19 @@ class StepCost:
 
 
 #: The methods :func:`step_functions` can time, in the order of the cost table.
-STEP_METHODS = ("full batch", "plain accumulation", "ghost BN, 1 update/step", "full-batch stats",
-                "exact full-batch stats", "exact, cached")
+STEP_METHODS = (
+    "full batch",
+    "plain accumulation",
+    "ghost BN, 1 update/step",
+    "full-batch stats",
+    "exact full-batch stats",
+    "exact, cached",
+)
 
 
-def step_functions(x: torch.Tensor, y: torch.Tensor, k: int, methods: Sequence[str] = STEP_METHODS,
-                   dtype: torch.dtype = torch.float64) -> tuple[dict[str, Callable[[], object]], dict[str, list[int]]]:
+def step_functions(
+    x: torch.Tensor, y: torch.Tensor, k: int, methods: Sequence[str] = STEP_METHODS, dtype: torch.dtype = torch.float64
+) -> tuple[dict[str, Callable[[], object]], dict[str, list[int]]]:
     """One optimizer step's gradient of each method on the batch ``x, y`` (a fresh SmallCNN each, seed 0), as a
     function of no arguments, and a counter of the model's forward calls per method (a forward pre-hook)."""
     require_k(k)
@@ -79,8 +86,9 @@ def step_functions(x: torch.Tensor, y: torch.Tensor, k: int, methods: Sequence[s
     return steps, counts
 
 
-def step_costs(split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: int = 7,
-               methods: Sequence[str] = STEP_METHODS) -> list[StepCost]:
+def step_costs(
+    split: DigitsSplit, k: int = 16, batch_size: int = 64, repeat: int = 7, methods: Sequence[str] = STEP_METHODS
+) -> list[StepCost]:
     """Count the passes and time one optimizer step of each method on the same batch (SmallCNN, float64).
     "exact, cached" is the exact scheme with ``cache=True``: its stages call the layers, not the model, which it
     calls once (to learn whether the forward draws random numbers).
@@ -116,7 +124,12 @@ def precise_bn_cost(split: DigitsSplit, b: int = 4, k: int = 16, repeat: int = 5
 
     times = interleaved_times(
         {"plain step": plain, "PreciseBN pass": lambda: precise_bn(recompute, split.x_train, b)},
-        x.device, repeat=repeat, warmup=1, clock="auto", statistic="min")
+        x.device,
+        repeat=repeat,
+        warmup=1,
+        clock="auto",
+        statistic="min",
+    )
     return times["PreciseBN pass"] / times["plain step"]
 
 
@@ -159,6 +172,7 @@ def benchmark_table(bench: dict[str, Any]) -> Table:
             return "—"
         return f"{ratio:.2f}× ({auto[shape]})" if name == "GhostBatchNorm default" else f"{ratio:.2f}×"
 
-    return Table(["forward + backward", *shapes], [[n.replace("BatchNorm2d", "BatchNorm"), *(cell(s, n)
-                                                                                           for s in shapes)]
-                                                   for n in names])
+    return Table(
+        ["forward + backward", *shapes],
+        [[n.replace("BatchNorm2d", "BatchNorm"), *(cell(s, n) for s in shapes)] for n in names],
+    )

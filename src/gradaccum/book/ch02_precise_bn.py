@@ -37,8 +37,9 @@ def _running_stats(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return cast(torch.Tensor, layer.running_mean), cast(torch.Tensor, layer.running_var)
 
 
-def precise_bn_size_effect(model: nn.Module, x: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
-                           small: int, large: int) -> PreciseBNSizeEffect:
+def precise_bn_size_effect(
+    model: nn.Module, x: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, small: int, large: int
+) -> PreciseBNSizeEffect:
     """Run PreciseBN on two copies of ``model``, in batches of ``small`` and of ``large``, and compare.
 
     ``update_bn`` averages what BatchNorm stores per batch — the mean and the *unbiased* variance — so at the

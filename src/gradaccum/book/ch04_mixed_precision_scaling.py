@@ -2,6 +2,7 @@
 
 The book layer over :mod:`gradaccum.precision` (the torch-only tools the chapter derives).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,9 @@ from gradaccum.precision import (
 )
 
 
-def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int],
-              dtype: torch.dtype = torch.float16) -> dict[str, np.ndarray]:
+def loss_grid(
+    values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int], dtype: torch.dtype = torch.float16
+) -> dict[str, np.ndarray]:
     """Fractions lost (underflow + subnormal) and overflowed over S = 2^s (rows) × K (columns), for gradients
     computed with K = 1 (with K micro-batches of the same size, every gradient is divided by K)."""
     lost = np.zeros((len(log2_scales), len(ks)))
@@ -41,8 +43,9 @@ def loss_grid(values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int
     return {"lost": lost, "overflow": over}
 
 
-def recipe_errors(split: DigitsSplit, loss_fn, seeds: Sequence[int], starts: Sequence[int], k: int = 4,
-                  batch: int = 64) -> dict[tuple[int, int], tuple[float, float, float]]:
+def recipe_errors(
+    split: DigitsSplit, loss_fn, seeds: Sequence[int], starts: Sequence[int], k: int = 4, batch: int = 64
+) -> dict[tuple[int, int], tuple[float, float, float]]:
     """For each seed (of the GroupNorm CNN) and each batch ``split.x_train[start:start + batch]``: the relative
     error against the fp32 full-batch gradient of (the fp16 recipe with K micro-batches, one fp16 window of the
     whole batch (K = 1), the same K micro-batches without a scaler)."""
@@ -51,19 +54,29 @@ def recipe_errors(split: DigitsSplit, loss_fn, seeds: Sequence[int], starts: Seq
         model = make_cnn("group", seed=seed, dtype=torch.float32, device=split.x_train.device)
         for start in starts:
             if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(split.x_train) - batch:
-                raise ValueError(f"start {start!r} leaves no full batch of {batch} among the "
-                                 f"{len(split.x_train)} training images; use 0 to {len(split.x_train) - batch}.")
-            x, y = split.x_train[start:start + batch].float(), split.y_train[start:start + batch]
+                raise ValueError(
+                    f"start {start!r} leaves no full batch of {batch} among the "
+                    f"{len(split.x_train)} training images; use 0 to {len(split.x_train) - batch}."
+                )
+            x, y = split.x_train[start : start + batch].float(), split.y_train[start : start + batch]
             ref = reference_gradient(model, loss_fn, x, y)
-            runs = (amp_window(model, loss_fn, x, y, k=k), amp_window(model, loss_fn, x, y, k=1),
-                    amp_window(model, loss_fn, x, y, k=k, pattern="no_scaler"))
+            runs = (
+                amp_window(model, loss_fn, x, y, k=k),
+                amp_window(model, loss_fn, x, y, k=1),
+                amp_window(model, loss_fn, x, y, k=k, pattern="no_scaler"),
+            )
             errors = tuple(agreement(ref, r.update).rel_error for r in runs)
             out[seed, start] = (errors[0], errors[1], errors[2])
     return out
 
 
-def edge_prediction_gaps(split: DigitsSplit, norm: Literal["batch", "group", "layer", "none"], seeds: Sequence[int],
-                         starts: Sequence[int] = (0, 64, 128), k: int = 4) -> list[int]:
+def edge_prediction_gaps(
+    split: DigitsSplit,
+    norm: Literal["batch", "group", "layer", "none"],
+    seeds: Sequence[int],
+    starts: Sequence[int] = (0, 64, 128),
+    k: int = 4,
+) -> list[int]:
     """On the CPU, for each seed (a fresh float32 digits CNN with ``norm``) and each batch of 64 training images
     from ``starts``: the predicted fp16 edge of S/K (the larger of the kernels' parameter gradients and the
     layer-output gradients, :func:`gradaccum.precision.largest_fitting_log2`) minus the measured one
@@ -77,12 +90,13 @@ def edge_prediction_gaps(split: DigitsSplit, norm: Literal["batch", "group", "la
     gaps = []
     for seed in seeds:
         for start in starts:
-            x, y = split.x_train[start:start + 64].float().cpu(), split.y_train[start:start + 64].cpu()
+            x, y = split.x_train[start : start + 64].float().cpu(), split.y_train[start : start + 64].cpu()
             model = make_cnn(norm, seed=seed, dtype=torch.float32, device=x.device)
             measured = largest_safe_log2_scale(model, loss_fn, x, y, k) - int(math.log2(k))
             w = largest_fitting_log2(kernel_gradients(model, loss_fn, x, y, k))
-            a = largest_fitting_log2(torch.cat([activation_gradients(model, loss_fn, xb, yb)
-                                                for xb, yb in zip(x.chunk(k), y.chunk(k))]))
+            a = largest_fitting_log2(
+                torch.cat([activation_gradients(model, loss_fn, xb, yb) for xb, yb in zip(x.chunk(k), y.chunk(k))])
+            )
             gaps.append(min(w, a) - measured)
     return gaps
 
@@ -104,11 +118,23 @@ def plot_formats(values_by_k: dict[int, torch.Tensor]):
     bins = np.arange(-34, 8, 0.5)
     for color, (k, v) in zip(colors, values_by_k.items()):
         logs = v[v != 0].abs().double().log2().cpu().numpy()
-        ax2.hist(logs, bins=bins,  # type: ignore[arg-type]  # stub wants a Sequence; hist takes any array
-                 histtype="step", color=color, linewidth=1.5, density=True, label=f"K = {k}")
+        ax2.hist(
+            logs,
+            bins=bins,  # type: ignore[arg-type]  # stub wants a Sequence; hist takes any array
+            histtype="step",
+            color=color,
+            linewidth=1.5,
+            density=True,
+            label=f"K = {k}",
+        )
     ax2.axvspan(bins[0], math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="fp16: zero")
-    ax2.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
-                alpha=0.2, label="fp16: subnormal")
+    ax2.axvspan(
+        math.log2(f16.smallest_subnormal),
+        math.log2(f16.smallest_normal),
+        color=PALETTE["orange"],
+        alpha=0.2,
+        label="fp16: subnormal",
+    )
     decorate(ax2, "log2 |activation gradient| (loss / K, no scale)", "density", "Real gradients vs fp16")
     ax2.legend(frameon=False, fontsize=7)
     return fig
@@ -119,8 +145,18 @@ def plot_loss_grid(grid: dict[str, np.ndarray], log2_scales: Sequence[int], ks: 
 
     fig, axes = figure(2, 9.6, 3.8)
     for ax, (key, title) in zip(axes, (("lost", "lost to underflow or subnormals"), ("overflow", "overflowed"))):
-        image = heatmap(ax, grid[key], [f"2^{s}" for s in log2_scales], ks, fmt="{:.3f}", vmin=0.0, vmax=1.0,
-                        xlabel="K (micro-batch size fixed)", ylabel="loss scale S", title=f"fp16: fraction {title}")
+        image = heatmap(
+            ax,
+            grid[key],
+            [f"2^{s}" for s in log2_scales],
+            ks,
+            fmt="{:.3f}",
+            vmin=0.0,
+            vmax=1.0,
+            xlabel="K (micro-batch size fixed)",
+            ylabel="loss scale S",
+            title=f"fp16: fraction {title}",
+        )
     fig.colorbar(image, ax=axes, shrink=0.9, label="fraction of the gradients")
     return fig
 
@@ -139,15 +175,29 @@ def plot_cast(values: torch.Tensor, log2_scale: float, k: int, shift: float = 0.
     f16 = format_info(torch.float16)
     logs = (shifted[shifted != 0].abs().double() * scale).log2().cpu().numpy()
     fig, (ax,) = figure(1, 7.2, 3.4)
-    ax.hist(logs, bins=np.arange(-45, 40, 0.5), histtype="stepfilled",  # type: ignore[arg-type]  # an array works
-            color=PALETTE["blue"], density=True)
+    ax.hist(
+        logs,
+        bins=np.arange(-45, 40, 0.5),  # type: ignore[arg-type]  # an array works
+        histtype="stepfilled",
+        color=PALETTE["blue"],
+        density=True,
+    )
     ax.axvspan(-45, math.log2(f16.smallest_subnormal), color="grey", alpha=0.3, label="→ 0")
-    ax.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color=PALETTE["orange"],
-               alpha=0.3, label="subnormal")
+    ax.axvspan(
+        math.log2(f16.smallest_subnormal),
+        math.log2(f16.smallest_normal),
+        color=PALETTE["orange"],
+        alpha=0.3,
+        label="subnormal",
+    )
     ax.axvspan(math.log2(f16.max), 40, color=PALETTE["vermillion"], alpha=0.3, label="→ inf")
-    decorate(ax, "log2 |S/K · g| in the backward pass", "density",
-             f"S/K = 2^{log2_scale:g}/{k}: underflow {report.underflow:.1%}, subnormal {report.subnormal:.1%}, "
-             f"overflow {report.overflow:.1%}")
+    decorate(
+        ax,
+        "log2 |S/K · g| in the backward pass",
+        "density",
+        f"S/K = 2^{log2_scale:g}/{k}: underflow {report.underflow:.1%}, subnormal {report.subnormal:.1%}, "
+        f"overflow {report.overflow:.1%}",
+    )
     ax.legend(frameon=False, fontsize=8)
     return fig
 
@@ -159,10 +209,18 @@ def plot_accumulation_error(ks: Sequence[int], errors: dict[str, Sequence[float]
         ax.plot(ks, [max(e, 1e-16) for e in errs], marker=marker, color=color, label=f"{name} accumulator")
     # a log axis cannot show 0: an exact sum (K = 1, or fp32 here) is drawn at 1e-16, and says so
     ax.axhline(1e-16, color="grey", linewidth=0.6, linestyle=":")
-    ax.annotate("exactly 0 is drawn here", (ks[0], 1e-16), xytext=(0, 4), textcoords="offset points", fontsize=7,
-                color="grey")
-    decorate(ax, "micro-batches K", "relative error of the sum", "Summing bf16 micro-gradients",
-             xscale="log", yscale="log", xticks=ks)
+    ax.annotate(
+        "exactly 0 is drawn here", (ks[0], 1e-16), xytext=(0, 4), textcoords="offset points", fontsize=7, color="grey"
+    )
+    decorate(
+        ax,
+        "micro-batches K",
+        "relative error of the sum",
+        "Summing bf16 micro-gradients",
+        xscale="log",
+        yscale="log",
+        xticks=ks,
+    )
     return fig
 
 

@@ -38,18 +38,27 @@ def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float], p: int) -> Inte
         require_positive(n, "each message size (bytes)")
     for t in seconds:
         require_positive(t, "each measured time (seconds)")
-    if len(set(sizes_bytes)) < 2 or len(sizes_bytes) != len(seconds) or isinstance(p, bool) or not isinstance(p, int) \
-            or p < 2:
-        raise ValueError("need one time per message size, at least two different sizes, and an int p >= 2 to fit "
-                         "latency and bandwidth.")
+    if (
+        len(set(sizes_bytes)) < 2
+        or len(sizes_bytes) != len(seconds)
+        or isinstance(p, bool)
+        or not isinstance(p, int)
+        or p < 2
+    ):
+        raise ValueError(
+            "need one time per message size, at least two different sizes, and an int p >= 2 to fit "
+            "latency and bandwidth."
+        )
     volume = 2.0 * (p - 1) / p * np.array(sizes_bytes, float)
     a = np.column_stack([np.full(len(sizes_bytes), 2.0 * (p - 1)), volume])
     (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.array(seconds, float), rcond=None)
     if alpha < 0:  # latency 0, bandwidth refitted through the origin
         alpha, inv_beta = 0.0, float(volume @ np.array(seconds, float) / (volume @ volume))
     if not inv_beta > 0:
-        raise ValueError("the measured times do not grow with the message size, so no positive bandwidth fits "
-                         "them: time larger messages, or rerun on a quieter machine.")
+        raise ValueError(
+            "the measured times do not grow with the message size, so no positive bandwidth fits "
+            "them: time larger messages, or rerun on a quieter machine."
+        )
     return Interconnect("measured", 1.0 / float(inv_beta), float(alpha), "fit")
 
 
@@ -64,8 +73,10 @@ def savings_grid(params: int, ks: list[int], ps: list[int], link: Interconnect, 
     if len(ks) == 0 or len(ps) == 0:  # len: a NumPy array has no truth value
         raise ValueError(f"pass at least one K and one p, got ks={list(ks)!r} and ps={list(ps)!r}.")
     if 1 in ps and micro_compute == 0:
-        raise ValueError("with p = 1 and micro_compute = 0 a step takes no time, so the share saved is undefined: "
-                         "give micro_compute > 0 (seconds per micro-batch) or use p >= 2.")
+        raise ValueError(
+            "with p = 1 and micro_compute = 0 a step takes no time, so the share saved is undefined: "
+            "give micro_compute > 0 (seconds per micro-batch) or use p >= 2."
+        )
     preds = [[predict_step(params, k, p, link, micro_compute) for p in ps] for k in ks]
     return np.array([[pred.saving / pred.with_sync for pred in row] for row in preds])
 
@@ -137,11 +148,22 @@ def analyse_timing(result: dict[str, Any], p: int) -> TimingFit:
 
 
 def format_timing(fit: TimingFit) -> Table:
-    caption = (f"gloo on loopback: latency α ≈ {format_seconds(fit.link.latency)}, bandwidth β ≈ "
-               f"{fit.link.bandwidth / 1e9:.2f} GB/s; copy ≈ {fit.copy_bandwidth / 1e9:.1f} GB/s")
-    rows = [[f"{params:,}", k, format_seconds(sync), format_seconds(nosync), format_seconds(meas),
-             format_seconds(pred) if k > 1 else "0", f"{pred / meas:.2f}" if k > 1 and meas > 0 else ""]
-            for _, params, k, sync, nosync, meas, pred in fit.rows]
+    caption = (
+        f"gloo on loopback: latency α ≈ {format_seconds(fit.link.latency)}, bandwidth β ≈ "
+        f"{fit.link.bandwidth / 1e9:.2f} GB/s; copy ≈ {fit.copy_bandwidth / 1e9:.1f} GB/s"
+    )
+    rows = [
+        [
+            f"{params:,}",
+            k,
+            format_seconds(sync),
+            format_seconds(nosync),
+            format_seconds(meas),
+            format_seconds(pred) if k > 1 else "0",
+            f"{pred / meas:.2f}" if k > 1 and meas > 0 else "",
+        ]
+        for _, params, k, sync, nosync, meas, pred in fit.rows
+    ]
     return Table(["params", "K", "sync", "no_sync", "saved", "predicted", "ratio"], rows, caption=caption)
 
 
@@ -160,8 +182,14 @@ def plot_timing(fit: TimingFit):
     line = np.array([0.1, top])
     ax.plot(line, line, color="black", linewidth=1, label="measured = predicted")
     ax.fill_between(line, 0.75 * line, 1.25 * line, color="grey", alpha=0.2, label="±25%")
-    decorate(ax, "predicted saving per step (ms)", "measured saving per step (ms)",
-             "no_sync on gloo, 2 processes", xscale="log", yscale="log")
+    decorate(
+        ax,
+        "predicted saving per step (ms)",
+        "measured saving per step (ms)",
+        "no_sync on gloo, 2 processes",
+        xscale="log",
+        yscale="log",
+    )
     ax.legend(frameon=False, fontsize=8)
     return fig
 
@@ -176,35 +204,60 @@ def plot_prediction(params_millions: float, k: int, p: int, preset: str, micro_c
     require_count(p, "p (the number of GPUs)")
     require_nonnegative(micro_compute_ms, "micro_compute_ms")
     if p == 1 and micro_compute_ms == 0:
-        raise ValueError("with p = 1 and no compute a step takes no time, so the share saved is undefined: give "
-                         "micro_compute_ms > 0 or use p >= 2.")
+        raise ValueError(
+            "with p = 1 and no compute a step takes no time, so the share saved is undefined: give "
+            "micro_compute_ms > 0 or use p >= 2."
+        )
     if preset.startswith("NVLink") and p > 8:
-        raise ValueError(f"NVLink connects the GPUs of one node (up to 8 here); {p} GPUs span several nodes and "
-                         "talk over the network: pick p ≤ 8, or InfiniBand or Ethernet.")
+        raise ValueError(
+            f"NVLink connects the GPUs of one node (up to 8 here); {p} GPUs span several nodes and "
+            "talk over the network: pick p ≤ 8, or InfiniBand or Ethernet."
+        )
     pred = predict_step(int(params_millions * 1e6), k, p, PRESETS[preset], micro_compute_ms / 1e3, bytes_per_param=4)
     fig, (ax,) = figure(1, 7.2, 3.2)
     names = ["all-reduce every micro-batch", "no_sync (one all-reduce)"]
     comm = [pred.with_sync - pred.compute, pred.with_no_sync - pred.compute]
     ax.barh(names, [1e3 * pred.compute] * 2, color=PALETTE["sky"], label="compute")
-    ax.barh(names, [1e3 * c for c in comm], left=[1e3 * pred.compute] * 2, color=PALETTE["vermillion"],
-            label="communication")
+    ax.barh(
+        names,
+        [1e3 * c for c in comm],
+        left=[1e3 * pred.compute] * 2,
+        color=PALETTE["vermillion"],
+        label="communication",
+    )
     # the title on two lines (one did not fit the figure), the legend below the axes (it covered the bars)
-    decorate(ax, "predicted time per optimizer step (ms)", "",
-             f"{params_millions:g}M fp32 gradients, {p} GPUs, {preset}\n"
-             f"no_sync saves {pred.saving / pred.with_sync:.0%} of the step", legend=False)
+    decorate(
+        ax,
+        "predicted time per optimizer step (ms)",
+        "",
+        f"{params_millions:g}M fp32 gradients, {p} GPUs, {preset}\n"
+        f"no_sync saves {pred.saving / pred.with_sync:.0%} of the step",
+        legend=False,
+    )
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
     return fig
 
 
-def plot_savings_grid(params: int, ks: list[int], ps: list[int] | dict[str, list[int]], micro_compute: float,
-                      presets: list[str]):
+def plot_savings_grid(
+    params: int, ks: list[int], ps: list[int] | dict[str, list[int]], micro_compute: float, presets: list[str]
+):
     """Predicted fraction of step time saved by no_sync over K × p, one panel per interconnect; ``ps`` is one list
     of GPU counts for every panel, or a dict giving each interconnect its own (NVLink: one 8-GPU node)."""
 
     fig, axes = figure(len(presets), 4.8 * len(presets), 3.6)
     for ax, name in zip(axes, presets):
         cols = ps[name] if isinstance(ps, dict) else ps
-        image = heatmap(ax, savings_grid(params, ks, cols, PRESETS[name], micro_compute), ks, cols, fmt="{:.0%}",
-                        vmin=0.0, vmax=1.0, xlabel="GPUs p", ylabel="K", title=name)
+        image = heatmap(
+            ax,
+            savings_grid(params, ks, cols, PRESETS[name], micro_compute),
+            ks,
+            cols,
+            fmt="{:.0%}",
+            vmin=0.0,
+            vmax=1.0,
+            xlabel="GPUs p",
+            ylabel="K",
+            title=name,
+        )
     fig.colorbar(image, ax=axes, label="share of step time saved", shrink=0.9)
     return fig

@@ -3,6 +3,7 @@ model's training and the figures.
 
 The book layer over :mod:`gradaccum.windows` (the torch-only tools the chapter derives).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -47,8 +48,9 @@ class DropoutComparison:
     draws: int
 
 
-def compare_dropout(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, k: int, draws: int = 200,
-                    seed: int = 0) -> DropoutComparison:
+def compare_dropout(
+    model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, k: int, draws: int = 200, seed: int = 0
+) -> DropoutComparison:
     """Compare full-batch and K-micro-batch gradients under dropout: one seed, independent seeds, and the means
     over ``draws`` independent seeds each (full batch: seeds ``seed + 1 …``; accumulated: ``seed + 1 + draws …``)."""
     require_k(k)
@@ -64,12 +66,23 @@ def compare_dropout(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
 
 
 #: learning rates of :func:`partial_step_study`'s two set-ups, per optimizer
-STUDY_LR = {"CNN, digits": {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3, "adam_beta1_0": 1e-3},
-            "char LM": {"sgd": 0.5, "momentum": 0.1, "adam": 1e-2, "adam_beta1_0": 1e-2}}
+STUDY_LR = {
+    "CNN, digits": {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3, "adam_beta1_0": 1e-3},
+    "char LM": {"sgd": 0.5, "momentum": 0.1, "adam": 1e-2, "adam_beta1_0": 1e-2},
+}
 
 
-def partial_step_run(setup: str, optimizer: OptimizerName, warm: int, seed: int, x: torch.Tensor, y: torch.Tensor,
-                     vocab: Vocab, k: int = 8, present: int = 3) -> float:
+def partial_step_run(
+    setup: str,
+    optimizer: OptimizerName,
+    warm: int,
+    seed: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    vocab: Vocab,
+    k: int = 8,
+    present: int = 3,
+) -> float:
     """One value of :func:`partial_step_study`: :func:`partial_step_ratio` for the set-up named ``setup``
     (``"CNN, digits"``: ``x``, ``y`` are images and labels; ``"char LM"``: encoded lines and their targets)."""
     if setup not in STUDY_LR:
@@ -80,14 +93,23 @@ def partial_step_run(setup: str, optimizer: OptimizerName, warm: int, seed: int,
         model, loss_fn, b = make_cnn("group", seed=seed), nn.CrossEntropyLoss(), 8
     else:
         model, loss_fn, b = make_lm(vocab, seed=seed), token_loss, 2
-    return partial_step_ratio(model, loss_fn, x, y, b, k, present, optimizer, STUDY_LR[setup][optimizer], warm,
-                              seed=seed)
+    return partial_step_ratio(
+        model, loss_fn, x, y, b, k, present, optimizer, STUDY_LR[setup][optimizer], warm, seed=seed
+    )
 
 
-def partial_step_study(x_digits: torch.Tensor, y_digits: torch.Tensor, lines: Sequence[str], vocab: Vocab,
-                       seeds: Sequence[int] = (0, 1, 2), warm: Sequence[int] = (0, 10), k: int = 8,
-                       present: int = 3, optimizers: Sequence[OptimizerName] = ("sgd", "momentum", "adam"),
-                       workers: int = 1) -> dict[tuple[str, str, int], list[float]]:
+def partial_step_study(
+    x_digits: torch.Tensor,
+    y_digits: torch.Tensor,
+    lines: Sequence[str],
+    vocab: Vocab,
+    seeds: Sequence[int] = (0, 1, 2),
+    warm: Sequence[int] = (0, 10),
+    k: int = 8,
+    present: int = 3,
+    optimizers: Sequence[OptimizerName] = ("sgd", "momentum", "adam"),
+    workers: int = 1,
+) -> dict[tuple[str, str, int], list[float]]:
     """:func:`partial_step_ratio` for two set-ups — the book's GroupNorm ``SmallCNN`` on the digits (micro-batches
     of 8 images) and the character LM on the corpus (micro-batches of 2 lines, token-mean loss) — with plain SGD,
     SGD with momentum 0.9 and Adam (learning rates :data:`STUDY_LR`), after each number of ``warm`` windows, one
@@ -99,14 +121,28 @@ def partial_step_study(x_digits: torch.Tensor, y_digits: torch.Tensor, lines: Se
     lm_x, lm_y = encode_batch(lines, vocab)
     data = {"CNN, digits": (x_digits, y_digits), "char LM": (lm_x, lm_y)}
     keys = [(name, opt, w) for name in STUDY_LR for opt in optimizers for w in warm]
-    jobs = [dict(setup=name, optimizer=opt, warm=w, seed=sd, x=data[name][0], y=data[name][1], vocab=vocab, k=k,
-                 present=present) for name, opt, w in keys for sd in seeds]
+    jobs = [
+        dict(
+            setup=name,
+            optimizer=opt,
+            warm=w,
+            seed=sd,
+            x=data[name][0],
+            y=data[name][1],
+            vocab=vocab,
+            k=k,
+            present=present,
+        )
+        for name, opt, w in keys
+        for sd in seeds
+    ]
     ratios = iter(run_jobs(partial_step_run, jobs, workers))
     return {key: [next(ratios) for _ in seeds] for key in keys}
 
 
-def train_lm(model: nn.Module, lines: Sequence[str], vocab: Vocab, steps: int = 150, k: int = 4,
-             lr: float = 0.01, seed: int = 0) -> list[float]:
+def train_lm(
+    model: nn.Module, lines: Sequence[str], vocab: Vocab, steps: int = 150, k: int = 4, lr: float = 0.01, seed: int = 0
+) -> list[float]:
     """Train the tiny LM in place with Adam on random batches of 16 lines (K micro-batches, window-token
     normalization); returns the window losses."""
     x_all, y_all = encode_batch(lines, vocab)
@@ -121,8 +157,17 @@ def train_lm(model: nn.Module, lines: Sequence[str], vocab: Vocab, steps: int = 
     return losses
 
 
-def token_error(model: nn.Module, lines: Sequence[str], vocab: Vocab, k: int, spread: int, sort: bool,
-                n: int = 32, center: int = 50, seed: int = 1) -> float:
+def token_error(
+    model: nn.Module,
+    lines: Sequence[str],
+    vocab: Vocab,
+    k: int,
+    spread: int,
+    sort: bool,
+    n: int = 32,
+    center: int = 50,
+    seed: int = 1,
+) -> float:
     """Relative error of the mean-of-means gradient against the token-mean gradient for one batch of n lines."""
     if n % k:
         raise ValueError(f"K = {k} must divide the batch of {n} lines.")
@@ -132,8 +177,9 @@ def token_error(model: nn.Module, lines: Sequence[str], vocab: Vocab, k: int, sp
     return relative_error(g, ref)
 
 
-def token_error_grid(model: nn.Module, lines: Sequence[str], vocab: Vocab, ks: Sequence[int],
-                     spreads: Sequence[int], sort: bool = True) -> np.ndarray:
+def token_error_grid(
+    model: nn.Module, lines: Sequence[str], vocab: Vocab, ks: Sequence[int], spreads: Sequence[int], sort: bool = True
+) -> np.ndarray:
     return np.array([[token_error(model, lines, vocab, k, s, sort) for s in spreads] for k in ks])
 
 
@@ -143,8 +189,12 @@ def plot_token_error(spreads: Sequence[int], random: Sequence[float], grouped: S
     ax.plot(spreads, grouped, "o-", color=PALETTE["vermillion"], label="length-grouped micro-batches")
     ax.plot(spreads, random, "s-", color=PALETTE["blue"], label="random micro-batches")
     ax.axhline(0, color="black", linewidth=1)
-    decorate(ax, "spread of sequence lengths (± characters around 50)", "relative gradient error",
-             "Mean of per-micro-batch means vs token mean (K = 4)")
+    decorate(
+        ax,
+        "spread of sequence lengths (± characters around 50)",
+        "relative gradient error",
+        "Mean of per-micro-batch means vs token mean (K = 4)",
+    )
     return fig
 
 
@@ -162,8 +212,17 @@ def plot_token_grid(grid: np.ndarray, ks: Sequence[int], spreads: Sequence[int])
     """Heat map of :func:`token_error_grid`."""
 
     fig, (ax,) = figure(1, 6.4, 4.0)
-    image = heatmap(ax, grid, ks, spreads, vmin=0.0, aspect="equal", xlabel="spread of lengths (±)", ylabel="K",
-                    title="Mean of means vs token mean, length-grouped")
+    image = heatmap(
+        ax,
+        grid,
+        ks,
+        spreads,
+        vmin=0.0,
+        aspect="equal",
+        xlabel="spread of lengths (±)",
+        ylabel="K",
+        title="Mean of means vs token mean, length-grouped",
+    )
     fig.colorbar(image, ax=ax, label="relative gradient error")
     return fig
 

@@ -118,12 +118,13 @@ def _fp16_on_the_cpu(framework: str, xs: torch.Tensor, ys: torch.Tensor, k: int,
     return "runs bf16-mixed instead" if harness.relative_error(half, bf16.grads[0]) == 0 else "fp16"
 
 
-def measure(framework: str, x: torch.Tensor, y: torch.Tensor, lm_x: torch.Tensor, lm_y: torch.Tensor,
-            vocab: Vocab, k: int = K) -> Single:
+def measure(
+    framework: str, x: torch.Tensor, y: torch.Tensor, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K
+) -> Single:
     """All single-process measurements of one framework (digits ``x, y``: at least ``k · 8 + k · 4`` samples)."""
     ce = nn.CrossEntropyLoss()
     b = 8
-    xs, ys = x[:k * b], y[:k * b]
+    xs, ys = x[: k * b], y[: k * b]
     full = harness.full_gradient(digits_mlp(), ce, xs, ys)
 
     basic = fw.run(framework, digits_mlp(), ce, fw.split(xs, ys, k), k)
@@ -185,9 +186,14 @@ def causal_lm_labels(lm_x: torch.Tensor, lm_y: torch.Tensor) -> torch.Tensor:
 
 
 #: The Transformers classes :func:`builtin_classifier_step` trains, by ``kind``.
-HEADS = {"bert": "BertForSequenceClassification", "llama": "LlamaForSequenceClassification",
-         "bert-token": "BertForTokenClassification", "bert-mlm": "BertForMaskedLM",
-         "vit": "ViTForImageClassification", "vit-regression": "ViTForImageClassification, regression"}
+HEADS = {
+    "bert": "BertForSequenceClassification",
+    "llama": "LlamaForSequenceClassification",
+    "bert-token": "BertForTokenClassification",
+    "bert-mlm": "BertForMaskedLM",
+    "vit": "ViTForImageClassification",
+    "vit-regression": "ViTForImageClassification, regression",
+}
 
 
 @dataclass
@@ -202,15 +208,17 @@ def _builtin_step(run: fw.Run, full: torch.Tensor) -> BuiltinStep:
     return BuiltinStep(harness.relative_error(run.grads[0], full), harness.step_factor(run.grads[0], full))
 
 
-def builtin_lm_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K,
-                    loss_type: str | None = None) -> BuiltinStep:
+def builtin_lm_step(
+    kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K, loss_type: str | None = None
+) -> BuiltinStep:
     """The Trainer on a one-layer ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` built from a config, padded lines,
     ``k`` micro-batches: what its ``num_items_in_batch`` makes of the model's own (shifted) token loss.
     ``loss_type`` (e.g. ``"ForCausalLM"``) is set on the model before the Trainer is built (the fix for a model
     whose class name matches none of the library's losses)."""
     if loss_type is not None and not isinstance(loss_type, str):
-        raise ValueError(f"loss_type must be None or the name of a Transformers loss such as 'ForCausalLM', got "
-                         f"{loss_type!r}.")
+        raise ValueError(
+            f"loss_type must be None or the name of a Transformers loss such as 'ForCausalLM', got {loss_type!r}."
+        )
     labels = causal_lm_labels(lm_x, lm_y)
     model = harness.tiny_causal_lm(kind, vocab.size, lm_x.shape[1])
     if loss_type is not None:
@@ -218,9 +226,16 @@ def builtin_lm_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vo
     return _builtin_step(*harness.trainer_on_causal_lm(model, lm_x, labels, k))
 
 
-def builtin_classifier_step(kind: str, lm_x: torch.Tensor, lm_y: torch.Tensor, vocab: Vocab, k: int = K,
-                            opt_out: bool = False, loss_func: str | None = None,
-                            scaled_for_ga: bool | None = None) -> BuiltinStep:
+def builtin_classifier_step(
+    kind: str,
+    lm_x: torch.Tensor,
+    lm_y: torch.Tensor,
+    vocab: Vocab,
+    k: int = K,
+    opt_out: bool = False,
+    loss_func: str | None = None,
+    scaled_for_ga: bool | None = None,
+) -> BuiltinStep:
     """The Trainer on a one-layer Transformers classifier built from a config
     (:func:`ch07_harness.tiny_classifier`: ``"bert"`` or ``"llama"`` label sequences, ``"bert-token"`` and
     ``"bert-mlm"`` tokens), :func:`lm_batch`'s lines as inputs, ``k`` micro-batches. A sequence's class is ``i % 3``
@@ -288,7 +303,7 @@ def bf16_full_batch_error(x: torch.Tensor, y: torch.Tensor, k: int = K) -> float
     the first K·8 samples)."""
     _require_slices(x, (0,), require_k(k) * 8)
     ce = nn.CrossEntropyLoss()
-    xs, ys = x[:k * 8], y[:k * 8]
+    xs, ys = x[: k * 8], y[: k * 8]
     net = digits_mlp()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = ce(net(xs), ys)
@@ -297,8 +312,9 @@ def bf16_full_batch_error(x: torch.Tensor, y: torch.Tensor, k: int = K) -> float
     return harness.relative_error(fw.flat_grads(list(net.parameters())), full)
 
 
-def bf16_accumulation_ratios(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[int] = (0, 1, 2),
-                             ks: Sequence[int] = (4, 8), b: int = 8) -> dict[tuple[int, int], float]:
+def bf16_accumulation_ratios(
+    x: torch.Tensor, y: torch.Tensor, seeds: Sequence[int] = (0, 1, 2), ks: Sequence[int] = (4, 8), b: int = 8
+) -> dict[tuple[int, int], float]:
     """Plain bf16 autocast, no framework: for each seed (model weights and data slice) and K, the relative error of
     the accumulated gradient (K micro-batches of ``b``, each loss divided by K, summed in the fp32 ``.grad``)
     against the fp32 full-batch gradient, divided by the same error of one bf16 pass over the full batch."""
@@ -310,7 +326,7 @@ def bf16_accumulation_ratios(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[i
     for seed in seeds:
         for k in ks:
             n = k * b
-            xs, ys = x[seed * n:(seed + 1) * n], y[seed * n:(seed + 1) * n]
+            xs, ys = x[seed * n : (seed + 1) * n], y[seed * n : (seed + 1) * n]
             full = harness.full_gradient(digits_mlp(seed=seed), ce, xs, ys)
             one, acc = digits_mlp(seed=seed), digits_mlp(seed=seed)
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -320,13 +336,15 @@ def bf16_accumulation_ratios(x: torch.Tensor, y: torch.Tensor, seeds: Sequence[i
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     micro = ce(acc(xb), yb) / k
                 micro.backward()
-            ratios[seed, k] = (harness.relative_error(fw.flat_grads(list(acc.parameters())), full)
-                               / harness.relative_error(fw.flat_grads(list(one.parameters())), full))
+            ratios[seed, k] = harness.relative_error(
+                fw.flat_grads(list(acc.parameters())), full
+            ) / harness.relative_error(fw.flat_grads(list(one.parameters())), full)
     return ratios
 
 
-def two_processes(lm_x: torch.Tensor, lm_y: torch.Tensor, k: int = K, timeout: float = 120.0
-                  ) -> dict[str, harness.RankResult]:
+def two_processes(
+    lm_x: torch.Tensor, lm_y: torch.Tensor, k: int = K, timeout: float = 120.0
+) -> dict[str, harness.RankResult]:
     """Every framework on two gloo processes (:func:`gradaccum.book.ch07_harness.rank_task`); rank 0's results, after
     checking that both ranks measured the same thing."""
     from gradaccum.book.ddp_workers import launch
@@ -334,7 +352,11 @@ def two_processes(lm_x: torch.Tensor, lm_y: torch.Tensor, k: int = K, timeout: f
     ranks = launch("frameworks", 2, timeout=timeout, x=lm_x, y=lm_y, k=k)
     for a, b in zip(*ranks):
         same = (a.optimizer_steps, a.scheduler_steps, a.allreduces, a.lrs) == (
-            b.optimizer_steps, b.scheduler_steps, b.allreduces, b.lrs)
+            b.optimizer_steps,
+            b.scheduler_steps,
+            b.allreduces,
+            b.lrs,
+        )
         if not same or abs(a.token_error - b.token_error) > 1e-6:
             raise RuntimeError(f"the two ranks of {a.framework} disagree: {a} vs {b}")
     return {r.framework: r for r in ranks[0]}
@@ -388,8 +410,9 @@ def _like(error: float, reference: float) -> str:
     return "✓ as the full batch" if 0.8 <= error / reference <= 1.25 else f"✗ {error / reference:.1f}× the full batch's"
 
 
-def behaviour_rows(single: dict[str, Single], multi: dict[str, harness.RankResult], bf16_full: float,
-                   k: int = K) -> list[list[str]]:
+def behaviour_rows(
+    single: dict[str, Single], multi: dict[str, harness.RankResult], bf16_full: float, k: int = K
+) -> list[list[str]]:
     """One list of cells per row of :data:`ROWS`, one cell per framework (the order of ``single``);
     ``bf16_full``: :func:`bf16_full_batch_error`."""
     names = list(single)
@@ -417,11 +440,15 @@ def behaviour_rows(single: dict[str, Single], multi: dict[str, harness.RankResul
     return [[label] + [cells[n][i] for n in names] for i, label in enumerate(ROWS)]
 
 
-def behaviour_table(single: dict[str, Single], multi: dict[str, harness.RankResult], bf16_full: float,
-                    k: int = K) -> Table:
+def behaviour_table(
+    single: dict[str, Single], multi: dict[str, harness.RankResult], bf16_full: float, k: int = K
+) -> Table:
     """The chapter's table: condition × framework, every cell measured."""
-    return Table(["condition"] + [fw.LABELS[n] for n in single], behaviour_rows(single, multi, bf16_full, k),
-                 caption=f"Measured with the pinned versions, K = {k}, on the CPU.")
+    return Table(
+        ["condition"] + [fw.LABELS[n] for n in single],
+        behaviour_rows(single, multi, bf16_full, k),
+        caption=f"Measured with the pinned versions, K = {k}, on the CPU.",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- figures
@@ -432,8 +459,9 @@ def plot_lrs(single: dict[str, list[float]], multi: dict[str, list[float]], warm
     fig, axes = figure(2, 6.4, 3.2)
     for ax, data, title in zip(axes, (single, multi), ("1 process", "2 processes")):
         for name, lrs in data.items():
-            ax.plot(range(1, len(lrs) + 1), lrs, marker=MARKERS[name], color=COLORS[name], label=fw.LABELS[name],
-                    alpha=0.85)
+            ax.plot(
+                range(1, len(lrs) + 1), lrs, marker=MARKERS[name], color=COLORS[name], label=fw.LABELS[name], alpha=0.85
+            )
         decorate(ax, "optimizer step", "learning rate", title, legend=False)
     axes[1].legend(frameon=False, fontsize="small", loc="lower right")
     fig.suptitle(f"Linear warmup over {warmup} scheduler steps")
@@ -463,5 +491,3 @@ def digits_module() -> Any:
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     return DigitsModule()
-
-

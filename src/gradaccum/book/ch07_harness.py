@@ -62,9 +62,13 @@ def accelerate_split_batches() -> dict[str, bool]:
     from accelerate.utils import DataLoaderConfiguration
 
     read = {}
-    for spelling, kwargs in (("Accelerator(split_batches=True)", {"split_batches": True}),
-                             ("DataLoaderConfiguration(split_batches=True)",
-                              {"dataloader_config": DataLoaderConfiguration(split_batches=True)})):
+    for spelling, kwargs in (
+        ("Accelerator(split_batches=True)", {"split_batches": True}),
+        (
+            "DataLoaderConfiguration(split_batches=True)",
+            {"dataloader_config": DataLoaderConfiguration(split_batches=True)},
+        ),
+    ):
         with _own_accelerate_state(), _quiet():
             read[spelling] = bool(Accelerator(cpu=True, **kwargs).split_batches)
     return read
@@ -77,13 +81,17 @@ def _gradient_pair(a: Any, b: Any, names: tuple[str, str]) -> tuple[torch.Tensor
     """Two finite flat gradients of one length, in float64 (``ValueError`` naming what is wrong)."""
     for name, t in zip(names, (a, b)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 1:
-            raise ValueError(f"{name} must be a flat floating-point gradient (1-D, e.g. flat_grads(...)), got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}.")
+            raise ValueError(
+                f"{name} must be a flat floating-point gradient (1-D, e.g. flat_grads(...)), got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}."
+            )
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} contains inf or NaN: no error or factor is defined for it.")
     if a.shape != b.shape:
-        raise ValueError(f"{names[0]} has {a.numel()} entries and {names[1]} {b.numel()}: the two gradients must "
-                         "cover the same parameters.")
+        raise ValueError(
+            f"{names[0]} has {a.numel()} entries and {names[1]} {b.numel()}: the two gradients must "
+            "cover the same parameters."
+        )
     if not bool(b.abs().max() > 0):
         raise ValueError(f"the reference gradient {names[1]} is zero: nothing relates a step to it.")
     return a.double(), b.double()
@@ -101,8 +109,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return _tensors.relative_error(a, b)
 
 
-def full_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                  sum_loss: LossFn | None = None) -> torch.Tensor:
+def full_gradient(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, sum_loss: LossFn | None = None
+) -> torch.Tensor:
     """The gradient of one full batch: ``loss_fn`` on all of it, or, for a token loss, its summed token loss over
     its tokens. Works on a copy in train mode; the model is left as it was."""
     import copy
@@ -136,13 +145,28 @@ class RankResult:
 
 def _distributed_env(rank: int, world_size: int) -> None:
     """What torchrun would set, so that every framework finds the process group it is running in."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", ROLE_RANK=str(rank),
-                      TORCHELASTIC_RUN_ID="gradaccum")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        TORCHELASTIC_RUN_ID="gradaccum",
+    )
 
 
-def rank_task(rank: int, world_size: int, x: torch.Tensor, y: torch.Tensor, k: int, seed: int = 0,
-              frameworks: Sequence[str] = FRAMEWORKS, warmup: int = 8, windows: int = 10) -> list[RankResult]:
+def rank_task(
+    rank: int,
+    world_size: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    seed: int = 0,
+    frameworks: Sequence[str] = FRAMEWORKS,
+    warmup: int = 8,
+    windows: int = 10,
+) -> list[RankResult]:
     """Run on every rank of an initialized process group: each framework trains a fresh character LM
     (``TinyLM``, float32) for one window of ``k`` micro-batches per rank on ``(x, y)`` — the whole global batch,
     ``world_size · k`` equal micro-batches; Accelerate and the Trainer shard it themselves, Lightning (without its
@@ -178,8 +202,18 @@ def rank_task(rank: int, world_size: int, x: torch.Tensor, y: torch.Tensor, k: i
         if framework == "trainer":
             kwargs_mean = run(framework, fresh(), mean, own, k, loss_kwargs=True)
             factor = step_factor(kwargs_mean.grads[0], plain.grads[0])
-        results.append(RankResult(framework, plain.optimizer_steps, plain.scheduler_steps, plain.allreduces,
-                                  relative_error(plain.grads[0], reference), recipe, longer.lrs, factor))
+        results.append(
+            RankResult(
+                framework,
+                plain.optimizer_steps,
+                plain.scheduler_steps,
+                plain.allreduces,
+                relative_error(plain.grads[0], reference),
+                recipe,
+                longer.lrs,
+                factor,
+            )
+        )
     return results
 
 
@@ -204,23 +238,56 @@ def tiny_causal_lm(kind: str, vocab: int, positions: int, seed: int = 0) -> nn.M
     with _quiet(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if kind == "gpt2":
-            return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=16, n_layer=1, n_head=2,
-                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+            return GPT2LMHeadModel(
+                GPT2Config(
+                    vocab_size=vocab,
+                    n_positions=positions,
+                    n_embd=16,
+                    n_layer=1,
+                    n_head=2,
+                    resid_pdrop=0.0,
+                    embd_pdrop=0.0,
+                    attn_pdrop=0.0,
+                )
+            )
         if kind == "llama":
-            return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32,
-                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                                max_position_embeddings=positions))
+            return LlamaForCausalLM(
+                LlamaConfig(
+                    vocab_size=vocab,
+                    hidden_size=16,
+                    intermediate_size=32,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    num_key_value_heads=2,
+                    max_position_embeddings=positions,
+                )
+            )
         if kind == "t5":
-            config = T5Config(vocab_size=vocab, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
-                              num_heads=2, dropout_rate=0.0, pad_token_id=0)
+            config = T5Config(
+                vocab_size=vocab,
+                d_model=16,
+                d_kv=8,
+                d_ff=32,
+                num_layers=1,
+                num_decoder_layers=1,
+                num_heads=2,
+                dropout_rate=0.0,
+                pad_token_id=0,
+            )
             setattr(config, "decoder_start_token_id", 0)  # noqa: B010  (its labels shifted right start with 0)
             return T5ForConditionalGeneration(config)
     raise ValueError(f"kind must be 'gpt2', 'llama' or 't5', got {kind!r}.")
 
 
 #: The Transformers heads :func:`tiny_classifier` builds: a label per sequence, or per token (``-100`` skipped).
-CLASSIFIER_KINDS = {"bert": "sequence", "llama": "sequence", "bert-token": "token", "bert-mlm": "token",
-                    "vit": "image", "vit-regression": "image"}
+CLASSIFIER_KINDS = {
+    "bert": "sequence",
+    "llama": "sequence",
+    "bert-token": "token",
+    "bert-mlm": "token",
+    "vit": "image",
+    "vit-regression": "image",
+}
 
 
 def tiny_classifier(kind: str, vocab: int, positions: int, num_labels: int = 3, seed: int = 0) -> nn.Module:
@@ -233,46 +300,87 @@ def tiny_classifier(kind: str, vocab: int, positions: int, num_labels: int = 3, 
     that ignores ``num_items_in_batch`` (transformers issue #47688), as ViT's regression (an MSE mean) does, while
     ViT's single-label loss (``self.loss_function``) divides its summed loss by it."""
     _import("trainer")
-    from transformers import (
-        BertConfig,
-        BertForMaskedLM,
-        BertForSequenceClassification,
-        BertForTokenClassification,
-        LlamaConfig,
-        LlamaForSequenceClassification,
-        ViTConfig,
-        ViTForImageClassification,
-    )
-
     if kind not in CLASSIFIER_KINDS:
         raise ValueError(f"kind must be one of {sorted(CLASSIFIER_KINDS)}, got {kind!r}.")
     with _quiet(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if kind.startswith("bert"):
-            bert = BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                              intermediate_size=32, max_position_embeddings=positions, hidden_dropout_prob=0.0,
-                              attention_probs_dropout_prob=0.0)
-            bert.num_labels = num_labels
-            head = {"bert": BertForSequenceClassification, "bert-token": BertForTokenClassification,
-                    "bert-mlm": BertForMaskedLM}[kind]
-            return head(bert)
+            return _bert_classifier(kind, vocab, positions, num_labels)
         if kind.startswith("vit"):
-            vit = ViTConfig(image_size=positions, patch_size=max(1, positions // 2), num_channels=1, hidden_size=16,
-                            num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-            vit.num_labels = 1 if kind == "vit-regression" else num_labels
-            return ViTForImageClassification(vit)
-        if kind == "llama":
-            llama = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=positions,
-                                pad_token_id=0)
-            llama.num_labels = num_labels
-        return LlamaForSequenceClassification(llama)
+            return _vit_classifier(positions, 1 if kind == "vit-regression" else num_labels)
+        return _llama_classifier(vocab, positions, num_labels)
 
 
-def trainer_on_causal_lm(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, k: int,
-                         compute_loss_func: Callable[..., torch.Tensor] | None = None,
-                         loss_is_scaled_for_ga: bool | None = None) -> tuple[Run, torch.Tensor]:
+def _bert_classifier(kind: str, vocab: int, positions: int, num_labels: int) -> nn.Module:
+    """:func:`tiny_classifier`'s BERT heads: ``"bert"`` (a label per sequence), ``"bert-token"`` (per token),
+    ``"bert-mlm"`` (the masked-LM head, the vocabulary as classes)."""
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification
+
+    bert = BertConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=positions,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    bert.num_labels = num_labels
+    head = {
+        "bert": BertForSequenceClassification,
+        "bert-token": BertForTokenClassification,
+        "bert-mlm": BertForMaskedLM,
+    }[kind]
+    return head(bert)
+
+
+def _vit_classifier(side: int, num_labels: int) -> nn.Module:
+    """:func:`tiny_classifier`'s ViT: one-channel images of side ``side``, patches of half that; one label is a
+    regression."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    vit = ViTConfig(
+        image_size=side,
+        patch_size=max(1, side // 2),
+        num_channels=1,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    vit.num_labels = num_labels
+    return ViTForImageClassification(vit)
+
+
+def _llama_classifier(vocab: int, positions: int, num_labels: int) -> nn.Module:
+    """:func:`tiny_classifier`'s Llama: a label per sequence, pad token 0."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    llama = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        pad_token_id=0,
+    )
+    llama.num_labels = num_labels
+    return LlamaForSequenceClassification(llama)
+
+
+def trainer_on_causal_lm(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    k: int,
+    compute_loss_func: Callable[..., torch.Tensor] | None = None,
+    loss_is_scaled_for_ga: bool | None = None,
+) -> tuple[Run, torch.Tensor]:
     """One window of ``k`` equal micro-batches of a Transformers model called with ``input_ids`` (under the
     model's ``main_input_name``: ``pixel_values`` for ViT) and ``labels`` (a causal LM, or a classifier from
     :func:`tiny_classifier`) through the Trainer (the model's own loss, with
@@ -297,13 +405,24 @@ def trainer_on_causal_lm(model: nn.Module, input_ids: torch.Tensor, labels: torc
     opt = RecordingSGD(model.parameters(), 0.0)
     sched = CountingLR(opt)
     with _quiet(), _own_accelerate_state(), tempfile.TemporaryDirectory() as out_dir:
-        args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=len(input_ids) // k,
-                                 gradient_accumulation_steps=k, num_train_epochs=1, max_grad_norm=0.0, use_cpu=True,
-                                 report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=0.0, seed=0)
+        args = TrainingArguments(
+            output_dir=out_dir,
+            per_device_train_batch_size=len(input_ids) // k,
+            gradient_accumulation_steps=k,
+            num_train_epochs=1,
+            max_grad_norm=0.0,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            learning_rate=0.0,
+            seed=0,
+        )
         state = torch.get_rng_state()
         columns = _Columns(**{name: input_ids}, labels=labels)
-        trainer = _hf_trainer_class()(model=model, args=args, train_dataset=columns, optimizers=(opt, sched),
-                                      compute_loss_func=compute_loss_func)
+        trainer = _hf_trainer_class()(
+            model=model, args=args, train_dataset=columns, optimizers=(opt, sched), compute_loss_func=compute_loss_func
+        )
         trainer.loss_is_scaled_for_ga = loss_is_scaled_for_ga
         torch.set_rng_state(state)
         trainer.remove_callback(PrinterCallback)

@@ -1,7 +1,10 @@
 """Chapter 8, "Beyond BatchNorm": contrastive training on the digits, the costs of GradCache, the load-balancing
 loss of a small router, checkpointing with BatchNorm, and the figures.
 
-The book layer over :mod:`gradaccum.coupled` (the torch-only tools the chapter derives).
+The book layer over :mod:`gradaccum.coupled` (the torch-only tools the chapter derives). Here: contrastive
+learning and GradCache; the router's load-balancing loss is in :mod:`gradaccum.book.ch08_routing`, checkpointing
+with BatchNorm in :mod:`gradaccum.book.ch08_checkpointing`, the batch-size scaling study in
+:mod:`gradaccum.book.ch08_scaling`, all re-exported here.
 """
 
 from __future__ import annotations
@@ -9,18 +12,28 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from gradaccum import coupled
 from gradaccum._tensors import relative_error
 from gradaccum._validate import require_count, require_k
 from gradaccum.accumulate import flat_grad
+from gradaccum.book.ch08_checkpointing import CHECKPOINT_METHODS as CHECKPOINT_METHODS
+from gradaccum.book.ch08_checkpointing import Checkpointed as Checkpointed
+from gradaccum.book.ch08_checkpointing import CheckpointRun as CheckpointRun
+from gradaccum.book.ch08_checkpointing import bn_block as bn_block
+from gradaccum.book.ch08_checkpointing import checkpoint_window as checkpoint_window
+from gradaccum.book.ch08_checkpointing import measured_momentum as measured_momentum
+from gradaccum.book.ch08_checkpointing import plot_checkpoint_momentum as plot_checkpoint_momentum
+from gradaccum.book.ch08_routing import aux_covariance as aux_covariance
+from gradaccum.book.ch08_routing import aux_losses as aux_losses
+from gradaccum.book.ch08_routing import plot_aux as plot_aux
+from gradaccum.book.ch08_routing import plot_aux_window as plot_aux_window
+from gradaccum.book.ch08_routing import router as router
 from gradaccum.book.ch08_scaling import BASE_LR as BASE_LR
 from gradaccum.book.ch08_scaling import SCALING_RUNS as SCALING_RUNS
 from gradaccum.book.ch08_scaling import Recipe as Recipe
@@ -32,17 +45,13 @@ from gradaccum.book.ch08_scaling import plot_scaling_grid as plot_scaling_grid
 from gradaccum.book.ch08_scaling import scaling_run as scaling_run
 from gradaccum.book.ch08_scaling import scaling_study as scaling_study
 from gradaccum.book.ch08_scaling import train_classifier as train_classifier
+from gradaccum.book.data import flat_digits as flat_digits
 from gradaccum.book.parallel import run_jobs
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.timing import interleaved_medians
 
 #: Temperature of the chapter's InfoNCE loss.
 TAU = 0.2
-
-
-def flat_digits(x: torch.Tensor) -> torch.Tensor:
-    """The 8×8 digits as 64 features (float64)."""
-    return x.reshape(len(x), -1).double()
 
 
 def views(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -174,8 +183,14 @@ def step_costs(x: torch.Tensor, k: int, b: int, hidden: int = 2048, repeat: int 
     return Costs(seconds, {name: peak_saved_bytes(fn, held) for name, fn in fns.items()})
 
 
-def few_label_accuracy(enc: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
-                       y_val: torch.Tensor, per_class: int = 3) -> float:
+def few_label_accuracy(
+    enc: nn.Module,
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+    per_class: int = 3,
+) -> float:
     """Validation accuracy of nearest class centroid (cosine) in the embedding, the centroids from the first
     ``per_class`` training digits of each class: how well the embedding separates the classes with few labels."""
     labelled = torch.cat([torch.nonzero(y_train == c)[:per_class, 0] for c in range(10)])
@@ -186,8 +201,17 @@ def few_label_accuracy(enc: nn.Module, x_train: torch.Tensor, y_train: torch.Ten
     return float(((v @ centroids.T).argmax(1) == y_val).double().mean())
 
 
-def train_contrastive(method: str, x: torch.Tensor, k: int, b: int, seed: int, schedule: str, epochs: int = 4,
-                      lr: float = 0.05, one_pass: bool = True) -> nn.Module:
+def train_contrastive(
+    method: str,
+    x: torch.Tensor,
+    k: int,
+    b: int,
+    seed: int,
+    schedule: str,
+    epochs: int = 4,
+    lr: float = 0.05,
+    one_pass: bool = True,
+) -> nn.Module:
     """Contrastive training of :func:`encoder` on the training digits: SGD with momentum 0.9, batches of
     ``k · b`` digits (two views each), ``"full"`` batch, ``"plain"`` accumulation of ``k`` micro-batches or
     ``"gradcache"``, learning rate constant or cosine-decayed to 0. With ``one_pass`` (the default), plain
@@ -206,13 +230,15 @@ def train_contrastive(method: str, x: torch.Tensor, k: int, b: int, seed: int, s
     xs, n = flat_digits(x), k * b
     per_epoch = len(xs) // n
     if per_epoch == 0:
-        raise ValueError(f"a batch of K · b = {n} digits is more than the {len(xs)} given: no step would run; "
-                         "give more digits or a smaller K or b.")
+        raise ValueError(
+            f"a batch of K · b = {n} digits is more than the {len(xs)} given: no step would run; "
+            "give more digits or a smaller K or b."
+        )
     total, step = epochs * per_epoch, 0
     for _ in range(epochs):
         order = torch.randperm(len(xs), generator=g)
         for i in range(per_epoch):
-            batch = xs[order[i * n:(i + 1) * n]]
+            batch = xs[order[i * n : (i + 1) * n]]
             xa, xb = views(batch, g), views(batch, g)
             factor = (1 + math.cos(math.pi * step / total)) / 2 if schedule == "cosine" else 1.0
             for group in opt.param_groups:
@@ -231,18 +257,34 @@ def train_contrastive(method: str, x: torch.Tensor, k: int, b: int, seed: int, s
     return enc
 
 
-def contrastive_run(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
-                    k: int, b: int, seed: int, schedule: str) -> dict[str, float]:
+def contrastive_run(
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+    k: int,
+    b: int,
+    seed: int,
+    schedule: str,
+) -> dict[str, float]:
     """Few-label accuracy after training with the full batch (= GradCache) and with plain accumulation, for one
     (K, b), seed and schedule."""
-    return {m: few_label_accuracy(train_contrastive(m, x_train, k, b, seed, schedule), x_train, y_train, x_val,
-                                  y_val) for m in ("full", "plain")}
+    return {
+        m: few_label_accuracy(train_contrastive(m, x_train, k, b, seed, schedule), x_train, y_train, x_val, y_val)
+        for m in ("full", "plain")
+    }
 
 
-def contrastive_study(x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
-                      settings: Sequence[tuple[int, int]] = ((16, 2), (4, 8)), seeds: Sequence[int] = (0, 1, 2),
-                      schedules: Sequence[str] = ("constant", "cosine"), workers: int = 1,
-                      ) -> dict[tuple[int, int, int, str], dict]:
+def contrastive_study(
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+    settings: Sequence[tuple[int, int]] = ((16, 2), (4, 8)),
+    seeds: Sequence[int] = (0, 1, 2),
+    schedules: Sequence[str] = ("constant", "cosine"),
+    workers: int = 1,
+) -> dict[tuple[int, int, int, str], dict]:
     """:func:`contrastive_run` for each (K, b), seed and schedule (batch K · b = 32), keyed by
     (K, b, seed, schedule); with ``workers > 1`` in that many spawned processes
     (:func:`gradaccum.book.parallel.run_jobs`: every run seeds itself, the same results to the bit)."""
@@ -262,8 +304,12 @@ def plot_contrastive(study: dict[tuple[int, int, int, str], dict]):
     lo = min(min(r.values()) for r in study.values()) - 0.02
     hi = max(max(r.values()) for r in study.values()) + 0.02
     ax.plot([lo, hi], [lo, hi], ":", color="black", linewidth=1)
-    decorate(ax, "few-label accuracy, full batch (= GradCache)", "plain accumulation",
-             "Contrastive training, batch 32: one point per seed and schedule")
+    decorate(
+        ax,
+        "few-label accuracy, full batch (= GradCache)",
+        "plain accumulation",
+        "Contrastive training, batch 32: one point per seed and schedule",
+    )
     return fig
 
 
@@ -274,8 +320,16 @@ def error_grid(x: torch.Tensor, ks: Sequence[int], bs: Sequence[int]) -> np.ndar
 
 def plot_error_grid(grid: np.ndarray, ks: Sequence[int], bs: Sequence[int]):
     fig, (ax,) = figure(1, 6.4, 3.6)
-    image = heatmap(ax, grid, ks, bs, vmin=0.0, xlabel="micro-batch size b", ylabel="K",
-                    title="InfoNCE: plain accumulation vs full batch")
+    image = heatmap(
+        ax,
+        grid,
+        ks,
+        bs,
+        vmin=0.0,
+        xlabel="micro-batch size b",
+        ylabel="K",
+        title="InfoNCE: plain accumulation vs full batch",
+    )
     fig.colorbar(image, ax=ax, label="relative gradient error")
     return fig
 
@@ -291,204 +345,4 @@ def plot_error_widget(x: torch.Tensor, k: int, b: int):
     ax.bar_label(bars, labels=[f"{plain:.2f}", "0 (exact)" if cache < 1e-12 else f"{cache:.0e}"], padding=2)
     ax.margins(y=0.15)  # room above the tallest bar for its label, below the title
     decorate(ax, "", "relative gradient error", f"K = {k}, b = {b}: {b - 1} vs {k * b - 1} negatives per sample")
-    return fig
-
-
-# ------------------------------------------------------------------------------------------------ routing
-
-
-def router(seed: int = 0, experts: int = 4) -> nn.Linear:
-    """A linear router from the 64 pixels to ``experts`` experts (float64); the weights depend only on ``seed``
-    (drawn in float32 and then cast, whatever torch's default dtype)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.Linear(64, experts, dtype=torch.float32).double()
-
-
-def aux_losses(x: torch.Tensor, ks: Sequence[int], n: int = 64, seed: int = 0) -> dict[str, list[float]]:
-    """The Switch load-balancing loss of ``n`` digits: the window's, the mean of per-micro-batch losses, and the
-    per-micro-batch losses with the window's fractions (the fix), for each K."""
-    r = router(seed)
-    xs = flat_digits(x[:n])
-    probs = lambda t: r(t).softmax(1)  # noqa: E731
-    with torch.no_grad():
-        window = float(coupled.switch_aux_loss(probs(xs)))
-        out: dict[str, list[float]] = {"window": [], "per micro-batch": [], "window fractions": []}
-        for k in ks:
-            require_k(k)
-            if n % k:  # torch.chunk would cut fewer or unequal micro-batches, which 1/K does not weigh
-                raise ValueError(f"K = {k} does not divide the {n} tokens of the window; pick a K that divides {n}.")
-            micro = list(xs.chunk(k))
-            f = coupled.window_fractions(probs, micro, r.out_features)
-            out["window"].append(window)
-            out["per micro-batch"].append(float(sum(coupled.switch_aux_loss(probs(m)) for m in micro) / k))
-            out["window fractions"].append(float(sum(coupled.switch_aux_loss(probs(m), f) for m in micro) / k))
-    return out
-
-
-def aux_covariance(x: torch.Tensor, k: int, n: int = 64, seed: int = 0) -> float:
-    r""":math:`N\sum_i \frac1K\sum_k (f^k_i - f_i)(P^k_i - P_i)`: the covariance, across the K micro-batches of a
-    window of ``n`` digits, of each expert's routing fraction and mean probability. Because the micro-batches'
-    :math:`f^k` and :math:`P^k` average to the window's, the mean of the per-micro-batch losses exceeds the
-    window's loss by exactly this."""
-    probs = _window_probs(x, k, n, seed)
-    experts = probs.shape[1]
-    f = torch.stack([coupled.expert_fractions(p.argmax(1), experts) for p in probs.chunk(k)])
-    p_mean = torch.stack([p.mean(0) for p in probs.chunk(k)])
-    return float(experts * ((f - f.mean(0)) * (p_mean - p_mean.mean(0))).sum(1).mean())
-
-
-def _window_probs(x: torch.Tensor, k: int, n: int, seed: int) -> torch.Tensor:
-    """The router's probabilities for a window of the first ``n`` digits, which K micro-batches must cut evenly."""
-    require_k(k)
-    if n % k:
-        raise ValueError(f"K = {k} does not divide the {n} tokens of the window; pick a K that divides {n}.")
-    with torch.no_grad():
-        return router(seed)(flat_digits(x[:n])).softmax(1)
-
-
-def plot_aux(ks: Sequence[int], losses: dict[str, list[float]]):
-    fig, (ax,) = figure(1, 6.4, 3.2)
-    styles = {"window": ("-", PALETTE["black"]), "per micro-batch": ("o-", PALETTE["vermillion"]),
-              "window fractions": ("s--", PALETTE["blue"])}
-    for name, values in losses.items():
-        style, color = styles[name]
-        ax.plot(ks, values, style, color=color, label=name)
-    decorate(ax, "K (micro-batches of 64 / K digits)", "load-balancing loss", "Switch auxiliary loss, 4 experts",
-             xscale="log", xticks=ks)
-    return fig
-
-
-def plot_aux_window(x: torch.Tensor, k: int, n: int = 64, seed: int = 0):
-    """The widget's picture: each micro-batch's load-balancing loss (what plain accumulation averages), the
-    window's loss, and the fractions each micro-batch counts, for ``n`` digits cut into K micro-batches."""
-    probs = _window_probs(x, k, n, seed)
-    micro = [coupled.switch_aux_loss(p) for p in probs.chunk(k)]
-    window = float(coupled.switch_aux_loss(probs))
-    fig, (ax,) = figure(1, 6.4, 3.2)
-    plain = float(sum(micro)) / k
-    ax.bar(range(1, k + 1), [float(v) for v in micro], color=PALETTE["vermillion"], label="per micro-batch")
-    ax.axhline(plain, color=PALETTE["vermillion"], linestyle="--", label="their mean (plain)")
-    ax.axhline(window, color=PALETTE["black"], label="the window's (= window fractions)")
-    decorate(ax, "micro-batch", "load-balancing loss", f"{n // k} tokens per micro-batch: mean {plain:.4f}, "
-             f"window {window:.4f} (+{plain - window:.4f})", legend=False)
-    ax.set_ylim(0, 1.45 * max(2.0, max(float(v) for v in micro)))
-    ax.legend(frameon=False, fontsize=7, ncol=2, loc="upper left")
-    return fig
-
-
-# ------------------------------------------------------------------------------------ checkpointing and BN
-
-
-def bn_block(seed: int = 0, momentum: float = 0.1) -> nn.Sequential:
-    """Linear(64, 16) → BatchNorm1d(16) → ReLU → Linear(16, 10), float64; the weights depend only on ``seed``
-    (drawn in float32 and then cast, whatever torch's default dtype)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        f32 = torch.float32
-        return nn.Sequential(nn.Linear(64, 16, dtype=f32), nn.BatchNorm1d(16, momentum=momentum, dtype=f32),
-                             nn.ReLU(), nn.Linear(16, 10, dtype=f32)).double()
-
-
-class Checkpointed(nn.Module):
-    """``module`` under ``torch.utils.checkpoint`` (with ``keep``:
-    :func:`gradaccum.coupled.checkpoint_keeping_bn_stats`), a model to hand to :func:`gradaccum.checker.check`."""
-
-    def __init__(self, module: nn.Module, keep: bool = False):
-        super().__init__()
-        self.module, self.keep = module, keep
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.keep:
-            return coupled.checkpoint_keeping_bn_stats(self.module, x)
-        return checkpoint(self.module, x, use_reentrant=False)
-
-
-@dataclass
-class CheckpointRun:
-    tracked: dict[str, int]  # num_batches_tracked after one window
-    mean_error: dict[str, float]  # running mean against the run without checkpointing (relative)
-    grad_error: dict[str, float]
-
-
-def checkpoint_window(x: torch.Tensor, y: torch.Tensor, k: int, b: int, momentum: float = 0.1) -> CheckpointRun:
-    """One window of ``k`` micro-batches through :func:`bn_block` without checkpointing, with
-    ``torch.utils.checkpoint``, with the momentum corrected to :math:`1-\\sqrt{1-m}`, and with
-    :func:`gradaccum.coupled.checkpoint_keeping_bn_stats`."""
-    require_k(k)
-    xs, ys = flat_digits(x[: k * b]), y[: k * b]
-    corrected = 1 - math.sqrt(1 - momentum)
-    nets = {"no checkpointing": bn_block(0, momentum), "checkpoint": bn_block(0, momentum),
-            "checkpoint, momentum 1 − √(1 − m)": bn_block(0, corrected),
-            "checkpoint, statistics kept": bn_block(0, momentum)}
-    ce = nn.CrossEntropyLoss()
-    for xb, yb in zip(xs.chunk(k), ys.chunk(k)):
-        for name, net in nets.items():
-            (ce(_run_block(net, xb, name), yb) / k).backward()
-    ref = nets["no checkpointing"]
-    means = {n: cast(torch.Tensor, net[1].running_mean) for n, net in nets.items()}
-    return CheckpointRun(
-        tracked={n: int(net[1].num_batches_tracked) for n, net in nets.items()},  # type: ignore[arg-type]
-        mean_error={n: relative_error(mean, means["no checkpointing"]) for n, mean in means.items()},
-        grad_error={n: relative_error(flat_grad(net), flat_grad(ref)) for n, net in nets.items()},
-    )
-
-
-def _run_block(net: nn.Module, xb: torch.Tensor, method: str) -> torch.Tensor:
-    """``net(xb)`` as ``method`` runs it: plainly, under ``torch.utils.checkpoint``, or with the statistics kept."""
-    if method == "no checkpointing":
-        return net(xb)
-    if method == "checkpoint, statistics kept":
-        return coupled.checkpoint_keeping_bn_stats(net, xb)
-    return checkpoint(net, xb, use_reentrant=False)
-
-
-def _forward_keep_graph(net: nn.Module, xb: torch.Tensor, method: str) -> None:
-    _run_block(net, xb.clone().requires_grad_(), method).sum().backward()  # the rerun happens in backward
-
-
-#: The four ways of the checkpointing section.
-CHECKPOINT_METHODS = ("no checkpointing", "checkpoint", "checkpoint, momentum 1 − √(1 − m)",
-                      "checkpoint, statistics kept")
-
-
-def measured_momentum(x: torch.Tensor, k: int, m: float, method: str) -> float:
-    r"""The weight one optimizer step of K micro-batches gives the new statistics in a BatchNorm's running mean,
-    *measured*: the same micro-batch (mean :math:`\mu`) is fed K times to a BatchNorm1d whose running mean starts
-    at 0, so afterwards it holds :math:`w\mu`; returns :math:`w` (averaged over the channels)."""
-    require_k(k)
-    if method not in CHECKPOINT_METHODS:
-        raise ValueError(f"method must be one of {CHECKPOINT_METHODS}, got {method!r}.")
-    if not 0 < m <= 1:
-        raise ValueError(f"the momentum must lie in (0, 1], got {m}.")
-    momentum = 1 - math.sqrt(1 - m) if method == CHECKPOINT_METHODS[2] else m
-    net = bn_block(0, momentum)
-    linear, bn = net[0], net[1]
-    assert isinstance(bn, nn.BatchNorm1d)
-    bn.running_mean.zero_()  # type: ignore[union-attr]
-    xb = flat_digits(x[:8])
-    for _ in range(k):
-        _forward_keep_graph(net, xb, method)
-    with torch.no_grad():
-        mu = linear(xb).mean(0)
-    return float((bn.running_mean / mu).mean())
-
-
-def plot_checkpoint_momentum(x: torch.Tensor, m: float, k: int, ks: Sequence[int] = (1, 2, 4, 8, 16, 32)):
-    """Effective momentum per optimizer step against K: the formulas as lines (chapter 1's
-    :math:`1-(1-m)^K`; checkpointing's :math:`1-(1-m)^{2K}`), each method measured at the chosen K as a marker."""
-    fig, (ax,) = figure(1, 6.4, 3.4)
-    grid = sorted(set(ks) | {k})
-    ax.plot(grid, [coupled.recompute_momentum(m, kk, reruns=0) for kk in grid], "-", color=PALETTE["black"],
-            label="$1-(1-m)^K$: no checkpointing")
-    ax.plot(grid, [coupled.recompute_momentum(m, kk) for kk in grid], "--", color=PALETTE["vermillion"],
-            label="$1-(1-m)^{2K}$: checkpointing")
-    for method, marker, color in zip(CHECKPOINT_METHODS, "o^sD", [PALETTE["black"], PALETTE["vermillion"],
-                                                                   PALETTE["blue"], PALETTE["green"]]):
-        ax.plot([k], [measured_momentum(x, k, m, method)], marker, color=color, fillstyle="none", markersize=9,
-                label=f"measured: {method}")
-    decorate(ax, "K (micro-batches per optimizer step)", "weight of the new statistics",
-             f"BatchNorm momentum m = {m:g}", xscale="log", xticks=grid, legend=False)
-    ax.set_ylim(0, 1.05)
-    ax.legend(frameon=False, fontsize=7, loc="lower right")
     return fig

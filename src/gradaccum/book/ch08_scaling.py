@@ -38,11 +38,17 @@ class Recipe:
 
 #: The scaling study's runs per optimizer (micro-batches of 16; K = 4 grows the effective batch to 64).
 SCALING_RUNS: dict[str, tuple[Recipe, ...]] = {
-    "SGD": (Recipe("batch 16", 1, 1.0), Recipe("batch 64, same rate", 4, 1.0),
-            Recipe("batch 64, rate × 4, warmup", 4, 4.0, 20)),
-    "Adam": (Recipe("batch 16", 1, 1.0), Recipe("batch 64, same rate", 4, 1.0),
-             Recipe("batch 64, rate × 2 (√4), β, ε scaled", 4, 2.0, 0, True),
-             Recipe("batch 64, rate × 4", 4, 4.0)),
+    "SGD": (
+        Recipe("batch 16", 1, 1.0),
+        Recipe("batch 64, same rate", 4, 1.0),
+        Recipe("batch 64, rate × 4, warmup", 4, 4.0, 20),
+    ),
+    "Adam": (
+        Recipe("batch 16", 1, 1.0),
+        Recipe("batch 64, same rate", 4, 1.0),
+        Recipe("batch 64, rate × 2 (√4), β, ε scaled", 4, 2.0, 0, True),
+        Recipe("batch 64, rate × 4", 4, 4.0),
+    ),
 }
 
 
@@ -53,18 +59,32 @@ def optimizer_for(name: str, params, lr: float, kappa: float = 1.0, adam_sde: bo
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if name == "Adam":
         if adam_sde and not kappa * 0.1 < 1:
-            raise ValueError(f"the square-root rule needs 1 - β1 = κ·0.1 < 1, i.e. a batch grown less than 10 times "
-                             f"(κ = {kappa:g}); grow it less, or start from a larger β1.")
+            raise ValueError(
+                f"the square-root rule needs 1 - β1 = κ·0.1 < 1, i.e. a batch grown less than 10 times "
+                f"(κ = {kappa:g}); grow it less, or start from a larger β1."
+            )
         if adam_sde:
-            return torch.optim.Adam(params, lr=lr, betas=(1 - kappa * 0.1, 1 - kappa * 0.001),
-                                    eps=1e-8 / math.sqrt(kappa))
+            return torch.optim.Adam(
+                params, lr=lr, betas=(1 - kappa * 0.1, 1 - kappa * 0.001), eps=1e-8 / math.sqrt(kappa)
+            )
         return torch.optim.Adam(params, lr=lr)
     raise ValueError(f"optimizer must be 'SGD' or 'Adam', got {name!r}.")
 
 
-def train_classifier(x: torch.Tensor, y: torch.Tensor, batch: int, k: int, lr: float, seed: int, schedule: str,
-                     epochs: int = 6, warmup: int = 0, optimizer: str = "SGD", norm: str = "group",
-                     adam_sde: bool = False) -> nn.Module:
+def train_classifier(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch: int,
+    k: int,
+    lr: float,
+    seed: int,
+    schedule: str,
+    epochs: int = 6,
+    warmup: int = 0,
+    optimizer: str = "SGD",
+    norm: str = "group",
+    adam_sde: bool = False,
+) -> nn.Module:
     """The digits CNN (:func:`gradaccum.book.models.make_cnn`, GroupNorm by default: nothing couples the
     samples) trained on batches of ``batch`` images accumulated over ``k`` micro-batches (each micro-batch's mean
     loss divided by K); a linear warmup over ``warmup`` optimizer steps, then a constant rate or a cosine decay to
@@ -82,7 +102,7 @@ def train_classifier(x: torch.Tensor, y: torch.Tensor, batch: int, k: int, lr: f
     for _ in range(epochs):
         order = torch.randperm(len(x), generator=g)
         for i in range(per_epoch):
-            idx = order[i * batch:(i + 1) * batch]
+            idx = order[i * batch : (i + 1) * batch]
             factor = min(1.0, (step + 1) / warmup) if warmup else 1.0
             if schedule == "cosine":
                 factor *= (1 + math.cos(math.pi * step / total)) / 2
@@ -108,19 +128,51 @@ def max_parameter_difference(a: nn.Module, b: nn.Module) -> float:
         return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
-def scaling_run(x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, optimizer: str,
-                recipe: Recipe, seed: int, schedule: str, epochs: int = 4, accumulate: bool = False) -> float:
+def scaling_run(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+    optimizer: str,
+    recipe: Recipe,
+    seed: int,
+    schedule: str,
+    epochs: int = 4,
+    accumulate: bool = False,
+) -> float:
     """Validation accuracy of one recipe's run after ``epochs`` epochs (batches of 16·K; K micro-batches of 16
     when ``accumulate``, else one pass)."""
-    return accuracy(train_classifier(x, y, 16 * recipe.k, recipe.k if accumulate else 1,
-                                     BASE_LR[optimizer] * recipe.lr_factor, seed, schedule, epochs, recipe.warmup,
-                                     optimizer, adam_sde=recipe.adam_sde), x_val, y_val)
+    return accuracy(
+        train_classifier(
+            x,
+            y,
+            16 * recipe.k,
+            recipe.k if accumulate else 1,
+            BASE_LR[optimizer] * recipe.lr_factor,
+            seed,
+            schedule,
+            epochs,
+            recipe.warmup,
+            optimizer,
+            adam_sde=recipe.adam_sde,
+        ),
+        x_val,
+        y_val,
+    )
 
 
-def scaling_study(x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
-                  seeds: Sequence[int] = (0, 1, 2), schedules: Sequence[str] = ("constant", "cosine"),
-                  epochs: int = 4, optimizers: Sequence[str] = ("SGD", "Adam"), accumulate: bool = False,
-                  workers: int = 1) -> dict[tuple[str, str, int, str], float]:
+def scaling_study(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+    seeds: Sequence[int] = (0, 1, 2),
+    schedules: Sequence[str] = ("constant", "cosine"),
+    epochs: int = 4,
+    optimizers: Sequence[str] = ("SGD", "Adam"),
+    accumulate: bool = False,
+    workers: int = 1,
+) -> dict[tuple[str, str, int, str], float]:
     """Validation accuracy of every :data:`SCALING_RUNS` recipe after ``epochs`` epochs, keyed by
     (optimizer, label, seed, schedule). The batch of 16·K is processed as K micro-batches of 16 when
     ``accumulate``, else in one pass: the same run to rounding (GroupNorm couples no samples), K times fewer calls.
@@ -129,16 +181,40 @@ def scaling_study(x: torch.Tensor, y: torch.Tensor, x_val: torch.Tensor, y_val: 
     for opt in optimizers:
         if opt not in SCALING_RUNS:
             raise ValueError(f"optimizer must be one of {list(SCALING_RUNS)}, got {opt!r}.")
-    runs = [(opt, r, seed, schedule) for opt in optimizers for r in SCALING_RUNS[opt] for seed in seeds
-            for schedule in schedules]
-    jobs = [dict(x=x, y=y, x_val=x_val, y_val=y_val, optimizer=opt, recipe=r, seed=seed, schedule=schedule,
-                 epochs=epochs, accumulate=accumulate) for opt, r, seed, schedule in runs]
+    runs = [
+        (opt, r, seed, schedule)
+        for opt in optimizers
+        for r in SCALING_RUNS[opt]
+        for seed in seeds
+        for schedule in schedules
+    ]
+    jobs = [
+        dict(
+            x=x,
+            y=y,
+            x_val=x_val,
+            y_val=y_val,
+            optimizer=opt,
+            recipe=r,
+            seed=seed,
+            schedule=schedule,
+            epochs=epochs,
+            accumulate=accumulate,
+        )
+        for opt, r, seed, schedule in runs
+    ]
     results = run_jobs(scaling_run, jobs, workers)
     return {(opt, r.label, seed, schedule): acc for (opt, r, seed, schedule), acc in zip(runs, results)}
 
 
-def _scaling_panel(ax, study: dict[tuple[str, str, int, str], float], optimizer: str, schedule: str,
-                   fontsize: int = 7, ylim: tuple[float, float] | None = None) -> None:
+def _scaling_panel(
+    ax,
+    study: dict[tuple[str, str, int, str], float],
+    optimizer: str,
+    schedule: str,
+    fontsize: int = 7,
+    ylim: tuple[float, float] | None = None,
+) -> None:
     if optimizer not in SCALING_RUNS:
         raise ValueError(f"optimizer must be one of {list(SCALING_RUNS)}, got {optimizer!r}.")
     recipes = SCALING_RUNS[optimizer]
@@ -153,8 +229,13 @@ def _scaling_panel(ax, study: dict[tuple[str, str, int, str], float], optimizer:
     ax.set_xlim(-0.6, len(recipes) - 0.4)
     if ylim is not None:
         ax.set_ylim(*ylim)
-    decorate(ax, "", "validation accuracy",
-             f"{optimizer}, {schedule} rate: line = mean, circles = seeds {seeds[0]}–{seeds[-1]}", legend=False)
+    decorate(
+        ax,
+        "",
+        "validation accuracy",
+        f"{optimizer}, {schedule} rate: line = mean, circles = seeds {seeds[0]}–{seeds[-1]}",
+        legend=False,
+    )
 
 
 def plot_scaling(study: dict[tuple[str, str, int, str], float], optimizer: str, schedule: str):

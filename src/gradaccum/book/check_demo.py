@@ -167,8 +167,16 @@ def _dropout_models() -> tuple[nn.Module, nn.Module]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         one = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10)).double()
-        two = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32),
-                            nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10)).double()
+        two = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(64, 32),
+            nn.ReLU(),
+            nn.Dropout(0.3),
+            nn.Linear(32, 32),
+            nn.ReLU(),
+            nn.Dropout(0.3),
+            nn.Linear(32, 10),
+        ).double()
     return one, two
 
 
@@ -236,9 +244,11 @@ def run_demo(k: int = 4) -> list[DemoResult]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gradaccum.book.check_demo",
-                                     description="Run gradaccum.check on every planted bug and the correct loops; "
-                                     "fails when a planted bug is missed or a correct loop is flagged.")
+    parser = argparse.ArgumentParser(
+        prog="python -m gradaccum.book.check_demo",
+        description="Run gradaccum.check on every planted bug and the correct loops; "
+        "fails when a planted bug is missed or a correct loop is flagged.",
+    )
     parser.add_argument("-k", type=int, default=4, help="accumulation steps K (default 4)")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
     return parser
@@ -252,9 +262,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"-k must be >= 1, got {args.k}")
     results = run_demo(args.k)
     if args.json:
-        print(json.dumps({"cases": [{"name": r.name, "expected": list(r.expected), "as_expected": r.as_expected,
-                                     "report": r.report.to_dict()} for r in results],
-                          "all_as_expected": all(r.as_expected for r in results)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "cases": [
+                        {
+                            "name": r.name,
+                            "expected": list(r.expected),
+                            "as_expected": r.as_expected,
+                            "report": r.report.to_dict(),
+                        }
+                        for r in results
+                    ],
+                    "all_as_expected": all(r.as_expected for r in results),
+                },
+                indent=2,
+            )
+        )
     else:
         for r in results:
             plant = ", ".join(r.expected) if r.expected else "nothing (a correct loop)"

@@ -35,7 +35,7 @@ BOOK_FILES = ("_config.yml", "_toc.yml", "intro.md", "references.md", "reference
 #: (every other page in the table of contents is copied as it is).
 STUDENT_STUBS: dict[str, str] = {
     "errata": "# Corrections\n\nThe book's corrections are listed in the full edition: several of them concern "
-              "exercise solutions, so they are published together with the solutions.\n",
+    "exercise solutions, so they are published together with the solutions.\n",
 }
 
 
@@ -81,8 +81,11 @@ def solution_texts(nb: dict[str, Any]) -> list[str]:
         if cell["cell_type"] == "markdown":
             for block in SOLUTION.findall(_source(cell)):
                 body = block.split("\n", 2)[-1]
-                texts += [line.strip() for line in body.splitlines() if len(line.strip()) >= 25
-                          and not line.strip().startswith((":", "```"))]
+                texts += [
+                    line.strip()
+                    for line in body.splitlines()
+                    if len(line.strip()) >= 25 and not line.strip().startswith((":", "```"))
+                ]
     return texts
 
 
@@ -104,7 +107,7 @@ def package_source(module: str, pyobject: str) -> str:
             raise ValueError(f"gradaccum.{module} defines no {pyobject!r}: fix the chapter's literalinclude.")
         node = found[0]
     start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
-    lines = text.splitlines()[start - 1:node.end_lineno]
+    lines = text.splitlines()[start - 1 : node.end_lineno]
     indent = min(len(line) - len(line.lstrip()) for line in lines if line.strip())
     return "\n".join(line[indent:] for line in lines)
 
@@ -151,12 +154,20 @@ STUDENT_INTRO_NOTE = (
 def _student_config(text: str, repository: str = STUDENT_REPOSITORY, branch: str = STUDENT_BRANCH) -> str:
     """The student site's configuration: its title says what it is, and every button points at ``repository``."""
     if not re.fullmatch(r"https://\S+", repository) or not re.fullmatch(r"[\w./-]+", branch):
-        raise ValueError(f"the student repository must be an https URL and the branch a plain name, got "
-                         f"{repository!r} and {branch!r}.")
-    text = re.sub(r'^title:\s*"?([^"\n]*)"?', lambda m: f'title: "{m.group(1)} (student edition)"', text, count=1,
-                  flags=re.M)
-    text, n = re.subn(r"^(repository:\s*\n\s+url:\s*)\S+(\s*\n\s+branch:\s*)\S+", rf"\g<1>{repository}\g<2>{branch}",
-                      text, count=1, flags=re.M)
+        raise ValueError(
+            f"the student repository must be an https URL and the branch a plain name, got "
+            f"{repository!r} and {branch!r}."
+        )
+    text = re.sub(
+        r'^title:\s*"?([^"\n]*)"?', lambda m: f'title: "{m.group(1)} (student edition)"', text, count=1, flags=re.M
+    )
+    text, n = re.subn(
+        r"^(repository:\s*\n\s+url:\s*)\S+(\s*\n\s+branch:\s*)\S+",
+        rf"\g<1>{repository}\g<2>{branch}",
+        text,
+        count=1,
+        flags=re.M,
+    )
     if n != 1:
         raise ValueError("_config.yml has no repository url and branch to point at the student repository.")
     return text
@@ -165,14 +176,22 @@ def _student_config(text: str, repository: str = STUDENT_REPOSITORY, branch: str
 def _student_intro(text: str, package_url: str = "") -> str:
     """The introduction with its sentence on solutions replaced by what the student edition is, and its line on
     running the book's Makefile (which the student edition does not carry) by how to install the package."""
-    run_locally = ("- **Run a chapter locally**: install the book's package with\n"
-                   f"  `pip install \"gradaccum[book] @ git+{package_url}\"` and open the chapter in Jupyter.\n")
-    text, n = re.subn(r"^- \*\*Run everything locally\*\*.*?(?=^- |^\S|\Z)", run_locally, text, count=1,
-                      flags=re.M | re.S)
+    run_locally = (
+        "- **Run a chapter locally**: install the book's package with\n"
+        f'  `pip install "gradaccum[book] @ git+{package_url}"` and open the chapter in Jupyter.\n'
+    )
+    text, n = re.subn(
+        r"^- \*\*Run everything locally\*\*.*?(?=^- |^\S|\Z)", run_locally, text, count=1, flags=re.M | re.S
+    )
     if n != 1:
         raise ValueError("intro.md has no '- **Run everything locally**' item to replace.")
-    new, n = re.subn(r"^- \*\*Exercises\*\* close every chapter;.*?(?=^- |^\S|\Z)", STUDENT_INTRO_NOTE, text,
-                     count=1, flags=re.M | re.S)
+    new, n = re.subn(
+        r"^- \*\*Exercises\*\* close every chapter;.*?(?=^- |^\S|\Z)",
+        STUDENT_INTRO_NOTE,
+        text,
+        count=1,
+        flags=re.M | re.S,
+    )
     if n != 1:
         raise ValueError("intro.md has no '- **Exercises** close every chapter; ...' item to replace.")
     return new
@@ -184,8 +203,9 @@ def _student_toc(text: str) -> str:
     return "".join(p for p in parts if "caption: For instructors" not in p)
 
 
-def write_student_edition(root: Path, out: Path, repository: str = STUDENT_REPOSITORY,
-                          branch: str = STUDENT_BRANCH) -> list[Path]:
+def write_student_edition(
+    root: Path, out: Path, repository: str = STUDENT_REPOSITORY, branch: str = STUDENT_BRANCH
+) -> list[Path]:
     """Write the student edition of the book in ``root`` to ``out`` (chapters and the files the site needs), its
     buttons pointing at ``repository`` on ``branch``."""
     root, out = Path(root), Path(out)
@@ -238,7 +258,8 @@ def _write_binder(root: Path, out: Path) -> None:
     (out / "binder" / "requirements.txt").write_text(
         f"{requirements}\n"
         "# The student edition has no package source: install the book's package from its repository.\n"
-        f"gradaccum[book] @ git+{_book_repository(root)}\n")
+        f"gradaccum[book] @ git+{_book_repository(root)}\n"
+    )
     shutil.copy(root / "binder" / "runtime.txt", out / "binder" / "runtime.txt")
 
 
@@ -294,8 +315,7 @@ def _hidden_test(expected: object, digits: int | None) -> str:
     return f"### BEGIN HIDDEN TESTS\n{check}\n### END HIDDEN TESTS"
 
 
-def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argument_points: int = 2
-                      ) -> dict[str, Any]:
+def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argument_points: int = 2) -> dict[str, Any]:
     """A chapter's exercises as an nbgrader *source* notebook: the chapter's set-up cell, then per exercise its text,
     for each checker an answer cell (the right answer between ``### BEGIN SOLUTION`` / ``### END SOLUTION``, so that
     ``generate_assignment`` keeps the instruction and the checker call and puts :data:`CODE_STUB` in its place) and a
@@ -305,27 +325,47 @@ def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argu
     cells: list[dict[str, Any]] = []
     setup = next(c for c in nb["cells"] if c["cell_type"] == "code")
     install = _source(setup).split("\nimport matplotlib")[0].split("\nimport gradaccum")[0].rstrip()
-    heading = title or next((_source(c).splitlines()[0].lstrip("# ") for c in nb["cells"]
-                             if c["cell_type"] == "markdown" and _source(c).startswith("# ")), "Exercises")
-    _add(cells, "markdown", f"# Exercises: {heading}\n\nWork with the chapter open beside this notebook: where an "
-                            "exercise says *above*, it means the chapter. Run the set-up cell first. Put your answer "
-                            "where a cell says `YOUR ANSWER HERE` and run that cell: the checker call in it says "
-                            "whether the answer is right and, if not, what is wrong. The locked cells grade your "
-                            "answers.")
+    heading = title or next(
+        (
+            _source(c).splitlines()[0].lstrip("# ")
+            for c in nb["cells"]
+            if c["cell_type"] == "markdown" and _source(c).startswith("# ")
+        ),
+        "Exercises",
+    )
+    _add(
+        cells,
+        "markdown",
+        f"# Exercises: {heading}\n\nWork with the chapter open beside this notebook: where an "
+        "exercise says *above*, it means the chapter. Run the set-up cell first. Put your answer "
+        "where a cell says `YOUR ANSWER HERE` and run that cell: the checker call in it says "
+        "whether the answer is right and, if not, what is wrong. The locked cells grade your "
+        "answers.",
+    )
     # the chapter's set-up without its data and models: the exercises need the checkers only (fast to grade)
-    _add(cells, "code", f"{install}\n\nimport gradaccum\nfrom gradaccum.book import exercises\n\n"
-                        "gradaccum.setup(seed=0)")
-    solutions = {label: body.strip() for cell in nb["cells"] if cell["cell_type"] == "markdown"
-                 for label, body in SOLUTION_FOR.findall(_source(cell))}
+    _add(
+        cells, "code", f"{install}\n\nimport gradaccum\nfrom gradaccum.book import exercises\n\ngradaccum.setup(seed=0)"
+    )
+    solutions = {
+        label: body.strip()
+        for cell in nb["cells"]
+        if cell["cell_type"] == "markdown"
+        for label, body in SOLUTION_FOR.findall(_source(cell))
+    }
     number = 0
     for i, cell in enumerate(nb["cells"]):
         found = EXERCISE.search(_source(cell)) if cell["cell_type"] == "markdown" else None
         if found:
             number += 1
-            _exercise_cells(cells, nb, i, found.group(1), number, solutions.get(found.group(1)),
-                            points, argument_points)
-    return {"cells": cells, "metadata": {"kernelspec": dict(KERNEL), "language_info": {"name": "python"}},
-            "nbformat": 4, "nbformat_minor": 5}
+            _exercise_cells(
+                cells, nb, i, found.group(1), number, solutions.get(found.group(1)), points, argument_points
+            )
+    return {
+        "cells": cells,
+        "metadata": {"kernelspec": dict(KERNEL), "language_info": {"name": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
 
 
 def _add(cells: list[dict[str, Any]], cell_type: str, text: str, meta: dict[str, Any] | None = None) -> None:
@@ -338,14 +378,22 @@ def _add(cells: list[dict[str, Any]], cell_type: str, text: str, meta: dict[str,
     cells.append(cell)
 
 
-def _exercise_cells(cells: list[dict[str, Any]], nb: dict[str, Any], i: int, label: str, number: int,
-                    solution: str | None, points: int, argument_points: int) -> None:
+def _exercise_cells(
+    cells: list[dict[str, Any]],
+    nb: dict[str, Any],
+    i: int,
+    label: str,
+    number: int,
+    solution: str | None,
+    points: int,
+    argument_points: int,
+) -> None:
     """Exercise ``label`` (cell ``i`` of the chapter): its text, an answer and a locked test cell per checker call in
     the checker cells after it, and the manually graded argument cell where it asks for more than they check."""
     body = re.sub(r"^```\{exercise\}[^\n]*\n(?::[^\n]*\n)*", "", _source(nb["cells"][i]).strip()).removesuffix("```")
     _add(cells, "markdown", f"## Exercise {number} ({label})\n\n{_plain_markdown(inline_includes(body.strip()))}")
     checks = []
-    for following in nb["cells"][i + 1:]:
+    for following in nb["cells"][i + 1 :]:
         if not is_exercise_cell(following):
             break
         checks.append(following)
@@ -355,19 +403,41 @@ def _exercise_cells(cells: list[dict[str, Any]], nb: dict[str, Any], i: int, lab
             n_calls += 1
             expected, digits = exercises.expected_answer(getattr(exercises, name), **kwargs)
             args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
-            _add(cells, "code", f"{_answer_hint(_source(check))}\n### BEGIN SOLUTION\nanswer = {expected!r}\n"
-                                f"### END SOLUTION\nexercises.{name}(answer{args})",
-                 {"grade": False, "solution": True, "locked": False, "grade_id": f"{label}-answer-{n_calls}"})
-            _add(cells, "code", f"feedback = exercises.{name}(answer{args})\nassert feedback, str(feedback)\n"
-                                f"{_hidden_test(expected, digits)}",
-                 {"grade": True, "solution": False, "locked": True, "points": points,
-                  "grade_id": f"{label}-test-{n_calls}"})
+            _add(
+                cells,
+                "code",
+                f"{_answer_hint(_source(check))}\n### BEGIN SOLUTION\nanswer = {expected!r}\n"
+                f"### END SOLUTION\nexercises.{name}(answer{args})",
+                {"grade": False, "solution": True, "locked": False, "grade_id": f"{label}-answer-{n_calls}"},
+            )
+            _add(
+                cells,
+                "code",
+                f"feedback = exercises.{name}(answer{args})\nassert feedback, str(feedback)\n"
+                f"{_hidden_test(expected, digits)}",
+                {
+                    "grade": True,
+                    "solution": False,
+                    "locked": True,
+                    "points": points,
+                    "grade_id": f"{label}-test-{n_calls}",
+                },
+            )
     if n_calls == 0 or body.count("?") > n_calls:
         model = _plain_markdown(inline_includes(solution if solution is not None else "(see the book's solution)"))
         part = "the parts the checker does not check" if n_calls else "graded by your instructor"
-        _add(cells, "markdown", f"**Your argument** ({part}):\n\n### BEGIN SOLUTION\n{model}\n### END SOLUTION",
-             {"grade": True, "solution": True, "locked": False, "points": argument_points,
-              "grade_id": f"{label}-argument"})
+        _add(
+            cells,
+            "markdown",
+            f"**Your argument** ({part}):\n\n### BEGIN SOLUTION\n{model}\n### END SOLUTION",
+            {
+                "grade": True,
+                "solution": True,
+                "locked": False,
+                "points": argument_points,
+                "grade_id": f"{label}-argument",
+            },
+        )
 
 
 def write_nbgrader(root: Path, out: Path) -> list[Path]:
@@ -387,8 +457,11 @@ def write_nbgrader(root: Path, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gradaccum.book.course", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m gradaccum.book.course",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("what", choices=["student", "nbgrader"])
     parser.add_argument("--root", type=Path, default=Path("."), help="the book's repository (default: .)")
     parser.add_argument("--out", type=Path, help="output folder (default _build/student or _build/nbgrader)")
@@ -398,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.root / "chapters").is_dir():
         parser.error(f"{args.root} has no chapters/ folder; run from the book's repository or pass --root.")
     if args.what == "student":
-        paths = write_student_edition(args.root, args.out or args.root / "_build" / "student" / "book",
-                                      args.repository, args.branch)
+        paths = write_student_edition(
+            args.root, args.out or args.root / "_build" / "student" / "book", args.repository, args.branch
+        )
     else:
         paths = write_nbgrader(args.root, args.out or args.root / "_build" / "nbgrader")
     print(f"wrote {len(paths)} notebooks under {paths[0].parents[1] if paths else args.out}")

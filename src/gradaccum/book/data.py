@@ -66,7 +66,9 @@ def load_digits_split(
     return DigitsSplit(images(x_tr), labels(y_tr), images(x_va), labels(y_va))
 
 
-
+def flat_digits(x: torch.Tensor) -> torch.Tensor:
+    """The 8×8 digits as 64 features (float64)."""
+    return x.reshape(len(x), -1).double()
 
 
 def load_corpus() -> list[str]:
@@ -110,8 +112,9 @@ def encode_batch(lines: Sequence[str], vocab: Vocab) -> tuple[torch.Tensor, torc
     return x, y
 
 
-def spread_lines(lines: Sequence[str], n: int, center: int, spread: int, seed: int = 0,
-                 sort: bool = False) -> list[str]:
+def spread_lines(
+    lines: Sequence[str], n: int, center: int, spread: int, seed: int = 0, sort: bool = False
+) -> list[str]:
     """n lines cut to lengths drawn uniformly from [center − spread, center + spread] (sorted by length if
     ``sort``, which makes micro-batches of similar length, as length-grouped batching does)."""
     if not 0 <= spread < center:

@@ -29,13 +29,22 @@ def grade_effective_momentum(answer: object, m: float = 0.05, k: int = 6) -> Fee
         answer,
         expected,
         mistakes=[
-            (m, "that is the momentum of a single update, but in training mode BatchNorm updates its running "
-                f"statistics on every forward pass: K = {k} times per optimizer step."),
-            (k * m, "you added the K momenta. Updates compound: each one keeps a share (1 − m) of the old value, "
-                    "so after K updates the old value keeps (1 − m)^K."),
+            (
+                m,
+                "that is the momentum of a single update, but in training mode BatchNorm updates its running "
+                f"statistics on every forward pass: K = {k} times per optimizer step.",
+            ),
+            (
+                k * m,
+                "you added the K momenta. Updates compound: each one keeps a share (1 − m) of the old value, "
+                "so after K updates the old value keeps (1 − m)^K.",
+            ),
             ((1 - m) ** k, "(1 − m)^K is the weight the *old* running value keeps; the momentum is 1 minus that."),
-            (m / k, "m/K is (about) the per-micro-batch momentum that would *correct* the drift; the question "
-                    "asks what momentum results when m is used K times."),
+            (
+                m / k,
+                "m/K is (about) the per-micro-batch momentum that would *correct* the drift; the question "
+                "asks what momentum results when m is used K times.",
+            ),
         ],
         hint="Write the update K times in a row and collect the weight left on the old value.",
     )
@@ -49,8 +58,10 @@ def grade_corrected_momentum(answer: object, m: float = 0.05, k: int = 6) -> Fee
         expected,
         mistakes=[
             (m / k, f"m/K = {m / k:.6g} is only the first-order approximation; solve (1 − m')^K = 1 − m exactly."),
-            (1 - (1 - m) ** k, "that is the effective momentum *with* the drift; invert it instead: "
-                               "(1 − m')^K = 1 − m."),
+            (
+                1 - (1 - m) ** k,
+                "that is the effective momentum *with* the drift; invert it instead: (1 − m')^K = 1 − m.",
+            ),
             ((1 - m) ** (1 / k), "(1 − m)^(1/K) is the weight each update *keeps*; the momentum is 1 minus that."),
             (m, "that leaves the momentum unchanged, so the running statistics still move K updates per step."),
         ],
@@ -66,11 +77,16 @@ def grade_biased_variance_ratio(answer: object, b: int = 4) -> Feedback:
         answer,
         expected,
         mistakes=[
-            (1.0, "1 is the ratio for the *unbiased* estimate, which PyTorch stores in running_var; training "
-                  "normalizes with the biased one (divisor b)."),
+            (
+                1.0,
+                "1 is the ratio for the *unbiased* estimate, which PyTorch stores in running_var; training "
+                "normalizes with the biased one (divisor b).",
+            ),
             (b / (b - 1), "upside down: the biased estimate is *smaller* on average, by the factor (b − 1)/b."),
-            (1 / b, "1/b is the variance of the batch *mean* in units of σ²; the question is about the batch "
-                    "variance."),
+            (
+                1 / b,
+                "1/b is the variance of the batch *mean* in units of σ²; the question is about the batch variance.",
+            ),
         ],
         hint="Use E[Σ(xᵢ − x̄)²] = (b − 1)σ².",
     )
@@ -78,16 +94,24 @@ def grade_biased_variance_ratio(answer: object, b: int = 4) -> Feedback:
 
 #: Layers offered in the "which layers couple the batch" exercise, and why each one does or doesn't.
 LAYER_FACTS: dict[str, tuple[bool, str]] = {
-    "BatchNorm2d": (True, "BatchNorm2d normalizes with statistics over the batch, so a sample's output depends on "
-                          "the rest of its micro-batch."),
+    "BatchNorm2d": (
+        True,
+        "BatchNorm2d normalizes with statistics over the batch, so a sample's output depends on "
+        "the rest of its micro-batch.",
+    ),
     "LayerNorm": (False, "LayerNorm's statistics are per sample; it computes the same function at any batch size."),
     "GroupNorm": (False, "GroupNorm's statistics are per sample (over channel groups and positions)."),
-    "InstanceNorm2d": (False, "InstanceNorm2d (with its default track_running_stats=False) normalizes each sample's "
-                              "channels on their own."),
-    "Dropout": (False, "Dropout draws an independent mask per element: a sample's output does not depend on the "
-                       "other samples, so it does not couple them. (Its masks do differ between one big batch and K "
-                       "micro-batches — the same distribution, other draws — and chapter 6 shows the real dropout "
-                       "pitfall, reused seeds.)"),
+    "InstanceNorm2d": (
+        False,
+        "InstanceNorm2d (with its default track_running_stats=False) normalizes each sample's channels on their own.",
+    ),
+    "Dropout": (
+        False,
+        "Dropout draws an independent mask per element: a sample's output does not depend on the "
+        "other samples, so it does not couple them. (Its masks do differ between one big batch and K "
+        "micro-batches — the same distribution, other draws — and chapter 6 shows the real dropout "
+        "pitfall, reused seeds.)",
+    ),
     "Linear": (False, "Linear acts on each sample separately."),
 }
 
@@ -103,14 +127,14 @@ def grade_batch_coupled(answer: object) -> Feedback:
     except TypeError:  # unhashable items, e.g. a nested list
         return Feedback(False, "give a flat set of layer names, e.g. {'Linear'}, not a nested list.")
     # "nn.BatchNorm2d" and "torch.nn.BatchNorm2d" name the same class
-    chosen = {c.rsplit(".", 1)[-1] if isinstance(c, str) and c.startswith(("nn.", "torch.nn.")) else c
-              for c in chosen}
+    chosen = {c.rsplit(".", 1)[-1] if isinstance(c, str) and c.startswith(("nn.", "torch.nn.")) else c for c in chosen}
     unknown = chosen - LAYER_FACTS.keys()
     if unknown:
         classes = [u.__name__ for u in unknown if isinstance(u, type)]
         hint = f" (give class names as strings, e.g. {classes[0]!r})" if classes else ""
-        return Feedback(False, f"unknown layer name(s) {sorted(map(repr, unknown))}{hint}; choose from "
-                               f"{sorted(LAYER_FACTS)}.")
+        return Feedback(
+            False, f"unknown layer name(s) {sorted(map(repr, unknown))}{hint}; choose from {sorted(LAYER_FACTS)}."
+        )
     wrong_in = [name for name in sorted(chosen) if not LAYER_FACTS[name][0]]
     missing = [name for name in sorted(LAYER_FACTS) if LAYER_FACTS[name][0] and name not in chosen]
     if not wrong_in and not missing:
@@ -130,8 +154,11 @@ def grade_ghost_virtual_size(answer: object, k: int = 16, b: int = 4) -> Feedbac
         answer,
         float(b),
         mistakes=[
-            (float(k * b), "a virtual batch of K·b is the whole batch: that is ordinary BatchNorm over the full "
-                           "batch, which accumulation does *not* compute."),
+            (
+                float(k * b),
+                "a virtual batch of K·b is the whole batch: that is ordinary BatchNorm over the full "
+                "batch, which accumulation does *not* compute.",
+            ),
             (float(k), "K is the *number* of ghost batches; the question asks for their size."),
             (1.0, "a ghost batch of one sample has zero variance; BatchNorm cannot train on it."),
         ],
@@ -147,14 +174,25 @@ def grade_exact_sweeps(answer: object, layers: int = 3) -> Feedback:
         answer,
         float(layers + 1),
         mistakes=[
-            (1.0, "one forward/backward sweep is plain accumulation (or the constants scheme): neither gives the "
-                  "full-batch gradient."),
-            (float(layers), "one collecting sweep per BatchNorm layer is right, but the gradient itself needs one "
-                            "more sweep with every correction applied."),
-            (2.0, "two sweeps (statistics, then forward/backward) give the full-batch *forward*, not its gradient; "
-                  "and the statistics pass is forward-only, not a forward/backward sweep."),
-            (float(2 * layers + 1), "the statistics pass does not count here: it runs forward only and stops at "
-                                    "each layer."),
+            (
+                1.0,
+                "one forward/backward sweep is plain accumulation (or the constants scheme): neither gives the "
+                "full-batch gradient.",
+            ),
+            (
+                float(layers),
+                "one collecting sweep per BatchNorm layer is right, but the gradient itself needs one "
+                "more sweep with every correction applied.",
+            ),
+            (
+                2.0,
+                "two sweeps (statistics, then forward/backward) give the full-batch *forward*, not its gradient; "
+                "and the statistics pass is forward-only, not a forward/backward sweep.",
+            ),
+            (
+                float(2 * layers + 1),
+                "the statistics pass does not count here: it runs forward only and stops at each layer.",
+            ),
         ],
         hint="Corrections must be known for every later layer before a layer's sums can be gathered.",
         count=True,
@@ -168,8 +206,10 @@ def grade_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
         raise ValueError(f"delta (the bias change) must be a finite nonzero number, got {delta!r}.")
     # the answer 0 is checked to an absolute 1e-12: the slip ±delta must lie far outside it to be told apart
     if abs(delta) < 1e-9:
-        raise ValueError(f"delta = {delta!r} is too small to tell the slip (a change of delta) from the answer (0) "
-                         "at the grader's absolute tolerance of 1e-12; pick |delta| >= 1e-9.")
+        raise ValueError(
+            f"delta = {delta!r} is too small to tell the slip (a change of delta) from the answer (0) "
+            "at the grader's absolute tolerance of 1e-12; pick |delta| >= 1e-9."
+        )
     return grade_number(
         answer,
         0.0,
@@ -190,8 +230,11 @@ def grade_clip_scaled_micro(answer: object) -> Feedback:
         answer,
         2.0,
         mistakes=[
-            (1.0, "1 is what clipping once gives (the correct step). Under (a1) each contribution g_k/K has norm "
-                  "0.5 < c, so nothing is clipped and the sum keeps its norm."),
+            (
+                1.0,
+                "1 is what clipping once gives (the correct step). Under (a1) each contribution g_k/K has norm "
+                "0.5 < c, so nothing is clipped and the sum keeps its norm.",
+            ),
             (0.5, "0.5 is one contribution g_k/K; there are four of them, all pointing the same way."),
             (4.0, "the contributions are g_k/K, not g_k: their sum is the average, of norm 2."),
             (8.0, "the contributions are g_k/K, not g_k: their sum is the average, of norm 2."),
@@ -206,12 +249,21 @@ def grade_clip_raw_micro(answer: object) -> Feedback:
         answer,
         0.0,
         mistakes=[
-            (1.0, "1 is the correct step: the average (1, 0) has norm 1 and is not clipped. Under (a2) g_1 is "
-                  "clipped to (1, 0) *before* averaging, and then it cancels g_2."),
-            (2.0, "2 is ‖g_1 + g_2‖ = ‖(2, 0)‖: the raw micro-gradients summed, neither clipped nor averaged. "
-                  "Under (a2) each is clipped first, to (1, 0) and (−1, 0), and then averaged."),
-            (0.5, "(1, 0)/2 leaves g_2 out: g_2 = (−1, 0) has norm 1 = c, so it is not clipped (beyond "
-                  "clip_grad_norm_'s factor 1/(1 + 1e-6)), but it still enters the average."),
+            (
+                1.0,
+                "1 is the correct step: the average (1, 0) has norm 1 and is not clipped. Under (a2) g_1 is "
+                "clipped to (1, 0) *before* averaging, and then it cancels g_2.",
+            ),
+            (
+                2.0,
+                "2 is ‖g_1 + g_2‖ = ‖(2, 0)‖: the raw micro-gradients summed, neither clipped nor averaged. "
+                "Under (a2) each is clipped first, to (1, 0) and (−1, 0), and then averaged.",
+            ),
+            (
+                0.5,
+                "(1, 0)/2 leaves g_2 out: g_2 = (−1, 0) has norm 1 = c, so it is not clipped (beyond "
+                "clip_grad_norm_'s factor 1/(1 + 1e-6)), but it still enters the average.",
+            ),
         ],
         hint="Clip g_1 and g_2 separately to norm ≤ 1, then average.",
         atol=1e-6,  # clip_grad_norm_'s + 1e-6 in max_norm / (norm + 1e-6) leaves ~3e-7, not 0
@@ -224,17 +276,28 @@ def grade_scaler_clip_order(answer: object, scale: float = 65536.0, c: float = 1
     clip does nothing and ‖g‖ arrives."""
     scale, c, norm = (require_positive(v, name) for v, name in ((scale, "scale"), (c, "c"), (norm, "norm")))
     if norm * scale <= c:  # the clip does not act
-        return grade_number(answer, norm, mistakes=[
-            (c / scale, f"here the scaled gradient has norm S·{norm:g} = {norm * scale:g}, not above c, so the clip "
-                        "does nothing: unscaling gives back the gradient itself."),
-        ], hint="Follow the norm: is the scaled gradient above c?")
+        return grade_number(
+            answer,
+            norm,
+            mistakes=[
+                (
+                    c / scale,
+                    f"here the scaled gradient has norm S·{norm:g} = {norm * scale:g}, not above c, so the clip "
+                    "does nothing: unscaling gives back the gradient itself.",
+                ),
+            ],
+            hint="Follow the norm: is the scaled gradient above c?",
+        )
     return grade_number(
         answer,
         c / scale,
         mistakes=[
             (c, "that is the right order (unscale_, then clip). Here the clip sees the *scaled* gradient."),
-            (norm, f"the scaled gradient has norm S·{norm:g}, far above c, so the clip does act: it brings it to c, "
-                   "and unscaling then divides by S."),
+            (
+                norm,
+                f"the scaled gradient has norm S·{norm:g}, far above c, so the clip does act: it brings it to c, "
+                "and unscaling then divides by S.",
+            ),
             (c * scale, "unscaling divides by S; it does not multiply."),
             (norm / scale, f"after the clip the scaled gradient has norm c, not S·{norm:g}/S."),
         ],
@@ -258,8 +321,11 @@ def grade_effective_scale(answer: object, scale: float = 65536.0, k: int = 32) -
             (scale * k, "the loss is divided by K, not multiplied."),
             (1 / k, "that forgets the loss scale S."),
             (k / scale, "upside down: the factor is S/K, not K/S."),
-            *([(exponent, f"that is the factor's exponent: give the factor itself, 2^{exponent:g}.")]
-              if exponent not in (scale, scale * k, 1 / k, k / scale, scale / k) else []),
+            *(
+                [(exponent, f"that is the factor's exponent: give the factor itself, 2^{exponent:g}.")]
+                if exponent not in (scale, scale * k, 1 / k, k / scale, scale / k)
+                else []
+            ),
         ],
         digits=6,  # an exact answer: six significant digits
         hint="The backward pass starts from (S/K)·L(θ; B_k).",
@@ -270,31 +336,43 @@ def grade_smallest_positive(answer: object, dtype: str = "float8_e4m3fn") -> Fee
     """Exercise: the smallest positive number of the floating-point format ``dtype`` (a torch dtype name): its
     smallest normal number times its machine epsilon, the last subnormal (from ``torch.finfo``); three
     significant digits."""
-    if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype) \
-            or not getattr(torch, dtype).is_floating_point:
-        raise ValueError(f"{dtype!r} is not a torch floating-point dtype name; use e.g. 'float16' or "
-                         "'float8_e4m3fn'.")
+    if (
+        not isinstance(dtype, str)
+        or not isinstance(getattr(torch, dtype, None), torch.dtype)
+        or not getattr(torch, dtype).is_floating_point
+    ):
+        raise ValueError(f"{dtype!r} is not a torch floating-point dtype name; use e.g. 'float16' or 'float8_e4m3fn'.")
     precision.format_info(getattr(torch, dtype))  # refuses a format whose finfo does not give its subnormals
     info, f16 = torch.finfo(getattr(torch, dtype)), torch.finfo(torch.float16)
     smallest = info.smallest_normal * info.eps
     bits = round(-math.log2(info.eps))
     mistakes: list[tuple[float, str] | tuple[float, str, float]] = [
         (0.0, "0 is not positive: the question asks for the smallest number above 0."),
-        (info.smallest_normal, f"that is the smallest *normal* number; the subnormals below it go {bits} bits "
-                               "further down."),
+        (
+            info.smallest_normal,
+            f"that is the smallest *normal* number; the subnormals below it go {bits} bits further down.",
+        ),
         (info.eps, "that is machine epsilon (the spacing just above 1), not the smallest number."),
         (smallest / 2, "that is half the smallest subnormal: a tie between 0 and it, which rounds to 0."),
     ]
     if dtype != "float16":
-        mistakes.append((f16.smallest_normal * f16.eps, "that is float16's smallest number (2^-24); this format has "
-                                                        "its own exponent range and mantissa bits."))
-    return grade_number(answer, smallest, mistakes=mistakes,
-                        hint="Smallest normal number times machine epsilon; give three significant digits (or the "
-                             "exact power of two).")
+        mistakes.append(
+            (
+                f16.smallest_normal * f16.eps,
+                "that is float16's smallest number (2^-24); this format has its own exponent range and mantissa bits.",
+            )
+        )
+    return grade_number(
+        answer,
+        smallest,
+        mistakes=mistakes,
+        hint="Smallest normal number times machine epsilon; give three significant digits (or the exact power of two).",
+    )
 
 
-def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 0.5, k: int = 8,
-                        overflowed: int = 5) -> Feedback:
+def grade_backoff_scale(
+    answer: object, scale: float = 8192.0, backoff: float = 0.5, k: int = 8, overflowed: int = 5
+) -> Feedback:
     """Exercise: the loss scale after a window of ``k`` micro-batches in which micro-batch ``overflowed``
     (1-based) overflowed (correct recipe): one backoff, ``scale · backoff``."""
     require_positive(scale, "scale")
@@ -302,8 +380,9 @@ def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 
         raise ValueError(f"backoff must lie in (0, 1), as GradScaler requires, got {backoff!r}.")
     require_k(k)
     if isinstance(overflowed, bool) or not isinstance(overflowed, int) or not 1 <= overflowed <= k:
-        raise ValueError(f"overflowed is the overflowing micro-batch's number, an int from 1 to K = {k}, got "
-                         f"{overflowed!r}.")
+        raise ValueError(
+            f"overflowed is the overflowing micro-batch's number, an int from 1 to K = {k}, got {overflowed!r}."
+        )
     # unscale_ + update() after every micro-batch: the inf stays in .grad, so the overflowing micro-batch's
     # update and every later one back off, and the window's own update once more (precision.amp_window's
     # "unscale_update_per_micro"; a test runs it)
@@ -313,15 +392,25 @@ def grade_backoff_scale(answer: object, scale: float = 8192.0, backoff: float = 
         scale * backoff,
         mistakes=[
             (scale, "an inf/NaN found at the step makes update() multiply the scale by the backoff factor."),
-            (scale * backoff**repeated,
-             f"that is a loop that calls unscale_ and update() after every micro-batch: the inf stays in .grad, so "
-             f"every update from micro-batch {overflowed} on backs off again ({repeated} times). The recipe "
-             "updates once per window: one backoff."),
+            (
+                scale * backoff**repeated,
+                f"that is a loop that calls unscale_ and update() after every micro-batch: the inf stays in .grad, so "
+                f"every update from micro-batch {overflowed} on backs off again ({repeated} times). The recipe "
+                "updates once per window: one backoff.",
+            ),
             (scale * 2, "growth happens after growth_interval steps *without* overflow; here there was one."),
-            *([(scale * backoff ** (repeated - 1),
-                "that is the per-micro-batch loop (unscale_ + update() after every micro-batch) without the window's "
-                "own update(), which backs off once more; the recipe updates once per window: one backoff.")]
-              if repeated > 2 else []),
+            *(
+                [
+                    (
+                        scale * backoff ** (repeated - 1),
+                        "that is the per-micro-batch loop (unscale_ + update() after every micro-batch) without the "
+                        "window's own update(), which backs off once more; the recipe updates once per window: one "
+                        "backoff.",
+                    )
+                ]
+                if repeated > 2
+                else []
+            ),
         ],
         digits=6,  # an exact answer: six significant digits
         hint="How many times does update() run in one window, and what does it do after an overflow?",
@@ -336,13 +425,23 @@ def grade_backoff_steps(answer: object, k: int = 8) -> Feedback:
         answer,
         0.0,
         mistakes=[
-            (float(k - 1), "that is a loop that steps per micro-batch; the recipe steps once per window, and "
-                           "scaler.step skips that step when the accumulated gradient holds an inf."
-                           + (" (Or, if you counted the window's one step: scaler.step finds the inf in the "
-                              "accumulated gradient and skips it.)" if k == 2 else "")),
+            (
+                float(k - 1),
+                "that is a loop that steps per micro-batch; the recipe steps once per window, and "
+                "scaler.step skips that step when the accumulated gradient holds an inf."
+                + (
+                    " (Or, if you counted the window's one step: scaler.step finds the inf in the "
+                    "accumulated gradient and skips it.)"
+                    if k == 2
+                    else ""
+                ),
+            ),
             (1.0, "scaler.step finds the inf in the accumulated gradient and skips the window's only step."),
-            (float(k), "that is a step per micro-batch with none skipped; the recipe steps once per window, and "
-                       "scaler.step skips that step when the accumulated gradient holds an inf."),
+            (
+                float(k),
+                "that is a step per micro-batch with none skipped; the recipe steps once per window, and "
+                "scaler.step skips that step when the accumulated gradient holds an inf.",
+            ),
         ],
         atol=0.0,
         hint="How many times does scaler.step run per window, and what does it do after an overflow?",

@@ -31,8 +31,10 @@ class Feedback:
 
 #: What a checker says before an answer is given: the same words on the static page (where a reader opens a running
 #: copy with the rocket button) and in a notebook.
-NO_ANSWER = ("no answer yet. To try this exercise, open a running copy of the page (the rocket button above), set "
-             "`answer` in this cell and run it.")
+NO_ANSWER = (
+    "no answer yet. To try this exercise, open a running copy of the page (the rocket button above), set "
+    "`answer` in this cell and run it."
+)
 
 
 def round_significant(x: float, digits: int) -> float:
@@ -115,18 +117,26 @@ def grade_number(
         return value
     # a count must be whole (up to float rounding: 0.1 * 3 * 20 is 6)
     fractional = count and float(expected).is_integer() and abs(value - round(value)) > 1e-9 * max(1.0, abs(value))
-    fewer = None if count else next(  # a count is not rounded to significant digits
-        (n for n in range(digits - 1, 0, -1) if expected != 0 and _is_rounded(value, expected, n)), None)
-    too_few = (f"{value:g} agrees with the answer to {fewer} significant digit{'s' if fewer and fewer > 1 else ''}; "
-               f"the exercise asks for {digits}: keep more digits (and do not round intermediate results).")
+    fewer = (
+        None
+        if count
+        else next(  # a count is not rounded to significant digits
+            (n for n in range(digits - 1, 0, -1) if expected != 0 and _is_rounded(value, expected, n)), None
+        )
+    )
+    too_few = (
+        f"{value:g} agrees with the answer to {fewer} significant digit{'s' if fewer and fewer > 1 else ''}; "
+        f"the exercise asks for {digits}: keep more digits (and do not round intermediate results)."
+    )
     same = _matcher(count and float(expected).is_integer(), digits, atol)
     if same(value, expected) and not fractional:
         return _correct(expected, digits)
     mistakes = list(mistakes)
     # a count is whole: say so before a slip whose value is whole (125.5 is not the slip 126), not before a
     # slip that is itself a fraction (the answer a misplaced division gives)
-    if fractional and not any(value == m[0] or (not float(m[0]).is_integer() and agrees(value, m[0], digits, atol))
-                              for m in mistakes):
+    if fractional and not any(
+        value == m[0] or (not float(m[0]).is_integer() and agrees(value, m[0], digits, atol)) for m in mistakes
+    ):
         return Feedback(False, f"{value!r} is not a whole number: the answer counts something; give the count.")
     why = _slip(value, expected, mistakes, same, digits, atol, count and float(expected).is_integer())
     if why is not None:
@@ -141,8 +151,11 @@ def grade_number(
 def _as_number(answer: object) -> float | Feedback:
     """``answer`` as one finite float, or the Feedback that says why it is not one."""
     if isinstance(answer, str):
-        return Feedback(False, f"expected a number, got the text {answer!r}: write the number without quotes "
-                               "(a result you computed can be passed as it is).")
+        return Feedback(
+            False,
+            f"expected a number, got the text {answer!r}: write the number without quotes "
+            "(a result you computed can be passed as it is).",
+        )
     if isinstance(answer, bool) or not hasattr(answer, "__float__"):
         return Feedback(False, f"expected a number, got {type(answer).__name__} {answer!r}.")
     try:  # one-element tensors and arrays alike (float() of a one-element NumPy array is deprecated)
@@ -171,14 +184,24 @@ def _correct(expected: float, digits: int) -> Feedback:
     shown = round_significant(expected, digits)
     up = _rounded_half_up(expected, digits)
     if up != shown:  # a tie: Python rounds it to even, most people up, and either is right
-        return Feedback(True, f"correct: exactly {expected:.6g}, a tie at {digits} significant digits "
-                              f"({_digits(shown, digits)} and {_digits(up, digits)} both count).")
+        return Feedback(
+            True,
+            f"correct: exactly {expected:.6g}, a tie at {digits} significant digits "
+            f"({_digits(shown, digits)} and {_digits(up, digits)} both count).",
+        )
     exactly = "" if shown == expected else f"; exactly {expected:.6g}"
     return Feedback(True, f"correct: {_digits(shown, digits)} (to {digits} significant digits{exactly}).")
 
 
-def _slip(value: float, expected: float, mistakes: list, same: Callable[[float, float], bool], digits: int,
-          atol: float, whole: bool) -> str | None:
+def _slip(
+    value: float,
+    expected: float,
+    mistakes: list,
+    same: Callable[[float, float], bool],
+    digits: int,
+    atol: float,
+    whole: bool,
+) -> str | None:
     """The explanation of the first listed slip ``value`` matches (None: none does)."""
     for wrong, why, *own_rtol in mistakes:
         if same(wrong, expected):
@@ -188,8 +211,9 @@ def _slip(value: float, expected: float, mistakes: list, same: Callable[[float, 
         elif whole and float(wrong).is_integer():
             hit = same(value, wrong)
         else:
-            hit = agrees(value, wrong, digits, atol) or (wrong != 0 and any(
-                _is_rounded(value, wrong, n) for n in range(2, max(digits, 3))))
+            hit = agrees(value, wrong, digits, atol) or (
+                wrong != 0 and any(_is_rounded(value, wrong, n) for n in range(2, max(digits, 3)))
+            )
         if hit:
             return why
     return None
@@ -200,8 +224,9 @@ def _near_miss(value: float, expected: float, digits: int, atol: float, count: b
     if not count and 0 < abs(expected) < 1 and agrees(value / 100, expected, digits, atol):
         return Feedback(False, f"{value:g} looks like a percentage: give the answer as a fraction, {value / 100:g}.")
     if not count and expected != 0 and math.isclose(value, _truncated(expected, digits), rel_tol=1e-9):
-        return Feedback(False, f"{value:g} cuts the answer off after {digits} significant digits; round it to the "
-                               "nearest instead.")
+        return Feedback(
+            False, f"{value:g} cuts the answer off after {digits} significant digits; round it to the nearest instead."
+        )
     return Feedback(False, f"{value:.12g} is not right. {hint}".rstrip())  # the answer as given, not rounded
 
 

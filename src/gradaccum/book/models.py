@@ -109,9 +109,6 @@ def batch_coupled_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, BATCH_COUPLED)]
 
 
-
-
-
 class TinyLM(nn.Module):
     """A character model that predicts the next character from the last three (a causal convolution)."""
 
@@ -155,5 +152,6 @@ def mlp(width: int, seed: int = 0) -> nn.Module:
     """A 3-layer MLP on the 64 pixels of a digit with hidden ``width`` (about width² + 74·width parameters)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                             nn.Linear(width, 10))
+        return nn.Sequential(
+            nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+        )

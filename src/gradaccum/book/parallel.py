@@ -41,8 +41,9 @@ def _pool(workers: int) -> ProcessPoolExecutor:
     """The pool of ``workers`` spawned one-thread processes, started on first use (each process when first
     needed) and kept."""
     if workers not in _POOLS:
-        _POOLS[workers] = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                              initializer=_one_thread)
+        _POOLS[workers] = ProcessPoolExecutor(
+            max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_one_thread
+        )
     return _POOLS[workers]
 
 

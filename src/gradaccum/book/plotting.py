@@ -71,9 +71,19 @@ def decorate(
     return ax
 
 
-def heatmap(ax: Axes, grid: np.ndarray, rows: Sequence[object], cols: Sequence[object], fmt: str = "{:.2f}",
-            vmin: float | None = None, vmax: float | None = None, xlabel: str = "", ylabel: str = "",
-            title: str = "", aspect: Literal["equal", "auto"] | float = "auto"):
+def heatmap(
+    ax: Axes,
+    grid: np.ndarray,
+    rows: Sequence[object],
+    cols: Sequence[object],
+    fmt: str = "{:.2f}",
+    vmin: float | None = None,
+    vmax: float | None = None,
+    xlabel: str = "",
+    ylabel: str = "",
+    title: str = "",
+    aspect: Literal["equal", "auto"] | float = "auto",
+):
     """An annotated heat map (first row at the bottom) in the colour-blind-safe cividis map; every cell shows its
     value, in white on the dark half of the scale. Returns the image, for a colour bar."""
     lo = float(grid.min()) if vmin is None else vmin
@@ -81,8 +91,15 @@ def heatmap(ax: Axes, grid: np.ndarray, rows: Sequence[object], cols: Sequence[o
     image = ax.imshow(grid, cmap="cividis", vmin=lo, vmax=hi, origin="lower", aspect=aspect)
     for i in range(grid.shape[0]):
         for j in range(grid.shape[1]):
-            ax.text(j, i, fmt.format(grid[i, j]), ha="center", va="center", fontsize=7,
-                    color="white" if grid[i, j] < lo + (hi - lo) / 2 else "black")
+            ax.text(
+                j,
+                i,
+                fmt.format(grid[i, j]),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if grid[i, j] < lo + (hi - lo) / 2 else "black",
+            )
     ax.set_xticks(range(len(cols)), [str(c) for c in cols])
     ax.set_yticks(range(len(rows)), [str(r) for r in rows])
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)

@@ -26,29 +26,38 @@ class Table:
     is right-aligned. Displays as HTML in Jupyter and on the site, and as aligned text in ``repr``.
     """
 
-    def __init__(self, columns: Sequence[str], rows: Sequence[Sequence[object]], caption: str = "",
-                 groups: Sequence[tuple[str, int]] = ()) -> None:
+    def __init__(
+        self,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[object]],
+        caption: str = "",
+        groups: Sequence[tuple[str, int]] = (),
+    ) -> None:
         self.columns = [str(c) for c in columns]
         self.rows: list[list[str]] = []
         for i, row in enumerate(rows):
             if len(row) != len(self.columns):
-                raise ValueError(f"row {i} has {len(row)} cells for {len(self.columns)} columns; give one cell "
-                                 "per column.")
+                raise ValueError(
+                    f"row {i} has {len(row)} cells for {len(self.columns)} columns; give one cell per column."
+                )
             if isinstance(row, str):
                 raise ValueError(f"row {i} is the string {row!r}: give a list of cells.")
             cells = []
             for cell in row:
                 if isinstance(cell, bool) or not isinstance(cell, (str, numbers.Integral)):
-                    raise ValueError(f"row {i} holds {type(cell).__name__} {cell!r}: give text or an integer; format "
-                                     "numbers yourself (e.g. f'{x:.3f}') so the printed precision is fixed.")
+                    raise ValueError(
+                        f"row {i} holds {type(cell).__name__} {cell!r}: give text or an integer; format "
+                        "numbers yourself (e.g. f'{x:.3f}') so the printed precision is fixed."
+                    )
                 cells.append(str(cell))
             self.rows.append(cells)
         groups = list(groups)
         if any(span < 1 for _, span in groups):
             raise ValueError("every column group spans at least one column.")
         if groups and sum(span for _, span in groups) != len(self.columns):
-            raise ValueError(f"the group spans add up to {sum(s for _, s in groups)}, not to the "
-                             f"{len(self.columns)} columns.")
+            raise ValueError(
+                f"the group spans add up to {sum(s for _, s in groups)}, not to the {len(self.columns)} columns."
+            )
         self.groups = list(groups)
         self.caption = caption
         self.numeric = []
@@ -60,14 +69,15 @@ class Table:
         widths = [max([len(c)] + [len(r[j]) for r in self.rows]) for j, c in enumerate(self.columns)]
 
         def line(cells: Sequence[str]) -> str:
-            return "  ".join(c.rjust(w) if num else c.ljust(w)
-                             for c, w, num in zip(cells, widths, self.numeric)).rstrip()
+            return "  ".join(
+                c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, self.numeric)
+            ).rstrip()
 
         out = [self.caption] if self.caption else []
         if self.groups:
             parts, j = [], 0
             for label, span in self.groups:
-                width = sum(widths[j:j + span]) + 2 * (span - 1)
+                width = sum(widths[j : j + span]) + 2 * (span - 1)
                 parts.append(label.center(width))
                 j += span
             out.append("  ".join(parts).rstrip())
@@ -84,10 +94,14 @@ class Table:
 
         head = ""
         if self.groups:
-            head += "<tr>" + "".join(f'<th colspan="{span}">{html.escape(label)}</th>'
-                                     for label, span in self.groups) + "</tr>"
+            head += (
+                "<tr>"
+                + "".join(f'<th colspan="{span}">{html.escape(label)}</th>' for label, span in self.groups)
+                + "</tr>"
+            )
         head += "<tr>" + "".join(f"<th{cls(j)}>{cell(c)}</th>" for j, c in enumerate(self.columns)) + "</tr>"
-        body = "".join("<tr>" + "".join(f"<td{cls(j)}>{cell(c)}</td>" for j, c in enumerate(r)) + "</tr>"
-                       for r in self.rows)
+        body = "".join(
+            "<tr>" + "".join(f"<td{cls(j)}>{cell(c)}</td>" for j, c in enumerate(r)) + "</tr>" for r in self.rows
+        )
         caption = f"<caption>{html.escape(self.caption)}</caption>" if self.caption else ""
         return f'<table class="ga-table">{caption}<thead>{head}</thead><tbody>{body}</tbody></table>'

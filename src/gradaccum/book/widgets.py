@@ -116,8 +116,9 @@ def render_frame(plot_fn: Callable[..., Any], params: Mapping[str, Any], dpi: in
     except ValueError as err:
         return Frame(message=str(err))
     if not isinstance(fig, Figure):
-        raise TypeError(f"{getattr(plot_fn, '__name__', plot_fn)!r} must return a matplotlib Figure, "
-                        f"got {type(fig).__name__}")
+        raise TypeError(
+            f"{getattr(plot_fn, '__name__', plot_fn)!r} must return a matplotlib Figure, got {type(fig).__name__}"
+        )
     fig.set_dpi(dpi)
     # drawn once and its pixels taken as they are: what savefig(dpi=dpi) writes under the default savefig.*
     # settings (the book changes none), in less time
@@ -141,8 +142,10 @@ def _check_on_control(name: str, control: Any, values: Sequence[Any]) -> None:
     """Every grid value must be one the live control can take, so the static page offers no picture the live
     widget cannot show."""
     if not isinstance(control, ipywidgets.ValueWidget):
-        raise ValueError(f"control {name!r} is {control!r}: pass an ipywidgets control (IntSlider, FloatSlider, "
-                         "Dropdown, ...), not an abbreviation, so the static and the live widget agree.")
+        raise ValueError(
+            f"control {name!r} is {control!r}: pass an ipywidgets control (IntSlider, FloatSlider, "
+            "Dropdown, ...), not an abbreviation, so the static and the live widget agree."
+        )
     options = getattr(control, "options", None)
     if options is not None:
         allowed = [o[1] if isinstance(o, tuple) else o for o in options]
@@ -153,8 +156,9 @@ def _check_on_control(name: str, control: Any, values: Sequence[Any]) -> None:
             low, high = control.base**control.min, control.base**control.max
         bad = [v for v in values if low is not None and not low <= v <= high]
     if bad:
-        raise ValueError(f"grid values {bad} of {name!r} are outside what its control allows; use values the "
-                         "live widget can take.")
+        raise ValueError(
+            f"grid values {bad} of {name!r} are outside what its control allows; use values the live widget can take."
+        )
 
 
 class Explorer:
@@ -167,8 +171,14 @@ class Explorer:
     tested function, so the static picture at a grid point is the live one.
     """
 
-    def __init__(self, plot_fn: Callable[..., Any], grid: Mapping[str, Sequence[Any]], alt: str,
-                 controls: Mapping[str, Any], dpi: int = 72) -> None:
+    def __init__(
+        self,
+        plot_fn: Callable[..., Any],
+        grid: Mapping[str, Sequence[Any]],
+        alt: str,
+        controls: Mapping[str, Any],
+        dpi: int = 72,
+    ) -> None:
         initial = {name: getattr(c, "value", c) for name, c in controls.items()}
         unknown = set(grid) - set(controls)
         if unknown:
@@ -176,8 +186,10 @@ class Explorer:
         for name, values in grid.items():
             _check_on_control(name, controls[name], values)
             if initial[name] not in values:
-                raise ValueError(f"the initial {name} = {initial[name]!r} is not on its grid {list(values)}; "
-                                 "add it so the static picture matches the live one.")
+                raise ValueError(
+                    f"the initial {name} = {initial[name]!r} is not on its grid {list(values)}; "
+                    "add it so the static picture matches the live one."
+                )
         self.names = list(grid)
         self.values = [list(grid[n]) for n in self.names]
         self.frames: dict[str, Frame] = {}
@@ -187,8 +199,11 @@ class Explorer:
         self.initial = [self.values[i].index(initial[n]) for i, n in enumerate(self.names)]
         self.alt = alt
         self.descriptions = [getattr(controls[n], "description", "") or n for n in self.names]
-        digest = hashlib.sha1(repr((getattr(plot_fn, "__qualname__", ""), self.names, self.values, alt,
-                                    sorted(self.frames.items()))).encode())  # two explorers on a page differ
+        digest = hashlib.sha1(
+            repr(
+                (getattr(plot_fn, "__qualname__", ""), self.names, self.values, alt, sorted(self.frames.items()))
+            ).encode()
+        )  # two explorers on a page differ
         self.id = "ga-explorer-" + digest.hexdigest()[:10]
         self.widget = interactive_figure(plot_fn, **controls)
 
@@ -200,34 +215,44 @@ class Explorer:
             cid = f"{self.id}-{n}"
             label = f'<label for="{cid}">{html.escape(desc)}</label>'
             if all(isinstance(v, str) for v in values):
-                options = "".join(f'<option value="{i}"{" selected" if i == start else ""}>{html.escape(v)}'
-                                  "</option>" for i, v in enumerate(values))
+                options = "".join(
+                    f'<option value="{i}"{" selected" if i == start else ""}>{html.escape(v)}</option>'
+                    for i, v in enumerate(values)
+                )
                 control = f'<select id="{cid}" data-param="{n}">{options}</select>'
             else:
                 shown = html.escape(_grid_label(values[start]))
-                control = (f'<input type="range" id="{cid}" data-param="{n}" min="0" max="{len(values) - 1}" '
-                           f'step="1" value="{start}"><output for="{cid}">{shown}</output>')
+                control = (
+                    f'<input type="range" id="{cid}" data-param="{n}" min="0" max="{len(values) - 1}" '
+                    f'step="1" value="{start}"><output for="{cid}">{shown}</output>'
+                )
             controls.append(f'<div class="ga-explorer-control">{label}{control}</div>')
-        data = {"names": list(self.descriptions), "labels": [[_grid_label(v) for v in vs] for vs in self.values],
-                "alt": self.alt, "frames": {k: {"src": f.src} if f.src else {"message": f.message}
-                                            for k, f in self.frames.items()}}
+        data = {
+            "names": list(self.descriptions),
+            "labels": [[_grid_label(v) for v in vs] for vs in self.values],
+            "alt": self.alt,
+            "frames": {k: {"src": f.src} if f.src else {"message": f.message} for k, f in self.frames.items()},
+        }
         # no "<" at all in the script element: neither an early </script> nor <!-- can end it
         payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
         first = self.frames["-".join(map(str, self.initial))]
-        grid_text = "; ".join(f"{d} ∈ {{{', '.join(_grid_label(v) for v in vs)}}}"
-                              for d, vs in zip(self.descriptions, self.values))
-        return (f'<div class="ga-explorer" id="{self.id}">'
-                f'<div class="ga-explorer-controls">{"".join(controls)}</div>'
-                '<img class="ga-explorer-figure" style="max-width:100%;height:auto" '
-                f'alt="{html.escape(self.alt)}" src="{first.src or ""}"'
-                f'{" hidden" if first.src is None else ""}>'
-                f'<p class="ga-explorer-message"{"" if first.message else " hidden"}>'
-                f'{"⚠ " + html.escape(first.message) if first.message else ""}</p>'
-                f'<p class="ga-explorer-note">Precomputed for {html.escape(grid_text)}. '
-                "Run the notebook (Binder, Colab) to compute any value.</p>"
-                f'<script type="application/json" class="ga-explorer-data">'
-                f"{payload}</script>"
-                f"<script>{_EXPLORER_JS % {'id': self.id}}</script></div>")
+        grid_text = "; ".join(
+            f"{d} ∈ {{{', '.join(_grid_label(v) for v in vs)}}}" for d, vs in zip(self.descriptions, self.values)
+        )
+        return (
+            f'<div class="ga-explorer" id="{self.id}">'
+            f'<div class="ga-explorer-controls">{"".join(controls)}</div>'
+            '<img class="ga-explorer-figure" style="max-width:100%;height:auto" '
+            f'alt="{html.escape(self.alt)}" src="{first.src or ""}"'
+            f"{' hidden' if first.src is None else ''}>"
+            f'<p class="ga-explorer-message"{"" if first.message else " hidden"}>'
+            f"{'⚠ ' + html.escape(first.message) if first.message else ''}</p>"
+            f'<p class="ga-explorer-note">Precomputed for {html.escape(grid_text)}. '
+            "Run the notebook (Binder, Colab) to compute any value.</p>"
+            f'<script type="application/json" class="ga-explorer-data">'
+            f"{payload}</script>"
+            f"<script>{_EXPLORER_JS % {'id': self.id}}</script></div>"
+        )
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle = self.widget._repr_mimebundle_(**kwargs)
