@@ -128,6 +128,14 @@ PLACEMENT_TEXT = {
 }
 
 
+#: The fix a BatchNorm ``batch_coupled_layer`` finding names: remove the coupling, compute the full batch's statistics
+#: exactly, or keep per-micro-batch statistics on purpose and accept the finding.
+BN_FIX = ("GroupNorm/LayerNorm (no batch coupling); gradaccum.full_batch_stats_backward (exact full-batch "
+          "statistics); or keep per-micro-batch statistics deliberately (gradaccum.ghostify: GhostBatchNorm) and "
+          "accept the difference with allow=['batch_coupled_layer'] (--allow batch_coupled_layer); running "
+          "statistics are also updated K times per step: PreciseBN (chapters 1, 2)")
+
+
 #: What every zero_grad_inside_window finding says the cause is.
 ZERO_GRAD_CAUSE = "zero_grad() inside the window: the gradient buffer is emptied between micro-batches"
 

@@ -51,6 +51,7 @@ from .measure import (
 )
 from .recorder import Event
 from .report import (
+    BN_FIX,
     CORRECT_LOOP,
     ZERO_GRAD_CAUSE,
     Finding,
@@ -244,10 +245,8 @@ def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, mod
         bn = all("BatchNorm" in cls for _, cls, _ in coupled)
         cause = ("BatchNorm normalizes each micro-batch with its own statistics" if bn else
                  "a batch-coupled layer: a sample's output depends on the other samples of its batch")
-        fix = ("GroupNorm/LayerNorm, larger micro-batches, or PreciseBN for the running statistics (chapters 1, 2); "
-               "running statistics are also updated K times per step" if bn else
-               "replace the layer by a per-sample one, or accept (and measure) the difference; larger micro-batches "
-               "shrink it")
+        fix = BN_FIX if bn else ("replace the layer by a per-sample one, or accept (and measure) the difference; "
+                                 "larger micro-batches shrink it")
         out.add("batch_coupled_layer", cause,
                 f"{len(coupled)} layer(s) give a sample a different output in a micro-batch of {m.b} than in the "
                 f"full batch of {m.n} (same inputs, same randomness): {names}; the ideal accumulation of this model "
