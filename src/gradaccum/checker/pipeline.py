@@ -157,7 +157,8 @@ def _check(job: _Job) -> Report:
     _fill(report, run, clipping, info)
     if job.step is not None and job.partial and job.k >= 2 and run.error is None and set(report.codes) <= PARTIAL_OK:
         extra = _partial_window(job.model, job.loss_fn, job.x, job.y, job.k, job.b, job.step, job.seed, refs,
-                                clipping.clip, clipping.kind, clipping.norm_type, job.wtol, job.tol, job.fixed_tol)
+                                clipping.clip, clipping.kind, clipping.norm_type, job.wtol, job.tol, job.fixed_tol,
+                                info.get("decay"))
         if extra is not None:
             report.findings.append(extra)
     return report
@@ -316,14 +317,16 @@ def _measurements(job: _Job, run: _Run, refs: _Refs, c: Clipping) -> Measurement
         loss_thr=probe.thr, clip=c.clip, clip_kind=c.kind, clip_norm_type=c.norm_type, clip_source=c.source,
         events=shown_events, passes=run.passes, error=run.error, forwards=run.forwards, unreplayed=run.unreplayed,
         random_draws=draws, reseeded=reseeded, coupled=lambda: coupled_modules(model, x, b, SampleRNG(seed), rtol),
-        param_slices=slices, has_step=job.step is not None, outside_draws=run.outside)
+        param_slices=slices, has_step=job.step is not None, outside_draws=run.outside,
+        params=torch.cat([p.detach().reshape(-1) for p in _trainable(model)]).to(refs.basis.dtype).cpu())
 
 
 def _fill(report: Report, run: _Run, c: Clipping, info: dict[str, Any]) -> None:
     """The report's measurements: weights, error and cosine, warnings, events, counts, the randomness note."""
     report.weights, report.expected_weights = info.get("weights"), info.get("expected_weights")
-    if run.error is None:
-        report.rel_error, report.cosine = rel(c.target, run.applied), cosine(c.target, run.applied)
+    if run.error is None:  # (the gradient without a weight decay the rules took out)
+        applied = info.get("compared", run.applied)
+        report.rel_error, report.cosine = rel(c.target, applied), cosine(c.target, applied)
     report.warnings = run.warnings
     report.events = [str(e) for e in run.events]
     report.counts = {"backward": len(run.passes)}
@@ -385,13 +388,17 @@ def _clips_all(event: Event, count: int) -> bool:
 
 def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, b: int,
                     step: Step, seed: int, refs: _Refs, clip: float | None, kind: str, norm_type: float,
-                    wtol: float, tol: float, fixed_tol: bool = False) -> Finding | None:
+                    wtol: float, tol: float, fixed_tol: bool = False, decay: torch.Tensor | None = None
+                    ) -> Finding | None:
     """Run ``step`` on the first K − 1 micro-batches with k = K − 1 and compare with their mean gradient (under
     autocast, and without a tolerance of the caller's, a difference of autocast's size, up to 10%, is no finding:
-    the whole window's check reports that as inconclusive)."""
+    the whole window's check reports that as inconclusive; ``decay``: the parameters a weight decay in the step's
+    gradient was found on, taken out here too)."""
     m = k - 1
     xp, yp = x[: m * b], y[: m * b]
     run = _run_step(model, loss_fn, xp, yp, m, step, seed, plans=refs.plans)
+    if decay is not None and run.error is None:  # the weight decay the whole window's check took out
+        run.applied = run.applied - fit_weights(torch.cat([refs.basis[:m], decay[None]]), run.applied)[0][-1] * decay
     if run.error is not None:
         return Finding("partial_window_not_checked", "the last partial window was not checked",
                        f"your step raised {type(run.error).__name__} on a window of {m} micro-batch(es) with "

@@ -36,6 +36,7 @@ from typing import Any, cast
 import torch
 
 from .calls import _event_findings
+from .decay import decay_findings
 from .measure import (
     Measurements,
     _after,
@@ -85,6 +86,8 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     g = m.applied
     if _no_gradient_findings(m, out, g, last):
         return out.list(), info
+    m = decay_findings(m, out, info)  # weight decay in the gradient: named, then taken out
+    g = m.applied
     w, residual, cond = _fitted_weights(m, g)
     ideal_unclipped, clipped, clip_factor = _ideal(m)
     e = [fj * clip_factor for fj in m.f]
