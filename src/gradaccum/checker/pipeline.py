@@ -52,7 +52,8 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
     micro-batches (as the last window of an epoch) and report a gradient that is not that window's mean.
     ``allow``: finding codes you expect and accept (``"batch_coupled_layer"`` for a BatchNorm model under plain
     accumulation): they are still reported, marked allowed, and do not make the verdict fail; everything else is
-    judged as usual.
+    judged as usual. A ``torch.compile``'d model runs eagerly here (the loop and the model's code are checked, not
+    the compiled kernels); weight decay in the step's gradient is named and left out of the comparison.
     """
     _validate_arguments(model, loss_fn, x, y, k, step, clip, tolerance, seed)
     allowed = _allowed_codes(allow)
@@ -66,7 +67,9 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
     devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     restore = _Restore(model)
     try:
-        with torch.random.fork_rng(devices=devices):
+        # a torch.compile'd model runs eagerly: the instruments are dispatch modes, and Dynamo, meeting one,
+        # would mark the model's code eager for the rest of the process
+        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
             _check_outputs(model, loss_fn, x, y)
             report = _check(_Job(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b,
                                  fixed_tol=tolerance is not None))
@@ -390,10 +393,9 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
                     step: Step, seed: int, refs: _Refs, clip: float | None, kind: str, norm_type: float,
                     wtol: float, tol: float, fixed_tol: bool = False, decay: torch.Tensor | None = None
                     ) -> Finding | None:
-    """Run ``step`` on the first K − 1 micro-batches with k = K − 1 and compare with their mean gradient (under
-    autocast, and without a tolerance of the caller's, a difference of autocast's size, up to 10%, is no finding:
-    the whole window's check reports that as inconclusive; ``decay``: the parameters a weight decay in the step's
-    gradient was found on, taken out here too)."""
+    """Run ``step`` on the first K − 1 micro-batches with k = K − 1 and compare with their mean gradient, without
+    the weight ``decay`` the whole window showed (under autocast, and without a tolerance of the caller's, a
+    difference of autocast's size, up to 10%, is no finding: the whole window's check reports it as inconclusive)."""
     m = k - 1
     xp, yp = x[: m * b], y[: m * b]
     run = _run_step(model, loss_fn, xp, yp, m, step, seed, plans=refs.plans)
