@@ -23,7 +23,7 @@ import torch
 
 from .measure import Measurements, _is_zero, fit_weights, rel
 from .recorder import Pass
-from .report import _Findings, num, nums, ordinal_list
+from .report import _Findings, num, nums
 
 
 @dataclass
