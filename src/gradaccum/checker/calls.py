@@ -28,6 +28,7 @@ def _event_findings(m: Measurements, out: _Findings, last: int) -> None:
     _step_call_findings(m, out, last)
     _scaler_call_findings(m, out, last)
     _clip_call_findings(m, out, last)
+    _average_findings(m, out, last)
     _seed_findings(m, out)
     foreign = [e for e in _counts(m.events, "optimizer.step") if not e.detail.get("owns_params", True)]
     if foreign:
@@ -112,6 +113,21 @@ def _clip_call_findings(m: Measurements, out: _Findings, last: int) -> None:
         else:
             out.add("clip_running_buffer", CLIP_RUNNING, evidence, CLIP_FIX, 3)
         out.value_clip_bit = out.value_clip_bit or (bites and by_value)
+
+
+def _average_findings(m: Measurements, out: _Findings, last: int) -> None:
+    """A model average (``AveragedModel.update_parameters``, or an EMA written by hand) updated between backward
+    passes: once per micro-batch instead of once per optimizer step."""
+    updates = _counts(m.events, "average.update")
+    if not any(0 < e.after < last for e in updates):
+        return
+    names = sorted({str(e.detail.get("cls")).strip("()") for e in updates})
+    out.add("ema_per_micro_batch", "a model average (EMA or SWA) updated per micro-batch, not once per optimizer step",
+            f"{' and '.join(names)}: updated {len(updates)}× in one window of {m.k} micro-batches "
+            f"({', '.join(_after(e) for e in updates[:4])}{', …' if len(updates) > 4 else ''}): the average moves "
+            f"up to {m.k}× as often as the weights, towards weights the step has not made yet",
+            "update the average once per optimizer step, after optimizer.step(); if the batch per step grew "
+            "κ-fold, use the decay ρ^κ (Busbridge et al. 2023, How to Scale Your EMA)", None)
 
 
 def _seed_findings(m: Measurements, out: _Findings) -> None:

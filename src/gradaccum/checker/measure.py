@@ -112,6 +112,7 @@ class Measurements:
     # by a batch-wide value of the outputs (check._loss_probe)
     f_moved: list[float] | None = None
     loss_thr: float | None = None  # what counts as equal in the loss probe (its dtype's rounding); None: thr
+    params: torch.Tensor | None = None  # the trainable parameters θ as the window starts (flat, as basis)
 
     @property
     def thr(self) -> float:

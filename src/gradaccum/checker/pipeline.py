@@ -52,7 +52,8 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
     micro-batches (as the last window of an epoch) and report a gradient that is not that window's mean.
     ``allow``: finding codes you expect and accept (``"batch_coupled_layer"`` for a BatchNorm model under plain
     accumulation): they are still reported, marked allowed, and do not make the verdict fail; everything else is
-    judged as usual.
+    judged as usual. A ``torch.compile``'d model runs eagerly here (the loop and the model's code are checked, not
+    the compiled kernels); weight decay in the step's gradient is named and left out of the comparison.
     """
     _validate_arguments(model, loss_fn, x, y, k, step, clip, tolerance, seed)
     allowed = _allowed_codes(allow)
@@ -66,7 +67,9 @@ def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
     devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     restore = _Restore(model)
     try:
-        with torch.random.fork_rng(devices=devices):
+        # a torch.compile'd model runs eagerly: the instruments are dispatch modes, and Dynamo, meeting one,
+        # would mark the model's code eager for the rest of the process
+        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
             _check_outputs(model, loss_fn, x, y)
             report = _check(_Job(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b,
                                  fixed_tol=tolerance is not None))
@@ -157,7 +160,8 @@ def _check(job: _Job) -> Report:
     _fill(report, run, clipping, info)
     if job.step is not None and job.partial and job.k >= 2 and run.error is None and set(report.codes) <= PARTIAL_OK:
         extra = _partial_window(job.model, job.loss_fn, job.x, job.y, job.k, job.b, job.step, job.seed, refs,
-                                clipping.clip, clipping.kind, clipping.norm_type, job.wtol, job.tol, job.fixed_tol)
+                                clipping.clip, clipping.kind, clipping.norm_type, job.wtol, job.tol, job.fixed_tol,
+                                info.get("decay"))
         if extra is not None:
             report.findings.append(extra)
     return report
@@ -316,14 +320,16 @@ def _measurements(job: _Job, run: _Run, refs: _Refs, c: Clipping) -> Measurement
         loss_thr=probe.thr, clip=c.clip, clip_kind=c.kind, clip_norm_type=c.norm_type, clip_source=c.source,
         events=shown_events, passes=run.passes, error=run.error, forwards=run.forwards, unreplayed=run.unreplayed,
         random_draws=draws, reseeded=reseeded, coupled=lambda: coupled_modules(model, x, b, SampleRNG(seed), rtol),
-        param_slices=slices, has_step=job.step is not None, outside_draws=run.outside)
+        param_slices=slices, has_step=job.step is not None, outside_draws=run.outside,
+        params=torch.cat([p.detach().reshape(-1) for p in _trainable(model)]).to(refs.basis.dtype).cpu())
 
 
 def _fill(report: Report, run: _Run, c: Clipping, info: dict[str, Any]) -> None:
     """The report's measurements: weights, error and cosine, warnings, events, counts, the randomness note."""
     report.weights, report.expected_weights = info.get("weights"), info.get("expected_weights")
-    if run.error is None:
-        report.rel_error, report.cosine = rel(c.target, run.applied), cosine(c.target, run.applied)
+    if run.error is None:  # (the gradient without a weight decay the rules took out)
+        applied = info.get("compared", run.applied)
+        report.rel_error, report.cosine = rel(c.target, applied), cosine(c.target, applied)
     report.warnings = run.warnings
     report.events = [str(e) for e in run.events]
     report.counts = {"backward": len(run.passes)}
@@ -385,13 +391,16 @@ def _clips_all(event: Event, count: int) -> bool:
 
 def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, b: int,
                     step: Step, seed: int, refs: _Refs, clip: float | None, kind: str, norm_type: float,
-                    wtol: float, tol: float, fixed_tol: bool = False) -> Finding | None:
-    """Run ``step`` on the first K − 1 micro-batches with k = K − 1 and compare with their mean gradient (under
-    autocast, and without a tolerance of the caller's, a difference of autocast's size, up to 10%, is no finding:
-    the whole window's check reports that as inconclusive)."""
+                    wtol: float, tol: float, fixed_tol: bool = False, decay: torch.Tensor | None = None
+                    ) -> Finding | None:
+    """Run ``step`` on the first K − 1 micro-batches with k = K − 1 and compare with their mean gradient, without
+    the weight ``decay`` the whole window showed (under autocast, and without a tolerance of the caller's, a
+    difference of autocast's size, up to 10%, is no finding: the whole window's check reports it as inconclusive)."""
     m = k - 1
     xp, yp = x[: m * b], y[: m * b]
     run = _run_step(model, loss_fn, xp, yp, m, step, seed, plans=refs.plans)
+    if decay is not None and run.error is None:  # the weight decay the whole window's check took out
+        run.applied = run.applied - fit_weights(torch.cat([refs.basis[:m], decay[None]]), run.applied)[0][-1] * decay
     if run.error is not None:
         return Finding("partial_window_not_checked", "the last partial window was not checked",
                        f"your step raised {type(run.error).__name__} on a window of {m} micro-batch(es) with "

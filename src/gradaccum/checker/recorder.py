@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.swa_utils import AveragedModel
 
+from .averaging import ParameterCopies
 from .instrument import _as_float, flat
 
 
@@ -83,14 +85,8 @@ class Event:
 
 
 _CLIP_NAMES = {"clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "_clip_grads_with_norm_"}
-
-
 _SEED_NAMES = {"manual_seed", "seed", "set_rng_state", "manual_seed_all"}
-
-
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # gradaccum/
-
-
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
@@ -177,8 +173,12 @@ def _changes_nothing(frame: Any, name: str) -> bool:
     return isinstance(state, torch.Tensor) and torch.equal(state, torch.get_rng_state())
 
 
-_NAMES = ({"step", "__init__", "zero_grad", "scale", "unscale_", "update", "__enter__", "checkpoint"} | _CLIP_NAMES
-          | _SEED_NAMES)
+_NAMES = ({"step", "__init__", "zero_grad", "scale", "unscale_", "update", "__enter__", "checkpoint",
+           "update_parameters", "_call_impl"} | _CLIP_NAMES | _SEED_NAMES)
+
+
+#: What an average written by hand is recorded as (see :mod:`.averaging`).
+BY_HAND = "(an average written by hand)"
 
 
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
@@ -309,7 +309,12 @@ class CallRecorder:
             self._on_seed(frame, name, filename)
             return
         obj = self._self(frame)
-        if obj is not None:
+        if name in ("_call_impl", "update_parameters"):  # a module's forward; an AveragedModel's update
+            if name == "_call_impl" and isinstance(obj, nn.Module):
+                self._push(frame, "forward")
+            elif isinstance(obj, AveragedModel) and self._push(frame, "average"):
+                self._event("average.update", cls=type(obj).__name__, avg=id(obj))
+        elif obj is not None:
             self._on_method(frame, name, obj)
 
     def _on_clip(self, frame: Any, name: str) -> None:
@@ -467,12 +472,25 @@ class CallRecorder:
             data.detail["norm_before"] = nb
             data.detail["factor"] = float(after.norm()) / nb if nb > 0 else 1.0
 
+    def _copies_skipped(self) -> bool:
+        """Where an in-place read of a parameter is no average written by hand (see :mod:`.averaging`)."""
+        return self.mute() or torch._C._current_graph_task_id() != -1 or any(
+            self._depth.get(c) for c in ("opt", "wrap", "average", "clip", "scaler", "zero_grad", "forward"))
+
+    def _hand_average(self) -> None:
+        """An average written by hand read the parameters: one event per place between backward passes."""
+        last = self.events[-1] if self.events else None
+        if last is None or (last.kind, last.after, last.detail.get("cls")) != ("average.update", self.backwards,
+                                                                                  BY_HAND):
+            self._event("average.update", cls=BY_HAND)
+
     @contextmanager
     def active(self) -> Iterator[None]:
         previous = sys.getprofile()
         sys.setprofile(self._profile)
         try:
-            yield
+            with ParameterCopies(self.params, self._copies_skipped, self._hand_average):
+                yield
         finally:
             sys.setprofile(previous)
 

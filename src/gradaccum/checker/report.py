@@ -89,6 +89,11 @@ CODES: dict[str, str] = {
     "scaler_unscale_inside_window": "GradScaler.unscale_() more than once per window",
     "optimizer_step_inside_window": "an optimizer steps more than once per window, or before the last backward",
     "scheduler_step_inside_window": "scheduler.step() more than once per window (constructors not counted)",
+    "weight_decay_per_micro_batch": "a term proportional to the parameters (weight decay) added to .grad after "
+                                    "every micro-batch: K times the decay per step",
+    "weight_decay_in_gradient": "(note) weight decay in the gradient (p.grad += wd * p once, or an L2 term in the "
+                                "loss): left out of the comparison",
+    "ema_per_micro_batch": "a model average (AveragedModel, or an EMA written by hand) updated per micro-batch",
     "batch_coupled_layer": "a layer (BatchNorm, or any other) makes a sample's output depend on its batch",
     "loss_couples_samples": "the loss is not a sum over micro-batches (in-batch negatives, batch statistics)",
     "bn_stats_updated_twice": "BatchNorm statistics updated again when backward recomputes it (checkpointing)",
@@ -126,6 +131,14 @@ PLACEMENT_TEXT = {
     "raw_micro": "each micro-batch's raw gradient clipped, then averaged (chapter 3's (a2))",
     "running": "the running .grad buffer clipped after every backward (chapter 3's (b))",
 }
+
+
+#: The fix a BatchNorm ``batch_coupled_layer`` finding names: remove the coupling, compute the full batch's statistics
+#: exactly, or keep per-micro-batch statistics on purpose and accept the finding.
+BN_FIX = ("GroupNorm/LayerNorm (no batch coupling); gradaccum.full_batch_stats_backward (exact full-batch "
+          "statistics); or keep per-micro-batch statistics deliberately (gradaccum.ghostify: GhostBatchNorm) and "
+          "accept the difference with allow=['batch_coupled_layer'] (--allow batch_coupled_layer); running "
+          "statistics are also updated K times per step: PreciseBN (chapters 1, 2)")
 
 
 #: What every zero_grad_inside_window finding says the cause is.

@@ -36,6 +36,7 @@ from typing import Any, cast
 import torch
 
 from .calls import _event_findings
+from .decay import decay_findings
 from .measure import (
     Measurements,
     _after,
@@ -51,6 +52,7 @@ from .measure import (
 )
 from .recorder import Event
 from .report import (
+    BN_FIX,
     CORRECT_LOOP,
     ZERO_GRAD_CAUSE,
     Finding,
@@ -84,6 +86,8 @@ def diagnose(m: Measurements) -> tuple[list[Finding], dict[str, Any]]:
     g = m.applied
     if _no_gradient_findings(m, out, g, last):
         return out.list(), info
+    m = decay_findings(m, out, info)  # weight decay in the gradient: named, then taken out
+    g = m.applied
     w, residual, cond = _fitted_weights(m, g)
     ideal_unclipped, clipped, clip_factor = _ideal(m)
     e = [fj * clip_factor for fj in m.f]
@@ -244,10 +248,8 @@ def _coupling_findings(m: Measurements, out: _Findings, ideal: torch.Tensor, mod
         bn = all("BatchNorm" in cls for _, cls, _ in coupled)
         cause = ("BatchNorm normalizes each micro-batch with its own statistics" if bn else
                  "a batch-coupled layer: a sample's output depends on the other samples of its batch")
-        fix = ("GroupNorm/LayerNorm, larger micro-batches, or PreciseBN for the running statistics (chapters 1, 2); "
-               "running statistics are also updated K times per step" if bn else
-               "replace the layer by a per-sample one, or accept (and measure) the difference; larger micro-batches "
-               "shrink it")
+        fix = BN_FIX if bn else ("replace the layer by a per-sample one, or accept (and measure) the difference; "
+                                 "larger micro-batches shrink it")
         out.add("batch_coupled_layer", cause,
                 f"{len(coupled)} layer(s) give a sample a different output in a micro-batch of {m.b} than in the "
                 f"full batch of {m.n} (same inputs, same randomness): {names}; the ideal accumulation of this model "
