@@ -30,8 +30,13 @@ from gradaccum.distributed import CommCounter, register_counter
 #: The frameworks measured, in the order of the chapter's table.
 FRAMEWORKS = ("accelerate", "lightning", "trainer", "nanogpt", "timm")
 #: How the chapter names them.
-LABELS = {"accelerate": "Accelerate", "lightning": "Lightning", "trainer": "Transformers Trainer",
-          "nanogpt": "nanoGPT-style loop", "timm": "timm-style loop"}
+LABELS = {
+    "accelerate": "Accelerate",
+    "lightning": "Lightning",
+    "trainer": "Transformers Trainer",
+    "nanogpt": "nanoGPT-style loop",
+    "timm": "timm-style loop",
+}
 #: Learning rate of the runners' SGD (no momentum, no weight decay).
 LR = 0.1
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -63,8 +68,7 @@ class RecordingSGD(torch.optim.SGD):
         self.grads.append(flat_grads([p for g in self.param_groups for p in g["params"]]))
         self.lrs.append(float(self.param_groups[0]["lr"]))
         super().step()
-        self.params.append(torch.cat([p.detach().reshape(-1).double() for g in self.param_groups
-                                      for p in g["params"]]))
+        self.params.append(torch.cat([p.detach().reshape(-1).double() for g in self.param_groups for p in g["params"]]))
         return loss
 
 
@@ -128,6 +132,7 @@ class Options:
     epochs: int = 1
     loss_kwargs: bool | None = None
 
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -137,8 +142,10 @@ def _world() -> tuple[int, int]:
 def _stack(micro: MicroBatches) -> TensorDataset:
     sizes = {len(x) for x, _ in micro}
     if len(sizes) != 1:
-        raise ValueError(f"the runners need micro-batches of one size, got sizes {sorted(sizes)}; split the data "
-                         "into equal micro-batches (the last partial *window* may hold fewer of them).")
+        raise ValueError(
+            f"the runners need micro-batches of one size, got sizes {sorted(sizes)}; split the data "
+            "into equal micro-batches (the last partial *window* may hold fewer of them)."
+        )
     return TensorDataset(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))
 
 
@@ -168,6 +175,7 @@ def _quiet() -> Iterator[None]:
         for lg, level in levels:
             lg.setLevel(level)
 
+
 def _reset_accelerate() -> None:
     from accelerate.state import AcceleratorState, GradientState
 
@@ -190,6 +198,7 @@ def _own_accelerate_state() -> Iterator[None]:
         for cls, state in saved:
             cls._shared_state.clear()
             cls._shared_state.update(state)
+
 
 def _finish(result: Run, opt: RecordingSGD, sched: CountingLR | None, comm: CommCounter | None) -> Run:
     """Fill in what the optimizer, the scheduler and the communication hook recorded."""

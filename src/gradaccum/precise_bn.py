@@ -1,6 +1,7 @@
 """PreciseBN (Wu & Johnson 2021): recompute BatchNorm's running statistics after training with large batches,
 a cumulative average over many batches instead of K momentum updates per step. Chapter 2 of the book.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -49,8 +50,10 @@ def precise_bn(model: nn.Module, x: torch.Tensor | Iterable[Any], batch_size: in
         raise ValueError("the model has no BatchNorm layer; PreciseBN has nothing to recompute.")
     _check_layers(model, layers, batch_size)
     modes = {m: m.training for m in model.modules()}
-    saved = {layer: (layer.momentum, {k: b.detach().clone() for k, b in layer.named_buffers(recurse=False)})
-             for _, layer in layers}
+    saved = {
+        layer: (layer.momentum, {k: b.detach().clone() for k, b in layer.named_buffers(recurse=False)})
+        for _, layer in layers
+    }
     done = False
     try:
         with torch.no_grad():
@@ -80,15 +83,20 @@ class _Inputs(nn.Module):
 
 def _require_batch_size(batch_size: object, most: int | None) -> None:
     top = "" if most is None else f" and {most}"
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 2 or (
-            most is not None and batch_size > most):
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, int)
+        or batch_size < 2
+        or (most is not None and batch_size > most)
+    ):
         raise ValueError(f"batch_size must be an int between 2{top}, got {batch_size!r}{_numpy_hint(batch_size)}.")
 
 
 def _is_batches(x: object) -> bool:
     """Whether ``x`` is an iterable of batches (a DataLoader, a list), rather than one tensor or array of samples."""
-    return (isinstance(x, Iterable) and not isinstance(x, (torch.Tensor, str, bytes, dict))
-            and not hasattr(x, "__array__"))
+    return (
+        isinstance(x, Iterable) and not isinstance(x, (torch.Tensor, str, bytes, dict)) and not hasattr(x, "__array__")
+    )
 
 
 def _input_of(batch: object, j: int) -> tuple[torch.Tensor | dict[str, Any], int]:
@@ -101,9 +109,11 @@ def _input_of(batch: object, j: int) -> tuple[torch.Tensor | dict[str, Any], int
             return batch, sizes[0]
     elif isinstance(batch, torch.Tensor) and batch.dim() > 0:
         return batch, batch.shape[0]
-    raise ValueError(f"batch {j} is a {type(batch).__name__}: each batch must be a tensor of inputs, a tuple or list "
-                     "whose first element is that tensor (x, y), or a dict of the model's keyword arguments holding "
-                     "tensors (model(**batch)).")
+    raise ValueError(
+        f"batch {j} is a {type(batch).__name__}: each batch must be a tensor of inputs, a tuple or list "
+        "whose first element is that tensor (x, y), or a dict of the model's keyword arguments holding "
+        "tensors (model(**batch))."
+    )
 
 
 def _batches(data: Iterable[Any], batch_size: int | None) -> tuple[Iterator[Any], int]:
@@ -125,9 +135,11 @@ def _batches(data: Iterable[Any], batch_size: int | None) -> tuple[Iterator[Any]
             inp, size = _input_of(batch, j)
             if held is not None or size > b:
                 bad = held if held is not None else (j, size)
-                raise ValueError(f"batch {bad[0]} holds {bad[1]} samples, the batch size is {b}: PreciseBN "
-                                 "normalizes with one batch size, the one training used; only the last batch may "
-                                 "be smaller (it is left out).")
+                raise ValueError(
+                    f"batch {bad[0]} holds {bad[1]} samples, the batch size is {b}: PreciseBN "
+                    "normalizes with one batch size, the one training used; only the last batch may "
+                    "be smaller (it is left out)."
+                )
             if size < b:
                 held = (j, size)
                 continue
@@ -141,15 +153,21 @@ def _check_layers(model: nn.Module, layers: list[tuple[str, _BatchNorm]], batch_
     statistics (an eval-mode layer in a training model), ghost batches that ``batch_size`` does not tile."""
     for name, layer in layers:
         if not layer.track_running_stats:
-            raise ValueError(f"BatchNorm layer {name or '(the model)'!r} keeps no running statistics "
-                             "(track_running_stats=False): there is nothing to recompute; remove it from the model "
-                             "passed to precise_bn or construct it with track_running_stats=True.")
+            raise ValueError(
+                f"BatchNorm layer {name or '(the model)'!r} keeps no running statistics "
+                "(track_running_stats=False): there is nothing to recompute; remove it from the model "
+                "passed to precise_bn or construct it with track_running_stats=True."
+            )
         if not layer.training and model.training:
-            raise ValueError(f"BatchNorm layer {name or '(the model)'!r} is in eval mode while the model trains "
-                             "(frozen statistics): PreciseBN would overwrite them. Recompute on a sub-module "
-                             "without it, or unfreeze it first.")
+            raise ValueError(
+                f"BatchNorm layer {name or '(the model)'!r} is in eval mode while the model trains "
+                "(frozen statistics): PreciseBN would overwrite them. Recompute on a sub-module "
+                "without it, or unfreeze it first."
+            )
     for name, layer in layers:
         v = getattr(layer, "virtual_batch_size", None)
         if v is not None and batch_size != v and batch_size % v:
-            raise ValueError(f"layer {name or '(the model)'!r} is a GhostBatchNorm with ghost batches of {v}: "
-                             f"batch_size {batch_size} must be {v} or a multiple of it.")
+            raise ValueError(
+                f"layer {name or '(the model)'!r} is a GhostBatchNorm with ghost batches of {v}: "
+                f"batch_size {batch_size} must be {v} or a multiple of it."
+            )
