@@ -1,7 +1,8 @@
 """Manual marks for the nbgrader course from the command line, the alternative to formgrader's Manual Grading page.
 
-``python -m gradaccum.book.marks export <assignment> marks.csv`` (in the course folder, after ``nbgrader
-autograde``) writes one row per manually graded answer of every autograded submission: the student's text beside a
+``python -m gradaccum.book.marks export 01_microbatch_statistics marks.csv`` (in the course folder, after
+``nbgrader autograde``; the assignment is a chapter) writes one row per manually graded answer of every autograded
+submission: the student's text beside a
 ``points`` column, already 0 where the answer is still the stub or empty and the mark already given where there is
 one. Fill in the other rows (any spreadsheet), then ``python -m gradaccum.book.marks import marks.csv`` writes the
 points into the gradebook as formgrader does (the manual score, and the cell no longer waiting for a grade), so that
@@ -66,8 +67,10 @@ def export_marks(course: Path, assignment: str, target: Path) -> int:
         for submission in submissions:
             for nb in submission.notebooks:
                 texts = _answers(course, assignment, submission.student.id, nb.name)
+                # a written answer is a graded cell the student writes in (autograde scores an unchanged one 0)
+                written = {cell.name for cell in nb.notebook.solution_cells}
                 rows += [_mark_row(g, assignment, nb.name, submission.student.id, texts.get(g.cell.name, ""))
-                         for g in nb.grades if g.auto_score is None]
+                         for g in nb.grades if g.cell.name in written]
     rows.sort(key=lambda r: (str(r["student"]), str(r["notebook"]), str(r["cell"])))
     with open(target, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
