@@ -19,7 +19,6 @@ the instructor's side runs the page's commands as processes. Each step's time is
 from __future__ import annotations
 
 import csv
-import html
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from layout import ROOT
+from test_nbgrader import visible_text
 
 from gradaccum.book import course, exercises, grading, nbgrader_course
 
@@ -281,7 +281,7 @@ def test_feedback_reaches_students_and_states_no_expected_value(semester, stem):
     ]
     for student in weeks[stem]["students"]:
         (fetched,) = (homes / student / stem / "feedback").glob(f"*/{stem}.html")
-        text = html.unescape(re.sub(r"<[^>]+>", " ", fetched.read_text()))
+        text = visible_text(fetched.read_text())
         assert "Score:" in text and "BEGIN HIDDEN" not in text and "BEGIN SOLUTION" not in text
         for name, kwargs in calls:
             if student == "right" or _accepted(student, name, kwargs):

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from gradaccum.book import graders_ch1_4, graders_ch5_8
 from gradaccum.book.graders_ch1_4 import (
-    LAYER_FACTS,
     grade_backoff_scale,
     grade_backoff_steps,
     grade_batch_coupled,
@@ -60,7 +59,6 @@ from gradaccum.book.grading import (
 
 __all__ = [
     "Feedback",
-    "LAYER_FACTS",
     "NO_ANSWER",
     "agrees",
     "course_mode",
@@ -106,7 +104,7 @@ def expected_answer(grader: Callable[..., Feedback], **kwargs: object) -> tuple[
     mode it raises RuntimeError, as :func:`grading_plan` does."""
     if grader is grade_batch_coupled:
         grading_plan(grade_effective_momentum)  # refuses in course mode
-        return {name for name, (couples, _) in LAYER_FACTS.items() if couples}, None
+        return {name for name, (couples, _) in graders_ch1_4.LAYER_FACTS.items() if couples}, None
     expected, digits, _ = grading_plan(grader, **kwargs)
     return expected, digits
 
