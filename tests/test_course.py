@@ -282,3 +282,11 @@ def test_no_auto_checked_answer_is_printed_or_stated(stem):
                 context = text[max(0, m.start() - 60) : m.end() + 20]
                 leaks.append(f"{name}{kwargs} = {expected!r} shown as {form!r}: …{context}…")
     assert not leaks, "\n".join(leaks[:10])
+
+
+def test_instructor_page_describes_only_buttons_that_exist():
+    """The student site's launch buttons are the ones _config.yml configures (Binder, Colab; no Live Code/thebe)."""
+    page = (ROOT / "instructor.md").read_text()
+    config = (ROOT / "_config.yml").read_text()
+    assert "binderhub_url" in config and "colab_url" in config and "thebe" not in config
+    assert "Binder" in page and "Colab" in page and "Live Code" not in page
