@@ -290,3 +290,20 @@ def test_instructor_page_describes_only_buttons_that_exist():
     config = (ROOT / "_config.yml").read_text()
     assert "binderhub_url" in config and "colab_url" in config and "thebe" not in config
     assert "Binder" in page and "Colab" in page and "Live Code" not in page
+
+
+def test_marks_refuse_what_they_cannot_write(tmp_path, capsys):
+    """The marks file: points must be numbers within the cell's maximum (blank: not marked yet); outside a course
+    folder the command says where to run it, with exit status 2."""
+    from gradaccum.book import marks
+
+    row = {"cell": "ex-ch1-b-equals-2-argument", "max_points": "2.0"}
+    assert marks._points({**row, "points": ""}, 2) is None and marks._points({**row, "points": " 1.5 "}, 2) == 1.5
+    for wrong, says in (("3", "outside 0 to 2"), ("-1", "outside 0 to 2"), ("two", "not a number")):
+        with pytest.raises(ValueError, match=says):
+            marks._points({**row, "points": wrong}, 7)
+    assert marks.main(["--course", str(tmp_path), "export", "01_microbatch_statistics", str(tmp_path / "m.csv")]) == 2
+    assert "no gradebook.db" in capsys.readouterr().err
+    (tmp_path / "m.csv").write_text("student,points\nx,1\n")
+    assert marks.main(["--course", str(tmp_path), "import", str(tmp_path / "m.csv")]) == 2
+    assert "lacks the columns" in capsys.readouterr().err
