@@ -141,10 +141,11 @@ class KeywordModel(nn.Module):
     """Not a Hugging Face model: keyword tensors in, a dict out, with a mean loss over the samples (and the
     logits only when asked)."""
 
-    def __init__(self, logits: bool = False):
+    def __init__(self, logits: bool = False, norm: type[nn.Module] = nn.Dropout):
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3)).double()
+        middle = nn.Dropout(0.2) if norm is nn.Dropout else norm(16)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), middle, nn.Linear(16, 3)).double()
         self.logits = logits
 
     def forward(self, features: torch.Tensor, scale: torch.Tensor, target: torch.Tensor | None = None) -> dict:
@@ -177,9 +178,41 @@ def keyword_loop(divide: bool):
 @pytest.mark.parametrize("logits", [False, True], ids=["loss only", "loss and logits"])
 def test_a_keyword_model_returning_a_dict_with_its_loss(logits):
     model, x = KeywordModel(logits), keyword_batch()
-    assert check(model, None, x, None, K, step=keyword_loop(True)).ok
+    report = check(model, None, x, None, K, step=keyword_loop(True))
+    assert report.ok and report.tolerance <= 1e-9, report  # a float64 loss keeps float64's tolerance
     assert check(model, None, x, None, K).ok  # plain accumulation on dict micro-batches
     assert check(model, None, x, None, K, step=keyword_loop(False)).codes == ["missing_1_over_k"]
+
+
+@pytest.mark.parametrize("logits", [False, True], ids=["loss only", "loss and logits"])
+def test_batchnorm_in_a_model_computing_its_own_loss_is_a_coupled_layer_not_a_coupled_loss(logits):
+    """The weights of the model's own loss are read at the full batch's outputs, so BatchNorm's share of the
+    difference is the model's: named as the layer, with the full batch's weights those of a mean (1/K each)."""
+    report = check(KeywordModel(logits, nn.BatchNorm1d), None, keyword_batch(), None, K)
+    assert report.codes == ["batch_coupled_layer"], report
+    assert report.expected_weights == pytest.approx([1 / K] * K, rel=1e-9)
+
+
+class ParameterModel(nn.Module):
+    """A model without submodules (its parameters used directly), returning its loss only: the output its loss
+    is computed from is no module's, so the full batch's weights are fitted from the gradients."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(6, 3, dtype=torch.float64))
+
+    def forward(self, features: torch.Tensor, scale: torch.Tensor, target: torch.Tensor) -> dict:
+        out = F.dropout(torch.tanh(features * scale) @ self.weight, 0.2, self.training)
+        return {"loss": F.cross_entropy(out, target, reduction="sum")}
+
+
+def test_a_model_whose_loss_comes_from_no_module_output_has_its_weights_fitted():
+    x = keyword_batch()
+    assert check(ParameterModel(), None, x, None, K, step=keyword_loop(False)).ok  # a sum: no division by K
+    report = check(ParameterModel(), None, x, None, K, step=keyword_loop(True))
+    assert report.codes == ["double_1_over_k"], report
+    assert report.expected_weights == pytest.approx([1.0] * K, rel=1e-9)
 
 
 def test_a_dict_batch_with_a_loss_fn_takes_the_logits_of_a_dict_output():

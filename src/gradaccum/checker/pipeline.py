@@ -76,7 +76,7 @@ def check(model: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.Tensor 
     try:
         with torch.random.fork_rng(devices=devices):
             loss = _check_outputs(model, loss_fn, x, y)
-            tol, wtol, note = tolerances(params, loss, tolerance)
+            tol, wtol, note = tolerances(params, loss.dtype, tolerance)
             report = _check(_Job(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, n // k,
                                  fixed_tol=tolerance is not None))
             report.allowed = allowed
@@ -243,13 +243,15 @@ def _step_loss_precision(job: _Job, run: _Run, report: Report) -> None:
     """A step whose forward passes return a loss in a coarser format than the tolerance allows for (the float32
     loss of a Hugging Face model a float64 wrapper holds, called by the step itself): the tolerances of that
     format (as for parameters held in it), and a note; not when the caller gave the tolerance."""
-    eps = max((torch.finfo(d).eps for d in run.loss_dtypes), default=0.0)
-    tol = max(1e-4, 8 * eps)
-    if job.fixed_tol or not eps or tol <= job.tol:
+    if job.fixed_tol or not run.loss_dtypes:
         return
-    job.tol, job.wtol = tol, max(job.wtol, 1e-5, 8 * eps)
+    coarsest = max(run.loss_dtypes, key=lambda d: torch.finfo(d).eps)
+    tol, wtol, note = tolerances(_trainable(job.model), coarsest, None)
+    if note is None or tol <= job.tol:  # the loss is no coarser than the parameters, or already allowed for
+        return
+    job.tol, job.wtol = tol, max(job.wtol, wtol)
     report.tolerance = job.tol
-    dtype = str(min(run.loss_dtypes, key=lambda d: -torch.finfo(d).eps)).replace("torch.", "")
+    dtype = str(coarsest).replace("torch.", "")
     report.notes.append(f"precision: your step's forward passes return their loss in {dtype} (as in "
                         "transformers, whose losses cast the logits to float32), coarser than the reference: the "
                         f"tolerance is that format's, {tol:.2g}")

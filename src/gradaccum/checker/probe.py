@@ -1,16 +1,20 @@
 """How the loss weighs the micro-batches of a window (the full batch's weights :math:`f_j`), read on the loss
 alone: from ``loss_fn`` at the model's outputs, or, for a model that computes its own loss (``loss_fn=None``),
-from the gradients of that loss with respect to the logits it returns (or, without such logits, from the
-gradients)."""
+from the gradients of that loss with respect to the output it is computed from (or, where none is found, from
+the gradients)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
+from .batch import Batch, call, loss_of
 from .measure import fit_weights
 
 
@@ -99,14 +103,78 @@ def _weigh(g_full: torch.Tensor, grads: list[torch.Tensor], b: int, dim: int = 0
     return weights, residuals, tokens
 
 
+class LossSource:
+    """The output a model's own loss is computed from: forward hooks on every module keep the output of the last
+    module to finish, in the full batch's forward pass, with a floating tensor of one row per sample that requires
+    grad (a language model's logits, as its head returns them; a classifier's last layer), by the module's name
+    and the index of that call in the pass. :meth:`gradient_at` then reads the model's loss on a micro-batch with
+    that output set to the full batch's rows of it: the loss alone, at the outputs the full batch had, as
+    :func:`_loss_probe` reads a ``loss_fn`` (a layer that couples samples does not enter the reading)."""
+
+    def __init__(self, model: nn.Module, n: int):
+        self.n = n
+        self.calls: dict[str, int] = {}
+        self.last: tuple[str, int, torch.Tensor] | None = None  # held: a loss-only output is not returned
+        self.value: torch.Tensor | None = None
+        self.handles = [m.register_forward_hook(functools.partial(self._keep, name))
+                        for name, m in model.named_modules() if not isinstance(m, torch.jit.ScriptModule)]
+
+    def _keep(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        index = self.calls.get(name, 0)
+        self.calls[name] = index + 1
+        if (isinstance(output, torch.Tensor) and output.is_floating_point() and output.requires_grad
+                and output.dim() and output.shape[0] == self.n):
+            self.last = (name, index, output)
+
+    def stop(self) -> torch.Tensor | None:
+        """End the watch (after the full batch's forward): the source output, its gradient retained; None when
+        there is none."""
+        for h in self.handles:
+            h.remove()
+        if self.last is None:
+            return None
+        name, index, source = self.last
+        source.retain_grad()
+        self.value = source.detach()
+        self.last = (name, index, self.value)  # the caller holds the source until its backward; the probe does not
+        return source
+
+    def gradient_at(self, work: nn.Module, xb: Batch, start: int, b: int) -> torch.Tensor | None:
+        """The gradient of the model's own loss on micro-batch ``xb`` (rows ``start`` to ``start + b - 1``) with
+        respect to the source output, set to the full batch's rows of it; None where the pass does not produce
+        that output with those rows."""
+        if self.last is None or self.value is None:
+            return None
+        name, index, _ = self.last
+        leaf = self.value.narrow(0, start, b).clone().requires_grad_()
+        count, hit = [0], [False]
+
+        def replace(module: nn.Module, args: Any, output: Any) -> Any:
+            count[0] += 1
+            if count[0] - 1 == index and isinstance(output, torch.Tensor) and output.shape == leaf.shape:
+                hit[0] = True
+                return leaf
+            return None
+
+        handle = dict(work.named_modules())[name].register_forward_hook(replace)
+        try:
+            loss = loss_of(None, call(work, xb), None)
+        finally:
+            handle.remove()
+        if not hit[0]:
+            return None
+        (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+        return torch.zeros_like(leaf) if grad is None else grad
+
+
 def own_loss_probe(grads: list[torch.Tensor | None], basis: torch.Tensor, full: torch.Tensor, k: int, b: int,
                    dtype: torch.dtype) -> _Probe:
     r"""The weights of a loss the model computes itself (``output.loss``): ``grads`` holds its gradient with
-    respect to the logits the model returns, for the full batch and then for each micro-batch alone, read as
-    :func:`_loss_probe` reads ``loss_fn``'s (the logits cannot be moved without the loss function, so ``moved``
-    stays None). Where the loss does not reach returned logits (an output with a loss only), the weights are the
-    least-squares fit of the full batch's gradient on the micro-batch gradients ``basis`` (exact for a model whose
-    samples do not interact; the rest, a layer or a loss that couples them, is then read as the model's), and
+    respect to the output it is computed from (:class:`LossSource`), for the full batch and then for each
+    micro-batch at the full batch's rows, read as :func:`_loss_probe` reads ``loss_fn``'s (the outputs cannot be
+    moved without the loss function, so ``moved`` stays None). Where that output could not be found, the weights
+    are the least-squares fit of the full batch's gradient on the micro-batch gradients ``basis`` (exact for a
+    model whose samples do not interact; a layer or a loss that couples them is then read as the model's), and
     every micro-batch counts its ``b`` samples."""
     thr = max(1e-9, 1000 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-9
     if len(grads) == k + 1 and all(g is not None for g in grads):

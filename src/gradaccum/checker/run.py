@@ -18,6 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .batch import Batch, batch_size, batch_tensors, call, logits_of, loss_of, micro_batches, output_field
 from .instrument import OutsideDraws, SampleRNG, first_tensor, flat
+from .probe import LossSource
 from .recorder import CallRecorder, Event, GradTrace
 from .report import Finding
 
@@ -333,22 +334,20 @@ class _Refs:
     plans: dict
     unreplayed: list[str] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)
-    # loss_fn=None: the model's loss's gradient with respect to its logits, full batch then each micro-batch
-    # (None where the loss does not reach logits the model returns)
+    # loss_fn=None: the model's loss's gradient with respect to the output it is computed from (probe.LossSource),
+    # full batch then each micro-batch at the full batch's rows (None where it is not found)
     out_grads: list[torch.Tensor | None] = field(default_factory=list)
     loss_dtype: torch.dtype = torch.float64
 
 
-def _loss_pass(work: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype]:
+def _loss_pass(work: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.Tensor | None,
+               source: LossSource | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype]:
     """One forward and backward pass of the loss on ``x``: the outputs ``loss_fn`` takes (detached; empty when the
-    model returns none), and, for the model's own loss (``loss_fn`` None), its gradient with respect to them (None
-    where it does not reach them); the loss's dtype."""
+    model returns none), the loss's gradient with respect to the ``source`` output when one is watched (None when
+    not found), and the loss's dtype."""
     out = call(work, x)
+    watched = source.stop() if source is not None else None
     logits = logits_of(out)
-    watched = logits if loss_fn is None and logits is not None and logits.requires_grad else None
-    if watched is not None:
-        watched.retain_grad()
     loss = loss_of(loss_fn, out, y)
     loss.backward()
     grad = watched.grad if watched is not None else None
@@ -359,7 +358,7 @@ def _references(model: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.T
                 seed: int) -> _Refs:
     r"""The full-batch gradient and the micro-batch gradients :math:`h_j`, randomness replayed per sample (the
     full batch runs first: it decides how each random op splits into samples, and where the model's forward
-    enters each submodule, for every later pass)."""
+    enters each submodule, for every later pass); for the model's own loss, the probe's gradients too."""
     work = copy.deepcopy(model)
     params = _trainable(work)
     buffers = {name: b.detach().clone() for name, b in work.named_buffers()}
@@ -369,20 +368,21 @@ def _references(model: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.T
     # random draws outside the forward passes: backward recomputing a checkpointed forward with dropout
     recomputed = OutsideDraws(lambda: scope.depth > 0)
     b = batch_size(x) // k
+    source = LossSource(work, batch_size(x)) if loss_fn is None else None
 
-    def reset() -> None:
+    def reset(j: int) -> None:
         with torch.no_grad():
             for name, value in buffers.items():
                 live[name].copy_(value)
         work.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
+        scope.expect = j * b
 
     try:
         recomputed.__enter__()
-        reset()
-        scope.expect = 0
+        reset(0)
         try:
-            out, grad, dtype = _loss_pass(work, loss_fn, x, y)
+            out, grad, dtype = _loss_pass(work, loss_fn, x, y, source)
         except RuntimeError as err:
             what = "loss_fn(model(x), y)" if loss_fn is not None else "the model's loss (output.loss)"
             raise ValueError(f"{what}.backward() raised: {err}; the checker needs a loss that is differentiable "
@@ -394,13 +394,15 @@ def _references(model: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.T
                              "window with; pass a batch with counted targets.")
         basis, grads = [], [grad]
         for j, (xb, yb) in enumerate(micro_batches(x, y, k)):
-            reset()
-            scope.expect = j * b
+            reset(j)
             try:
-                grads.append(_loss_pass(work, loss_fn, xb, yb)[1])
+                _loss_pass(work, loss_fn, xb, yb)
+                basis.append(flat(params))
+                if source is not None:
+                    reset(j)
+                    grads.append(source.gradient_at(work, xb, j * b, b))
             except Exception as err:
                 return _Refs(torch.empty(0), torch.empty(0), torch.empty(0), err, j + 1, rng.plans)
-            basis.append(flat(params))
         return _Refs(torch.stack(basis), full, out, None, 0, rng.plans, rng.unreplayed, recomputed.draws,
                      grads if loss_fn is None else [], dtype)
     finally:
