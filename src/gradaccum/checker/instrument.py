@@ -34,6 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradaccum import _tensors
 
+from .batch import batch_size, call
+
 _SEEDED = torch.Tag.nondeterministic_seeded
 
 
@@ -74,11 +76,13 @@ class SampleRNG(TorchDispatchMode):
     """Replays randomness per sample inside forward passes (``replay=True``), or records the random values a
     step draws (``replay=False``: used to see whether a step's draws depend on the state it starts from)."""
 
-    def __init__(self, seed: int, replay: bool = True, plans: dict[int, tuple[str, int, int]] | None = None):
+    def __init__(self, seed: int, replay: bool = True, plans: dict[Any, Any] | None = None):
         super().__init__()
         self.seed = seed
         self.replay = replay
-        self.plans = {} if plans is None else plans  # call index → (kind, batch dim, rows per sample)
+        # call index → (kind, batch dim, rows per sample); a module's name → the call index at which the model's
+        # forward enters it (a step that calls the module itself continues the count from there)
+        self.plans = {} if plans is None else plans
         self.window: tuple[int, int] | None = None  # (offset of the forward's first sample, its batch size)
         self.calls = 0
         self.replayed = 0
@@ -355,7 +359,7 @@ def _module_difference(module: nn.Module, inputs: tuple[tuple[Any, ...], dict[st
     return float((small.double() - head.double()).abs().max())
 
 
-def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
+def coupled_modules(model: nn.Module, x: Any, b: int, rng: SampleRNG,
                     rtol: float) -> list[tuple[str, str, float]]:
     """Modules whose output for a sample depends on the other samples of its batch, found by measurement.
 
@@ -365,7 +369,7 @@ def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
     """
 
     work = copy.deepcopy(model)
-    n = x.shape[0]
+    n = batch_size(x)
     captured: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     handles = []
     names = {m: name for name, m in work.named_modules()}
@@ -381,7 +385,7 @@ def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
     try:
         with torch.no_grad(), rng:
             rng.start_forward(0, n)
-            work(x)
+            call(work, x)
     finally:
         for h in handles:
             h.remove()

@@ -71,6 +71,28 @@ def placements(basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "n
     }
 
 
+def tolerances(params: list[torch.nn.Parameter], loss: torch.dtype, tolerance: float | None
+               ) -> tuple[float, float, str | None]:
+    """The verdict's tolerance and the fitted weights' rounding: 1e-9 when the parameters and the loss (its dtype) are
+    float64, else the coarsest of their formats (1e-4 for float32; parameters held in bf16 or fp16 round every
+    gradient to their format: 8 of its epsilons count as equal); and a note when the loss's format, coarser than
+    the parameters', sets them (transformers' losses cast the logits to float32, float64 ones too)."""
+    dtypes = [p.dtype for p in params]
+    coarser = loss.is_floating_point and torch.finfo(loss).eps > max(torch.finfo(d).eps for d in dtypes)
+    if coarser:
+        dtypes.append(loss)
+    float64 = all(d == torch.float64 for d in dtypes)
+    low = 8 * max(torch.finfo(d).eps for d in dtypes)
+    tol = float(tolerance) if tolerance is not None else (1e-9 if float64 else max(1e-4, low))
+    wtol = 1e-9 if float64 else max(1e-5, low)
+    note = None
+    if coarser and tolerance is None:
+        note = (f"precision: the loss is computed in {str(loss).replace('torch.', '')}, coarser than the "
+                f"parameters' (as in transformers, whose losses cast the logits to float32): the tolerance is that "
+                f"format's, {tol:.2g}")
+    return tol, wtol, note
+
+
 def _dtype_eps(name: object) -> float:
     """Machine epsilon of the floating dtype called ``name`` ("bfloat16"), 0 for anything else."""
     dtype = getattr(torch, str(name), None)

@@ -14,12 +14,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from gradaccum.accumulate import accumulate_backward
 from gradaccum.windows import token_loss
 
 from .arguments import _allowed_codes, _check_outputs, _validate_arguments
+from .batch import Batch, accumulate_plain, batch_size, narrow
 from .instrument import SampleRNG, coupled_modules, identical_draws
-from .measure import Measurements, clip_vec, cosine, fit_weights, rel
+from .measure import Measurements, clip_vec, cosine, fit_weights, rel, tolerances
+from .probe import _loss_probe, _Probe, own_loss_probe
 from .recorder import Event
 from .report import COUNTED, PARTIAL_OK, Finding, Report, num, nums
 from .rules import diagnose
@@ -27,7 +28,6 @@ from .run import (
     CANCELLATION,
     CANCELLATION_LIMIT,
     Step,
-    _loss_probe,
     _references,
     _Refs,
     _Restore,
@@ -39,41 +39,52 @@ from .run import (
 from .run_rules import RUN_RULES, Clipping, RunContext, resolve
 
 
-def check(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step | None = None,
-          clip: float | None = None, tolerance: float | None = None, seed: int = 0, partial: bool = True,
-          allow: Sequence[str] = ()) -> Report:
+def check(model: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.Tensor | None, k: int,
+          step: Step | None = None, clip: float | None = None, tolerance: float | None = None, seed: int = 0,
+          partial: bool = True, allow: Sequence[str] = ()) -> Report:
     """Compare one accumulated window (``step``, or plain accumulation) with one full-batch pass; name causes.
 
+    ``x``: a tensor whose first dimension is the batch (``model(x)``), or a dict of such tensors, called as
+    ``model(**x)`` (a Hugging Face batch: ``{"input_ids": ..., "attention_mask": ..., "labels": ...}``); every
+    tensor is cut into micro-batches along its first dimension, and ``step`` receives the dict. ``loss_fn``:
+    ``loss_fn(output, y)`` with ``output`` the model's tensor, or the ``logits`` of an output that is not one (a
+    ``ModelOutput``, a dict); or None when the model computes its own loss from ``x`` (labels inside ``x``): the
+    loss is then ``output.loss`` (or ``output["loss"]``), and ``y`` must be None. The full batch's reference is
+    that loss on the whole batch: for a causal language model, its summed token loss over the batch's label tokens
+    (``labels != -100`` after the model's shift), so a loop that passes ``num_items_in_batch`` (the window's label
+    tokens) to every micro-batch and does not divide by K is right.
     ``clip``: the threshold your loop clips to (norm); when None and your loop calls ``clip_grad_norm_`` or
     ``clip_grad_value_``, the threshold it used is taken. The full-batch reference is then clipped once.
     ``tolerance``: relative error that counts as equal (default 1e-9 for float64 parameters, 1e-4 for float32,
-    8 epsilons of the format for bf16 or fp16 parameters: 6.3e-2 and 7.8e-3).
+    8 epsilons of the format for bf16 or fp16 parameters: 6.3e-2 and 7.8e-3; the format of the loss where it is
+    coarser than the parameters', as transformers' losses compute in float32).
     ``seed``: seeds the per-sample randomness. ``partial``: also run ``step`` on a partial window of K − 1
     micro-batches (as the last window of an epoch) and report a gradient that is not that window's mean.
     ``allow``: finding codes you expect and accept (``"batch_coupled_layer"`` for a BatchNorm model under plain
     accumulation): they are still reported, marked allowed, and do not make the verdict fail; everything else is
     judged as usual. A ``torch.compile``'d model runs eagerly here (the loop and the model's code are checked, not
     the compiled kernels); weight decay in the step's gradient is named and left out of the comparison.
+
+    Dropout is replayed per sample whether ``step`` calls the model or a module inside it (the inner model of a
+    wrapper, ``wrapper.hf(**micro_batch)``), as long as that module's input is rows of ``x``.
     """
     _validate_arguments(model, loss_fn, x, y, k, step, clip, tolerance, seed)
     allowed = _allowed_codes(allow)
     params = _trainable(model)
-    float64 = params[0].dtype == torch.float64
-    # parameters held in bf16 or fp16 round every gradient to their format: 8 of its epsilons count as equal
-    low = 8 * max(torch.finfo(p.dtype).eps for p in params)
-    tol = float(tolerance) if tolerance is not None else (1e-9 if float64 else max(1e-4, low))
-    wtol = 1e-9 if float64 else max(1e-5, low)
-    n, b = x.shape[0], x.shape[0] // k
+    n = batch_size(x)
     devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     restore = _Restore(model)
     try:
         # a torch.compile'd model runs eagerly: the instruments are dispatch modes, and Dynamo, meeting one,
         # would mark the model's code eager for the rest of the process
         with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
-            _check_outputs(model, loss_fn, x, y)
-            report = _check(_Job(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, b,
+            loss = _check_outputs(model, loss_fn, x, y)
+            tol, wtol, note = tolerances(params, loss.dtype, tolerance)
+            report = _check(_Job(model, loss_fn, x, y, k, step, clip, tol, wtol, seed, partial, n, n // k,
                                  fixed_tol=tolerance is not None))
             report.allowed = allowed
+            if note is not None:
+                report.notes.insert(0, note)
             if restore.grads_changed():
                 raise ValueError(
                     "your loss_fn or step wrote gradients into the model you passed to check: the checker runs your "
@@ -111,9 +122,9 @@ class _Job:
     model's modes were set from the step's; ``fixed_tol``: the caller gave the tolerance)."""
 
     model: nn.Module
-    loss_fn: Callable
-    x: torch.Tensor
-    y: torch.Tensor
+    loss_fn: Callable | None
+    x: Batch
+    y: torch.Tensor | None
     k: int
     step: Step | None
     clip: float | None
@@ -138,12 +149,13 @@ def _check(job: _Job) -> Report:
     if early is not None:
         report.findings = resolve(early)
         return report
-    run = _run_step(job.model, job.loss_fn, job.x, job.y, job.k, job.step or accumulate_backward, job.seed,
+    run = _run_step(job.model, job.loss_fn, job.x, job.y, job.k, job.step or accumulate_plain, job.seed,
                     plans=refs.plans)
     if run.transformed:
         report.notes.append(f"torch.func: {run.transformed} forward pass(es) of your step ran inside torch.func "
                             "transforms (vmap, grad); the gradient they produce is compared, but their random draws "
                             "(dropout) are not replayed per sample, and they are not counted as micro-batches")
+    _step_loss_precision(job, run, report)
     switched = _in_the_steps_modes(job, run)
     if switched is not None:
         return switched
@@ -197,7 +209,7 @@ def _reference_findings(job: _Job, refs: _Refs) -> list[Finding] | None:
             "checkpointing to compare like with like", 6, "inconclusive")]
         # the comparison is out of reach, but a checkpoint that does not restore the random state is still a bug
         unpreserved = _unpreserved_finding(_run_step(job.model, job.loss_fn, job.x, job.y, job.k,
-                                                     job.step or accumulate_backward, job.seed, plans=refs.plans))
+                                                     job.step or accumulate_plain, job.seed, plans=refs.plans))
         return found + ([unpreserved] if unpreserved is not None else [])
     return None
 
@@ -229,6 +241,24 @@ def _cancellation(job: _Job, refs: _Refs, report: Report) -> list[Finding] | Non
                             f"full batch's (they cancel, as near an optimum), so rounding is relative to them: the "
                             f"tolerance is widened to {job.tol:.2g}")
     return None
+
+
+def _step_loss_precision(job: _Job, run: _Run, report: Report) -> None:
+    """A step whose forward passes return a loss in a coarser format than the tolerance allows for (the float32
+    loss of a Hugging Face model a float64 wrapper holds, called by the step itself): the tolerances of that
+    format (as for parameters held in it), and a note; not when the caller gave the tolerance."""
+    if job.fixed_tol or not run.loss_dtypes:
+        return
+    coarsest = max(run.loss_dtypes, key=lambda d: torch.finfo(d).eps)
+    tol, wtol, note = tolerances(_trainable(job.model), coarsest, None)
+    if note is None or tol <= job.tol:  # the loss is no coarser than the parameters, or already allowed for
+        return
+    job.tol, job.wtol = tol, max(job.wtol, wtol)
+    report.tolerance = job.tol
+    dtype = str(coarsest).replace("torch.", "")
+    report.notes.append(f"precision: your step's forward passes return their loss in {dtype} (as in "
+                        "transformers, whose losses cast the logits to float32), coarser than the reference: the "
+                        f"tolerance is that format's, {tol:.2g}")
 
 
 def _in_the_steps_modes(job: _Job, run: _Run) -> Report | None:
@@ -306,7 +336,7 @@ def _measurements(job: _Job, run: _Run, refs: _Refs, c: Clipping) -> Measurement
             reseeded = identical_draws(first.draws, second.draws)
     # misplaced and measuring-only clip calls are reported apart (or not at all)
     shown_events = [e for e in run.events if e.kind != "clip" or any(e is p for p in c.placed)]
-    probe = _loss_probe(job.loss_fn, refs.out, job.y, job.k, job.b)
+    probe = _probe(job.loss_fn, refs, job.y, job.k, job.b)
     names = [name for name, p in job.model.named_parameters() if p.requires_grad]
     slices, start = [], 0
     for name, p in zip(names, _trainable(job.model)):
@@ -389,7 +419,7 @@ def _clips_all(event: Event, count: int) -> bool:
     return sorted(event.detail.get("params", [])) == list(range(count))
 
 
-def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, b: int,
+def _partial_window(model: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.Tensor | None, k: int, b: int,
                     step: Step, seed: int, refs: _Refs, clip: float | None, kind: str, norm_type: float,
                     wtol: float, tol: float, fixed_tol: bool = False, decay: torch.Tensor | None = None
                     ) -> Finding | None:
@@ -397,7 +427,7 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
     the weight ``decay`` the whole window showed (under autocast, and without a tolerance of the caller's, a
     difference of autocast's size, up to 10%, is no finding: the whole window's check reports it as inconclusive)."""
     m = k - 1
-    xp, yp = x[: m * b], y[: m * b]
+    xp, yp = narrow(x, 0, m * b), None if y is None else y[: m * b]
     run = _run_step(model, loss_fn, xp, yp, m, step, seed, plans=refs.plans)
     if decay is not None and run.error is None:  # the weight decay the whole window's check took out
         run.applied = run.applied - fit_weights(torch.cat([refs.basis[:m], decay[None]]), run.applied)[0][-1] * decay
@@ -406,7 +436,9 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
                        f"your step raised {type(run.error).__name__} on a window of {m} micro-batch(es) with "
                        f"k = {m}", "if your loader can end an epoch with fewer than K micro-batches, make step "
                        "accept k < K", 6, "note")
-    probe = _loss_probe(loss_fn, refs.out.narrow(0, 0, m * b), yp, m, b)
+    # the model's own loss is read on the partial window's own passes (its normalization is the partial window's)
+    whole = _references(model, loss_fn, xp, yp, m, seed) if loss_fn is None else None
+    probe = _probe(loss_fn, whole, yp, m, b) if whole is not None else _probe(loss_fn, refs, yp, m, b, m * b)
     basis = refs.basis[:m]
     ideal = mean = cast(torch.Tensor, sum(fj * basis[j] for j, fj in enumerate(probe.weights)))
     clips = [e for e in run.events if e.kind == "clip" and not _measures_only(e)]
@@ -420,7 +452,7 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
         return None
     # a loop that gives batch-coupled layers the statistics of the whole window (e.g. the exact full-batch
     # BatchNorm scheme) is right when it equals the partial window's own full-batch gradient
-    whole = _references(model, loss_fn, xp, yp, m, seed)
+    whole = whole or _references(model, loss_fn, xp, yp, m, seed)
     if whole.error is None:
         target = clip_vec(whole.full, clip, kind, norm_type) if clip is not None else whole.full
         grouped = _clipped_by_group(whole.full, clips, model, len(run.passes))
@@ -449,6 +481,16 @@ def _partial_window(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: tor
                    "divide a window's loss by the micro-batches (or samples, or tokens) it holds, or never make one: "
                    "keep the micro-batches per epoch a multiple of K (a DataLoader's drop_last drops only an "
                    "incomplete micro-batch); if your loader never makes one, pass partial=False (--no-partial)", 6)
+
+
+def _probe(loss_fn: Callable | None, refs: _Refs, y: torch.Tensor | None, k: int, b: int,
+           rows: int | None = None) -> _Probe:
+    """How the full batch weighs the micro-batches (the first ``rows`` of the reference's outputs): ``loss_fn``
+    read at the reference's outputs, or the model's own loss read from its passes."""
+    if loss_fn is None:
+        return own_loss_probe(refs.out_grads, refs.basis, refs.full, k, b, refs.loss_dtype)
+    assert y is not None  # a loss_fn takes targets (checked before)
+    return _loss_probe(loss_fn, refs.out if rows is None else refs.out.narrow(0, 0, rows), y, k, b)
 
 
 def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
