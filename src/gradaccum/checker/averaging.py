@@ -53,8 +53,12 @@ class ParameterCopies(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if args and func.overloadpacket.__name__.endswith("_") and not self.skip() and self._reads_parameter(
-                args, kwargs):
+        if (
+            args
+            and func.overloadpacket.__name__.endswith("_")
+            and not self.skip()
+            and self._reads_parameter(args, kwargs)
+        ):
             self.seen()
         return out
 

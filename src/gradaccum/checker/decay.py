@@ -46,8 +46,9 @@ def _solver(rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda v: torch.linalg.lstsq(gram, (a @ v)[:, None]).solution[:, 0] / norms
 
 
-def _per_tensor(basis: torch.Tensor, g: torch.Tensor, theta: torch.Tensor,
-                slices: list[tuple[str, slice]]) -> list[float]:
+def _per_tensor(
+    basis: torch.Tensor, g: torch.Tensor, theta: torch.Tensor, slices: list[tuple[str, slice]]
+) -> list[float]:
     r"""Each tensor's own coefficient :math:`c_P` in :math:`g = \sum_j w_j h_j + \sum_P c_P \theta_P`, from the
     normal equations (the :math:`\theta_P` have disjoint supports: no (tensors, N) matrix is built)."""
     k = basis.shape[0]
@@ -66,8 +67,14 @@ def _per_tensor(basis: torch.Tensor, g: torch.Tensor, theta: torch.Tensor,
     return [float(sol[k + i]) / max(float(theta[sl].norm()), 1e-300) for i, (_, sl) in enumerate(slices)]
 
 
-def find_decay(basis: torch.Tensor, g: torch.Tensor, theta: torch.Tensor | None, slices: list[tuple[str, slice]],
-               thr: float, tol: float) -> Decay | None:
+def find_decay(
+    basis: torch.Tensor,
+    g: torch.Tensor,
+    theta: torch.Tensor | None,
+    slices: list[tuple[str, slice]],
+    thr: float,
+    tol: float,
+) -> Decay | None:
     """The term of the parameters in ``g`` (see the module's docstring), or None."""
     if theta is None or theta.shape != g.shape or not float(theta.norm()) or not float(g.norm()):
         return None
@@ -88,8 +95,12 @@ def find_decay(basis: torch.Tensor, g: torch.Tensor, theta: torch.Tensor | None,
             continue
         w, r1, _ = fit_weights(torch.cat([basis, column[None]]), g)
         c = w[-1]
-        if r1 <= thr and r0 >= 10 * r1 and abs(c) * float(column.norm()) > tol * float(g.norm()) and (
-                best is None or r1 < best.residual):
+        if (
+            r1 <= thr
+            and r0 >= 10 * r1
+            and abs(c) * float(column.norm()) > tol * float(g.norm())
+            and (best is None or r1 < best.residual)
+        ):
             best = Decay(c, column, spared, len(live), r1)
     return best
 
@@ -136,24 +147,41 @@ def decay_findings(m: Measurements, out: _Findings, info: dict[str, Any]) -> Mea
     if d is None:
         return m
     passes, gaps, added = _trace(m, d)
-    where = (f" on {d.tensors - len(d.spared)} of {d.tensors} parameter tensors (not on "
-             f"{', '.join(d.spared[:3])}{', …' if len(d.spared) > 3 else ''})" if d.spared else "")
+    where = (
+        f" on {d.tensors - len(d.spared)} of {d.tensors} parameter tensors (not on "
+        f"{', '.join(d.spared[:3])}{', …' if len(d.spared) > 3 else ''})"
+        if d.spared
+        else ""
+    )
     places = ", ".join("before the first backward" if j == 0 else f"after backward {j}" for j, _ in gaps[:4])
     if len(gaps) > 1:
-        out.add("weight_decay_per_micro_batch", "weight decay added to .grad after every micro-batch: the decay "
-                "is that many times the one you add", f"a term proportional to the parameters{where}, "
-                f"{nums([a for _, a in gaps[:4]])}·θ, was added to .grad {len(gaps)}× in one window of {m.k} "
-                f"micro-batches ({places}{', …' if len(gaps) > 4 else ''}): {num(d.coef)}·θ in all; the comparison "
-                "leaves it out", "add the decay once per optimizer step, after the last backward (or use the "
-                "optimizer's weight_decay)", None)
+        out.add(
+            "weight_decay_per_micro_batch",
+            "weight decay added to .grad after every micro-batch: the decay is that many times the one you add",
+            f"a term proportional to the parameters{where}, "
+            f"{nums([a for _, a in gaps[:4]])}·θ, was added to .grad {len(gaps)}× in one window of {m.k} "
+            f"micro-batches ({places}{', …' if len(gaps) > 4 else ''}): {num(d.coef)}·θ in all; the comparison "
+            "leaves it out",
+            "add the decay once per optimizer step, after the last backward (or use the optimizer's weight_decay)",
+            None,
+        )
     else:
-        how = (f"added to .grad once, {places}" if gaps else f"added by the backward passes ({nums(added[:6])}·θ "
-               f"each{', …' if len(added) > 6 else ''}): an L2 term in the loss")
-        out.add("weight_decay_in_gradient", "weight decay in the gradient: a term of the parameters that the "
-                "reference, loss_fn alone, does not have", f"your step's gradient holds {num(d.coef)}·θ{where} "
-                f"besides the micro-batch gradients, {how}; the comparison leaves it out",
-                f"nothing to fix if {num(d.coef)}·θ is the decay you mean per optimizer step (an L2 term λ‖θ‖² "
-                "gives 2λ·θ; in every micro-batch's loss without 1/K, it counts K times)", None, "note")
+        how = (
+            f"added to .grad once, {places}"
+            if gaps
+            else f"added by the backward passes ({nums(added[:6])}·θ "
+            f"each{', …' if len(added) > 6 else ''}): an L2 term in the loss"
+        )
+        out.add(
+            "weight_decay_in_gradient",
+            "weight decay in the gradient: a term of the parameters that the reference, loss_fn alone, does not have",
+            f"your step's gradient holds {num(d.coef)}·θ{where} "
+            f"besides the micro-batch gradients, {how}; the comparison leaves it out",
+            f"nothing to fix if {num(d.coef)}·θ is the decay you mean per optimizer step (an L2 term λ‖θ‖² "
+            "gives 2λ·θ; in every micro-batch's loss without 1/K, it counts K times)",
+            None,
+            "note",
+        )
     applied = m.applied - d.coef * d.column
     info["compared"], info["decay"] = applied, d.column
     return dataclasses.replace(m, applied=applied, passes=passes)

@@ -55,8 +55,9 @@ def clip_vec(v: torch.Tensor, c: float, kind: str = "norm", norm_type: float = 2
     return _tensors.clip_vector(v, c, kind, norm_type)
 
 
-def placements(basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "norm",
-               norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+def placements(
+    basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "norm", norm_type: float = 2.0
+) -> dict[str, torch.Tensor]:
     """Chapter 3's clipping placements for micro-batch gradients ``basis`` weighted by ``f``."""
     parts = [fj * basis[j] for j, fj in enumerate(f)]
     running = torch.zeros_like(basis[0])
@@ -71,8 +72,9 @@ def placements(basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "n
     }
 
 
-def tolerances(params: list[torch.nn.Parameter], loss: torch.dtype, tolerance: float | None
-               ) -> tuple[float, float, str | None]:
+def tolerances(
+    params: list[torch.nn.Parameter], loss: torch.dtype, tolerance: float | None
+) -> tuple[float, float, str | None]:
     """The verdict's tolerance and the fitted weights' rounding: 1e-9 when the parameters and the loss (its dtype) are
     float64, else the coarsest of their formats (1e-4 for float32; parameters held in bf16 or fp16 round every
     gradient to their format: 8 of its epsilons count as equal); and a note when the loss's format, coarser than
@@ -87,9 +89,11 @@ def tolerances(params: list[torch.nn.Parameter], loss: torch.dtype, tolerance: f
     wtol = 1e-9 if float64 else max(1e-5, low)
     note = None
     if coarser and tolerance is None:
-        note = (f"precision: the loss is computed in {str(loss).replace('torch.', '')}, coarser than the "
-                f"parameters' (as in transformers, whose losses cast the logits to float32): the tolerance is that "
-                f"format's, {tol:.2g}")
+        note = (
+            f"precision: the loss is computed in {str(loss).replace('torch.', '')}, coarser than the "
+            f"parameters' (as in transformers, whose losses cast the logits to float32): the tolerance is that "
+            f"format's, {tol:.2g}"
+        )
     return tol, wtol, note
 
 
@@ -177,4 +181,3 @@ def _most_per(events: list[Event], key: str) -> int:
     for e in events:
         counts[e.detail.get(key)] = counts.get(e.detail.get(key), 0) + 1
     return max(counts.values(), default=0)
-

@@ -52,8 +52,11 @@ def _loss_probe(loss_fn: Callable, out: torch.Tensor, y: torch.Tensor, k: int, b
     eps = 1e-3 if out.dtype == torch.float64 else max(1e-2, 16 * torch.finfo(out.dtype).eps)
     noise = max(1e-12, 100 * torch.finfo(out.dtype).eps) * top  # the rounding of weights read in the loss's dtype
     for seed in range(3):  # three random directions: one may leave the weights nearly where they were
-        step = eps * float(base.std()) * torch.randn(base.shape, generator=torch.Generator().manual_seed(seed),
-                                                     dtype=torch.float64)
+        step = (
+            eps
+            * float(base.std())
+            * torch.randn(base.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        )
         try:  # outputs a little away, both ways
             up = _probe_at(loss_fn, base + step, out.dtype, y, k, b, dim)[0]
             down = _probe_at(loss_fn, base - step, out.dtype, y, k, b, dim)[0]
@@ -62,15 +65,17 @@ def _loss_probe(loss_fn: Callable, out: torch.Tensor, y: torch.Tensor, k: int, b
         rise = [u - f for u, f in zip(up, weights)]
         fall = [d - f for d, f in zip(down, weights)]
         largest = max(max(abs(r) for r in rise), max(abs(f) for f in fall))
-        if largest > 10 * noise and all(math.isfinite(r) and math.isfinite(f) and abs(r + f) <= 0.1 * largest + noise
-                                         for r, f in zip(rise, fall)):
+        if largest > 10 * noise and all(
+            math.isfinite(r) and math.isfinite(f) and abs(r + f) <= 0.1 * largest + noise for r, f in zip(rise, fall)
+        ):
             probe.moved = up
             break
     return probe
 
 
-def _probe_at(loss_fn: Callable, o: torch.Tensor, dtype: torch.dtype, y: torch.Tensor, k: int, b: int,
-              dim: int) -> tuple[list[float], list[float], list[int]]:
+def _probe_at(
+    loss_fn: Callable, o: torch.Tensor, dtype: torch.dtype, y: torch.Tensor, k: int, b: int, dim: int
+) -> tuple[list[float], list[float], list[int]]:
     """:func:`_loss_probe`'s reading at the (float64) outputs ``o``, the loss computed in ``dtype``: weights,
     residuals and tokens."""
     o = o.detach().clone().requires_grad_()
@@ -80,13 +85,14 @@ def _probe_at(loss_fn: Callable, o: torch.Tensor, dtype: torch.dtype, y: torch.T
     grads = []
     for j in range(k):
         oj = o.detach().narrow(dim, j * b, b).clone().requires_grad_()
-        (gj,) = torch.autograd.grad(loss_fn(oj.to(dtype), y[j * b:(j + 1) * b]), oj, allow_unused=True)
+        (gj,) = torch.autograd.grad(loss_fn(oj.to(dtype), y[j * b : (j + 1) * b]), oj, allow_unused=True)
         grads.append(torch.zeros_like(oj) if gj is None else gj)
     return _weigh(g_full, grads, b, dim)
 
 
-def _weigh(g_full: torch.Tensor, grads: list[torch.Tensor], b: int, dim: int = 0
-           ) -> tuple[list[float], list[float], list[int]]:
+def _weigh(
+    g_full: torch.Tensor, grads: list[torch.Tensor], b: int, dim: int = 0
+) -> tuple[list[float], list[float], list[int]]:
     r"""Weights, residuals and tokens from the loss's gradient with respect to the outputs: ``g_full`` for the full
     batch, ``grads[j]`` for micro-batch j alone (``dim``: the batch dimension, ``b`` samples each)."""
     weights, residuals, tokens = [], [], []
@@ -98,7 +104,7 @@ def _weigh(g_full: torch.Tensor, grads: list[torch.Tensor], b: int, dim: int = 0
         weights.append(fj)
         scale = max(float(gf.norm()), float(gj.norm()) * abs(fj), 1e-300)
         residuals.append(float((gf - fj * gj).norm()) / scale if gg > 0 or float(gf.norm()) > 0 else 0.0)
-        nz = (gj != 0)
+        nz = gj != 0
         tokens.append(int(nz.reshape(*nz.shape[:-1], -1).any(-1).sum()) if gj.dim() >= 2 else int(nz.sum()))
     return weights, residuals, tokens
 
@@ -116,14 +122,22 @@ class LossSource:
         self.calls: dict[str, int] = {}
         self.last: tuple[str, int, torch.Tensor] | None = None  # held: a loss-only output is not returned
         self.value: torch.Tensor | None = None
-        self.handles = [m.register_forward_hook(functools.partial(self._keep, name))
-                        for name, m in model.named_modules() if not isinstance(m, torch.jit.ScriptModule)]
+        self.handles = [
+            m.register_forward_hook(functools.partial(self._keep, name))
+            for name, m in model.named_modules()
+            if not isinstance(m, torch.jit.ScriptModule)
+        ]
 
     def _keep(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         index = self.calls.get(name, 0)
         self.calls[name] = index + 1
-        if (isinstance(output, torch.Tensor) and output.is_floating_point() and output.requires_grad
-                and output.dim() and output.shape[0] == self.n):
+        if (
+            isinstance(output, torch.Tensor)
+            and output.is_floating_point()
+            and output.requires_grad
+            and output.dim()
+            and output.shape[0] == self.n
+        ):
             self.last = (name, index, output)
 
     def stop(self) -> torch.Tensor | None:
@@ -167,8 +181,9 @@ class LossSource:
         return torch.zeros_like(leaf) if grad is None else grad
 
 
-def own_loss_probe(grads: list[torch.Tensor | None], basis: torch.Tensor, full: torch.Tensor, k: int, b: int,
-                   dtype: torch.dtype) -> _Probe:
+def own_loss_probe(
+    grads: list[torch.Tensor | None], basis: torch.Tensor, full: torch.Tensor, k: int, b: int, dtype: torch.dtype
+) -> _Probe:
     r"""The weights of a loss the model computes itself (``output.loss``): ``grads`` holds its gradient with
     respect to the output it is computed from (:class:`LossSource`), for the full batch and then for each
     micro-batch at the full batch's rows, read as :func:`_loss_probe` reads ``loss_fn``'s (the outputs cannot be

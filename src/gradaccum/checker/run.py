@@ -1,5 +1,5 @@
-"""The step on a copy, the state restored: one accumulated window of the reader's step under the instruments, the
-references it is compared with (the full batch and each micro-batch alone), and the loss probe."""
+"""The step on a copy, the state restored: one accumulated window of the reader's step under the instruments (the
+references it is compared with are in :mod:`.references`)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .batch import Batch, batch_size, batch_tensors, call, logits_of, loss_of, micro_batches, output_field
+from .batch import Batch, batch_size, batch_tensors, output_field
 from .instrument import OutsideDraws, SampleRNG, first_tensor, flat
-from .probe import LossSource
 from .recorder import CallRecorder, Event, GradTrace
 from .report import Finding
 
@@ -78,12 +77,16 @@ class _ForwardScope:
         self.root_open = False  # the open scope is the model's own forward (it records where submodules start)
         self.loss_dtypes: set[torch.dtype] = set()  # dtypes of the losses the placed forwards returned (.loss)
         self.names = {id(m): name for name, m in model.named_modules()}
-        self.handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
-                        model.register_forward_hook(self._post, always_call=True)]
+        self.handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post, always_call=True),
+        ]
         for module in model.modules():
             if module is not model and not isinstance(module, torch.jit.ScriptModule):  # (which refuse hooks)
-                self.handles += [module.register_forward_pre_hook(self._pre, with_kwargs=True),
-                                 module.register_forward_hook(self._post, always_call=True)]
+                self.handles += [
+                    module.register_forward_pre_hook(self._pre, with_kwargs=True),
+                    module.register_forward_hook(self._post, always_call=True),
+                ]
 
     def _find(self, inp: torch.Tensor, n: int, guess: int) -> int | None:
         """Where the rows of ``inp`` start in a tensor of the window (``guess`` first), -1 when no tensor of the
@@ -92,10 +95,10 @@ class _ForwardScope:
         comparable = [rows for rows in self.rows if q.shape[1] == rows.shape[1] and q.dtype == rows.dtype]
         for rows in comparable:
             q = q.to(rows.device)
-            if guess + n <= self.n and torch.equal(rows[guess:guess + n], q):
+            if guess + n <= self.n and torch.equal(rows[guess : guess + n], q):
                 return guess
             for i in (rows == q[0]).all(1).nonzero().flatten().tolist():
-                if i + n <= self.n and torch.equal(rows[i:i + n], q):
+                if i + n <= self.n and torch.equal(rows[i : i + n], q):
                     return i
         return None if comparable else -1
 
@@ -196,8 +199,18 @@ class _Run:
     loss_dtypes: set[torch.dtype] = field(default_factory=set)  # of the losses the step's forwards returned
 
 
-def _run_step(model: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.Tensor | None, k: int, step: Step,
-              seed: int, mode: str = "replay", start: int | None = None, plans: dict | None = None) -> _Run:
+def _run_step(
+    model: nn.Module,
+    loss_fn: Callable | None,
+    x: Batch,
+    y: torch.Tensor | None,
+    k: int,
+    step: Step,
+    seed: int,
+    mode: str = "replay",
+    start: int | None = None,
+    plans: dict | None = None,
+) -> _Run:
     """Run ``step`` on a copy of ``model``: randomness replayed per sample (``mode="replay"``, calls recorded) or
     recorded as drawn (``mode="record"``, from ``torch.manual_seed(start)``)."""
     work = copy.deepcopy(model)
@@ -218,11 +231,10 @@ def _run_step(model: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.Ten
         warnings.simplefilter("always")
         try:
             calls = recorder.active() if mode == "replay" else nullcontext()
-            outside = (OutsideDraws(lambda: scope is not None and scope.depth > 0) if mode == "replay" else
-                       nullcontext())
+            outside = OutsideDraws(lambda: scope is not None and scope.depth > 0) if mode == "replay" else nullcontext()
             if isinstance(outside, OutsideDraws):
                 outside.unpreserved = recorder.recomputing_unpreserved
-            with calls, (rng if mode == "record" else outside):
+            with calls, rng if mode == "record" else outside:
                 step(work, loss_fn, x, y, k)
         except Exception as err:  # a finding, never a crash of the checker
             error = err
@@ -231,14 +243,44 @@ def _run_step(model: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.Ten
                 scope.close()
             trace.detach()
             rerun_counts = reruns.close()
-    applied = recorder.applied if recorder.applied is not None else flat(params)
     caught = list(dict.fromkeys(str(w.message).split(". ")[0] for w in raised))
-    return _Run(applied, trace.passes, recorder.events, error, caught, scope.forwards if scope else [],
-                rng.replayed, rng.unreplayed, rng.draws, recorder.errors,
-                outside.draws if isinstance(outside, OutsideDraws) else [], rerun_counts,
-                scope.modes if scope else None, scope.unlocated if scope else 0,
-                rng.unpreserved_draws + (outside.unpreserved_draws if isinstance(outside, OutsideDraws) else 0),
-                scope.transformed if scope else 0, scope.loss_dtypes if scope else set())
+    return _collect(params, trace, recorder, rng, scope, outside, error, caught, rerun_counts)
+
+
+def _collect(
+    params: list[nn.Parameter],
+    trace: GradTrace,
+    recorder: CallRecorder,
+    rng: SampleRNG,
+    scope: _ForwardScope | None,
+    outside: object,
+    error: BaseException | None,
+    caught: list[str],
+    rerun_counts: dict[str, tuple[int, int]],
+) -> _Run:
+    """What the instruments saw of one run of the step, as a :class:`_Run` (``scope`` and ``outside``: the
+    forward scope and the draws outside it, where the run replayed randomness; None and a null context where it
+    recorded it)."""
+    applied = recorder.applied if recorder.applied is not None else flat(params)
+    return _Run(
+        applied,
+        trace.passes,
+        recorder.events,
+        error,
+        caught,
+        scope.forwards if scope else [],
+        rng.replayed,
+        rng.unreplayed,
+        rng.draws,
+        recorder.errors,
+        outside.draws if isinstance(outside, OutsideDraws) else [],
+        rerun_counts,
+        scope.modes if scope else None,
+        scope.unlocated if scope else 0,
+        rng.unpreserved_draws + (outside.unpreserved_draws if isinstance(outside, OutsideDraws) else 0),
+        scope.transformed if scope else 0,
+        scope.loss_dtypes if scope else set(),
+    )
 
 
 class _BatchNormReruns:
@@ -253,8 +295,11 @@ class _BatchNormReruns:
         for name, layer in work.named_modules():
             if isinstance(layer, _BatchNorm):
                 self.counts[name or "(the model)"] = [0, 0]
-                self.handles.append(layer.register_forward_pre_hook(
-                    lambda m, _args, c=self.counts[name or "(the model)"]: self._count(m, c)))
+                self.handles.append(
+                    layer.register_forward_pre_hook(
+                        lambda m, _args, c=self.counts[name or "(the model)"]: self._count(m, c)
+                    )
+                )
 
     @staticmethod
     def _count(layer: nn.Module, count: list[int]) -> None:
@@ -275,13 +320,17 @@ def _unpreserved_finding(run: _Run) -> Finding | None:
     if not calls or not run.unpreserved_draws or run.error is not None:
         return None
     return Finding(
-        "checkpoint_rng_not_preserved", "activation checkpointing with preserve_rng_state=False around a forward "
-        "that draws random numbers (dropout)", f"{calls} checkpoint call(s) with preserve_rng_state=False; backward "
+        "checkpoint_rng_not_preserved",
+        "activation checkpointing with preserve_rng_state=False around a forward that draws random numbers (dropout)",
+        f"{calls} checkpoint call(s) with preserve_rng_state=False; backward "
         f"recomputed {run.unpreserved_draws} random op call(s) inside them: torch does not restore the random state "
         "for the recomputation, so it draws new masks and the gradient belongs to other masks than the forward's "
-        "(the checker replays masks per sample, so the comparison cannot show it)", "drop "
+        "(the checker replays masks per sample, so the comparison cannot show it)",
+        "drop "
         "preserve_rng_state=False (the default saves and restores the random state), or switch the randomness off "
-        "in the checkpointed part", 6)
+        "in the checkpointed part",
+        6,
+    )
 
 
 def _recorder_error_finding(run: _Run) -> Finding | None:
@@ -290,10 +339,15 @@ def _recorder_error_finding(run: _Run) -> Finding | None:
     if not run.recorder_errors:
         return None
     more = f" (and {len(run.recorder_errors) - 1} more)" if len(run.recorder_errors) > 1 else ""
-    return Finding("checker_error", "the checker's call recorder raised while your step ran: its record of the "
-                   "calls your step made may be incomplete", f"{run.recorder_errors[0]}{more}",
-                   "report this as a bug in gradaccum (with this report and the step you checked)", None,
-                   "inconclusive")
+    return Finding(
+        "checker_error",
+        "the checker's call recorder raised while your step ran: its record of the "
+        "calls your step made may be incomplete",
+        f"{run.recorder_errors[0]}{more}",
+        "report this as a bug in gradaccum (with this report and the step you checked)",
+        None,
+        "inconclusive",
+    )
 
 
 def _bn_rerun_finding(reruns: dict[str, tuple[int, int]]) -> Finding | None:
@@ -302,8 +356,10 @@ def _bn_rerun_finding(reruns: dict[str, tuple[int, int]]) -> Finding | None:
     calls) / forward calls updates act as one of momentum :math:`1-(1-m)^r` (chapter 8)."""
     if not reruns:
         return None
-    shown = "; ".join(f"{name!r}: {calls} call(s) in forward passes, {again} more during backward"
-                      for name, (calls, again) in list(reruns.items())[:3])
+    shown = "; ".join(
+        f"{name!r}: {calls} call(s) in forward passes, {again} more during backward"
+        for name, (calls, again) in list(reruns.items())[:3]
+    )
     ratios = {name: (calls + again) / calls for name, (calls, again) in reruns.items() if calls}
     distinct = sorted(set(ratios.values()))
     if len(distinct) > 1:  # nested checkpoints: a layer recomputed r times has its own r
@@ -315,99 +371,16 @@ def _bn_rerun_finding(reruns: dict[str, tuple[int, int]]) -> Finding | None:
         effect = f"1 - (1 - m)^{r:g} instead of m"
         fix = f"set the momentum to 1 - (1 - m)^(1/{r:g})"
     return Finding(
-        "bn_stats_updated_twice", "BatchNorm running statistics are updated again when backward recomputes the "
+        "bn_stats_updated_twice",
+        "BatchNorm running statistics are updated again when backward recomputes the "
         "forward (activation checkpointing)",
         f"{shown}: every recomputation in training mode moves the running averages once more, so the effective "
         f"momentum per micro-batch is {effect}",
         "recompute with the statistics frozen (gradaccum.coupled.checkpoint_keeping_bn_stats around every "
         f"checkpointed call, nested ones included), or {fix}; the gradient "
-        "itself is unaffected", 8)
-
-
-@dataclass
-class _Refs:
-    basis: torch.Tensor
-    full: torch.Tensor
-    out: torch.Tensor  # the full batch's outputs that loss_fn takes (the logits of a model output), detached
-    error: BaseException | None
-    micro: int
-    plans: dict
-    unreplayed: list[str] = field(default_factory=list)
-    recomputed: list[str] = field(default_factory=list)
-    # loss_fn=None: the model's loss's gradient with respect to the output it is computed from (probe.LossSource),
-    # full batch then each micro-batch at the full batch's rows (None where it is not found)
-    out_grads: list[torch.Tensor | None] = field(default_factory=list)
-    loss_dtype: torch.dtype = torch.float64
-
-
-def _loss_pass(work: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.Tensor | None,
-               source: LossSource | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype]:
-    """One forward and backward pass of the loss on ``x``: the outputs ``loss_fn`` takes (detached; empty when the
-    model returns none), the loss's gradient with respect to the ``source`` output when one is watched (None when
-    not found), and the loss's dtype."""
-    out = call(work, x)
-    watched = source.stop() if source is not None else None
-    logits = logits_of(out)
-    loss = loss_of(loss_fn, out, y)
-    loss.backward()
-    grad = watched.grad if watched is not None else None
-    return (logits.detach() if logits is not None else torch.empty(0)), grad, loss.dtype
-
-
-def _references(model: nn.Module, loss_fn: Callable | None, x: Batch, y: torch.Tensor | None, k: int,
-                seed: int) -> _Refs:
-    r"""The full-batch gradient and the micro-batch gradients :math:`h_j`, randomness replayed per sample (the
-    full batch runs first: it decides how each random op splits into samples, and where the model's forward
-    enters each submodule, for every later pass); for the model's own loss, the probe's gradients too."""
-    work = copy.deepcopy(model)
-    params = _trainable(work)
-    buffers = {name: b.detach().clone() for name, b in work.named_buffers()}
-    live = dict(work.named_buffers())
-    rng = SampleRNG(seed)
-    scope = _ForwardScope(work, rng, x)
-    # random draws outside the forward passes: backward recomputing a checkpointed forward with dropout
-    recomputed = OutsideDraws(lambda: scope.depth > 0)
-    b = batch_size(x) // k
-    source = LossSource(work, batch_size(x)) if loss_fn is None else None
-
-    def reset(j: int) -> None:
-        with torch.no_grad():
-            for name, value in buffers.items():
-                live[name].copy_(value)
-        work.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        scope.expect = j * b
-
-    try:
-        recomputed.__enter__()
-        reset(0)
-        try:
-            out, grad, dtype = _loss_pass(work, loss_fn, x, y, source)
-        except RuntimeError as err:
-            what = "loss_fn(model(x), y)" if loss_fn is not None else "the model's loss (output.loss)"
-            raise ValueError(f"{what}.backward() raised: {err}; the checker needs a loss that is differentiable "
-                             "with respect to the model's trainable parameters.") from err
-        full = flat(params)
-        if not bool(full.ne(0).any()):
-            raise ValueError("the full batch's gradient is exactly zero (are all its targets ignore_index or padding? "
-                             "does the loss depend on the trainable parameters?): there is nothing to compare a "
-                             "window with; pass a batch with counted targets.")
-        basis, grads = [], [grad]
-        for j, (xb, yb) in enumerate(micro_batches(x, y, k)):
-            reset(j)
-            try:
-                _loss_pass(work, loss_fn, xb, yb)
-                basis.append(flat(params))
-                if source is not None:
-                    reset(j)
-                    grads.append(source.gradient_at(work, xb, j * b, b))
-            except Exception as err:
-                return _Refs(torch.empty(0), torch.empty(0), torch.empty(0), err, j + 1, rng.plans)
-        return _Refs(torch.stack(basis), full, out, None, 0, rng.plans, rng.unreplayed, recomputed.draws,
-                     grads if loss_fn is None else [], dtype)
-    finally:
-        recomputed.__exit__(None, None, None)
-        scope.close()
+        "itself is unaffected",
+        8,
+    )
 
 
 class _Restore:
@@ -437,4 +410,3 @@ class _Restore:
         random.setstate(self.py)
         if self.np is not None:
             sys.modules["numpy"].random.set_state(self.np)
-
