@@ -32,6 +32,7 @@ from gradaccum.framework_probes import (
     _own_accelerate_state,
     _stack,
     _world,
+    _young_gc_only,
 )
 from gradaccum.windows import IGNORE
 
@@ -260,7 +261,7 @@ def _run_trainer(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Opti
     data = _stack(micro)
     trainer_cls = _hf_trainer_class()
     hooked = trainer_cls.Hooked()  # type: ignore[attr-defined]
-    with _own_accelerate_state(), tempfile.TemporaryDirectory() as out_dir:
+    with _own_accelerate_state(), tempfile.TemporaryDirectory() as out_dir, _young_gc_only():
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=b, gradient_accumulation_steps=k,
                                  num_train_epochs=o.epochs, max_grad_norm=clip if clip is not None else 0.0,
                                  bf16=precision == "bf16", fp16=precision == "fp16", use_cpu=True, report_to=[],
