@@ -89,8 +89,9 @@ def _mlp(seed: int) -> nn.Sequential:
     return model
 
 
-def _shard(model: nn.Module, **policy: Any) -> nn.Module:
-    """``fully_shard`` on every linear layer inside, then on the root: the usual FSDP2 wrapping."""
+def _shard(model: nn.Module, **policy: Any) -> Any:
+    """``fully_shard`` on every linear layer inside, then on the root: the usual FSDP2 wrapping; returns the
+    model, now also an ``FSDPModule`` (``set_requires_gradient_sync`` and the rest)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(**policy)
@@ -105,7 +106,8 @@ def _fsdp_params(model: nn.Module) -> list[Any]:
     """FSDP2's per-parameter records (``FSDPParam``) of every sharded module."""
     found = []
     for module in model.modules():
-        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        get_state = getattr(module, "_get_fsdp_state", None)
+        state = get_state() if get_state is not None else None
         group = getattr(state, "_fsdp_param_group", None)
         if group is not None:
             found.extend(group.fsdp_params)
@@ -147,7 +149,7 @@ def _window(rank: int, policy: dict[str, torch.dtype], k: int, sync_each: bool, 
         (nn.functional.cross_entropy(out, y[i * b : (i + 1) * b]) / k).backward()
         if i == k - 2:
             held = held_between_micro_batches(model)
-    grad = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])  # type: ignore[union-attr]
+    grad = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
     return grad.double(), held
 
 
@@ -169,14 +171,14 @@ def _scaled_window(loss_weights: torch.Tensor, k: int, reduce_dtype: torch.dtype
         model.set_requires_gradient_sync(i == k - 1)
         out = model(torch.ones(1, 8)).float()  # the loss in fp32, as autocast would give it
         scaler.scale((out * loss_weights[i]).sum() / k).backward()
-    shards = [p.grad.to_local() for p in model.parameters()]  # type: ignore[union-attr]
+    shards = [p.grad.to_local() for p in model.parameters()]
     finite = all(bool(torch.isfinite(s).all()) for s in shards)
-    before = [p.detach().to_local().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+    before = [p.detach().to_local().clone() for p in model.parameters()]
     scaler.unscale_(opt)
     found = float(sum(v.item() for v in scaler._found_inf_per_device(opt).values()))
     scaler.step(opt)
     scaler.update()
-    after = [p.detach().to_local() for p in model.parameters()]  # type: ignore[attr-defined]
+    after = [p.detach().to_local() for p in model.parameters()]
     stepped = any(not torch.equal(a, c) for a, c in zip(before, after))
     return ScalerRun(finite, found, stepped, scaler.get_scale())
 
