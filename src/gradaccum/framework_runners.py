@@ -32,6 +32,7 @@ from gradaccum.framework_probes import (
     _own_accelerate_state,
     _stack,
     _world,
+    _young_gc_only,
 )
 from gradaccum.windows import IGNORE
 
@@ -280,7 +281,7 @@ def _run_trainer(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Opti
     data = _stack(micro)
     trainer_cls = _hf_trainer_class()
     hooked = trainer_cls.Hooked()  # type: ignore[attr-defined]
-    with _own_accelerate_state(), tempfile.TemporaryDirectory() as out_dir:
+    with _own_accelerate_state(), tempfile.TemporaryDirectory() as out_dir, _young_gc_only():
         args = TrainingArguments(
             output_dir=out_dir,
             per_device_train_batch_size=b,
