@@ -123,6 +123,9 @@ def test_layouts_have_the_shapes_and_labels_they_promise(corpus):
         practice.padded_batch(lines, vocab, 4, (1, 3), seed=0)
     with pytest.raises(ValueError):
         practice.packed_batch(lines, vocab, 2, 10**6, seed=0)
+    for prompt in ((0, 4), (5, 3)):
+        with pytest.raises(ValueError):
+            practice.sft_batch(lines, vocab, 2, 50, seed=0, prompt=prompt)
 
 
 def test_equal_counts_make_the_mean_of_means_exact_and_unequal_ones_do_not(corpus):

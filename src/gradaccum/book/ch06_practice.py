@@ -72,6 +72,11 @@ def sft_batch(
     require_count(rows, "rows")
     require_count(width, "width", minimum=2)
     stream, rng = _stream(lines, vocab), np.random.default_rng(seed)
+    for name, (lo, hi) in (("prompt", prompt), ("response", response)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} lengths must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)!r}.")
+    if prompt[1] + response[1] >= len(stream):
+        raise ValueError(f"examples of up to {prompt[1] + response[1]} characters do not fit the corpus stream.")
     x = torch.empty(rows, width, dtype=torch.long)
     y = torch.empty(rows, width, dtype=torch.long)
     for r in range(rows):
@@ -262,9 +267,10 @@ class CausalLMForTrainer(nn.Module):
     """A ``TinyLM`` behind the interface of Transformers' causal LMs: ``forward(input_ids, labels, **kwargs)``
     returns ``{"loss", "logits"}``, the loss computed by Transformers' own ``ForCausalLMLoss`` (a mean, or the sum
     over ``num_items_in_batch`` when the Trainer passes it); ``loss_type = "ForCausalLM"``. With
-    ``loss_kwargs=False`` the forward takes no ``**kwargs`` (the Trainer then passes no count). ``ForCausalLMLoss``
-computes in float32 whatever the logits' type (``logits.float()``, ``transformers/loss/loss_utils.py`` line 61 in
-5.23), so gradients through it agree with float64 ones to about 1e-7."""
+    ``loss_kwargs=False`` it sets ``accepts_loss_kwargs = False``: the Trainer passes no count (and the forward would
+    ignore one). ``ForCausalLMLoss``
+    computes in float32 whatever the logits' type (``logits.float()``, ``transformers/loss/loss_utils.py`` line 61
+    in 5.23), so gradients through it agree with float64 ones to about 1e-7."""
 
     loss_type = "ForCausalLM"
 
