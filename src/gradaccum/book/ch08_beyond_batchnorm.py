@@ -4,7 +4,10 @@ loss of a small router, checkpointing with BatchNorm, and the figures.
 The book layer over :mod:`gradaccum.coupled` (the torch-only tools the chapter derives). Here: contrastive
 learning and GradCache; the router's load-balancing loss is in :mod:`gradaccum.book.ch08_routing`, checkpointing
 with BatchNorm in :mod:`gradaccum.book.ch08_checkpointing`, the batch-size scaling study in
-:mod:`gradaccum.book.ch08_scaling`, all re-exported here.
+:mod:`gradaccum.book.ch08_scaling`, all re-exported here. The fine print's measurements have modules of their own,
+which the chapter imports directly: mixture-of-experts routing on the gradient (:mod:`gradaccum.book.ch08_moe`),
+the EMA, weight-decay and batch-size rules (:mod:`gradaccum.book.ch08_rules`), and contrastive losses across gloo
+ranks (:mod:`gradaccum.book.ch08_ddp`).
 """
 
 from __future__ import annotations

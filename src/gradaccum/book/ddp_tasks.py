@@ -1,7 +1,8 @@
 """The tasks each rank of chapter 5's process groups runs (:data:`TASKS`, by name): gradients with and without
 ``no_sync()`` and their all-reduce counts, each placement of the all-reduce, step timings, buffer broadcasts,
 unused parameters, crashes on purpose, training, the frameworks of chapter 7, FSDP2 under accumulation (chapter 4),
-subgroups, and chapter 6's token count and dropout seeds.
+subgroups, chapter 6's token count and dropout seeds, and chapter 8's
+contrastive losses across ranks (:mod:`gradaccum.book.ch08_ddp`).
 
 A task is called as ``TASKS[name](rank, world_size, **kwargs)`` on an initialized process group, by
 :func:`gradaccum.book.ddp_workers.launch`'s workers (or under ``torchrun``: :func:`train_ddp`), and returns what the
@@ -25,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradaccum.accumulate import accumulated_gradient, flat_grad
+from gradaccum.book.ch08_ddp import contrastive_task
 from gradaccum.book.models import make_cnn, mlp
 from gradaccum.distributed import (
     PLACEMENTS,
@@ -385,4 +387,5 @@ TASKS: dict[str, Callable[..., Any]] = {
     "subgroups": _task_subgroups,
     "unused": _task_unused,
     "ch6": _task_ch6,
+    "contrastive": contrastive_task,  # chapter 8
 }
