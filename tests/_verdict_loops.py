@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -540,6 +541,88 @@ def l2_in_the_loss(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Ten
     for xb, yb in zip(x.chunk(k), y.chunk(k)):
         l2 = sum((p * p).sum() for p in model.parameters())
         ((loss_fn(model(xb), yb) + 1e-2 * l2) / k).backward()
+
+
+def _l1_in_the_loss(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, k: int) -> None:
+    for xb, yb in zip(x.chunk(k), y.chunk(k)):
+        l1 = sum(p.abs().sum() for p in model.parameters())
+        ((loss_fn(model(xb), yb) + 1e-2 * l1) / k).backward()
+
+
+def decay_by_hand(where: str, scale: float = 1.0, weights_only: bool = False) -> Any:
+    """SGD with ``p.grad += wd * p`` added by hand: once before the step (``where="once"``) or after every
+    backward (``"micro"``); ``weights_only``: biases spared; ``scale``: the loss times scale / K."""
+
+    def step(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, k: int) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        decayed = [p for name, p in model.named_parameters() if not weights_only or name.endswith("weight")]
+
+        def add() -> None:
+            with torch.no_grad():
+                for p in decayed:
+                    p.grad += 5e-3 * p
+
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            (loss_fn(model(xb), yb) * scale / k).backward()
+            if where == "micro":
+                add()
+        if where == "once":
+            add()
+        opt.step()
+
+    return step
+
+
+def averaged(per_micro_batch: bool, how: str = "AveragedModel") -> Any:
+    """SGD with a model average updated after every backward or once after the step: ``AveragedModel`` (EMA
+    decay 0.99), or an EMA written by hand with ``lerp_``, ``mul_().add_()`` or ``torch._foreach_lerp_``."""
+
+    def update(avg: Any, model: nn.Module) -> None:
+        if how == "AveragedModel":
+            avg.update_parameters(model)
+            return
+        with torch.no_grad():
+            pairs = list(zip(avg.parameters(), model.parameters()))
+            if how == "lerp":
+                for e, p in pairs:
+                    e.lerp_(p, 0.01)
+            elif how == "mul_add":
+                for e, p in pairs:
+                    e.mul_(0.99).add_(p, alpha=0.01)
+            else:
+                torch._foreach_lerp_([e for e, _ in pairs], [p for _, p in pairs], 0.01)
+
+    def step(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, k: int) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ema = (
+            torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99))
+            if how == "AveragedModel"
+            else copy.deepcopy(model)
+        )
+        opt.zero_grad()
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            (loss_fn(model(xb), yb) / k).backward()
+            if per_micro_batch:
+                update(ema, model)
+        opt.step()
+        if not per_micro_batch:
+            update(ema, model)
+
+    return step
+
+
+def own_gradient_buffer(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, k: int) -> None:
+    """A correct loop that accumulates into buffers of its own with in-place adds (not an average of the weights)."""
+    buffers = [torch.zeros_like(p) for p in model.parameters()]
+    for xb, yb in zip(x.chunk(k), y.chunk(k)):
+        model.zero_grad()
+        (loss_fn(model(xb), yb) / k).backward()
+        for buf, p in zip(buffers, model.parameters()):
+            buf.add_(p.grad)
+    for buf, p in zip(buffers, model.parameters()):
+        p.grad = buf.clone()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
 
 
 # ---------------------------------------------------------------- the issue's reports (test_check.py)

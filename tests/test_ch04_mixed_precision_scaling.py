@@ -587,3 +587,65 @@ def test_a_layer_run_twice_and_an_overflow_that_does_not_happen_are_refused():
     normed = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 3))
     with pytest.raises(ValueError, match="did not overflow fp16"):
         precision.amp_window(normed, nn.CrossEntropyLoss(), x, y, k=4, overflow_micro=1)
+
+
+# ------------------------------------------------------------------------------------- FSDP2 on two processes
+
+
+@pytest.fixture(scope="module")
+def fsdp2():
+    return ch4.fsdp2_ranks(k=4)
+
+
+@pytest.mark.slow
+def test_fsdp2_keeps_the_unsharded_window_sum_in_reduce_dtype(fsdp2):
+    """Gradient sync off: the whole parameter's gradient waits on every rank, summed in reduce_dtype when set
+    (FSDPParam.unsharded_accumulated_grad), else in param_dtype (the unsharded parameter's .grad); sync on every
+    micro-batch leaves only the fp32 shard."""
+    held = fsdp2[0].held
+    off = "last micro-batch only"
+    both = held[off, "param_dtype=bf16, reduce_dtype=fp32"]
+    assert (both.holder, both.dtype) == ("FSDPParam.unsharded_accumulated_grad", "float32")
+    assert both.bytes == 2 * both.shard_bytes  # the whole parameter, on each of the 2 ranks
+    low = held[off, "param_dtype=bf16, reduce_dtype unset"]
+    assert (low.holder, low.dtype) == ("the unsharded parameter's .grad", "bfloat16")
+    assert low.bytes == low.shard_bytes  # half the bytes of fp32, twice the elements of a shard
+    assert held[off, "no policy (fp32)"].dtype == "float32"
+    synced = held["every micro-batch", "param_dtype=bf16, reduce_dtype=fp32"]
+    assert synced.holder == "the sharded .grad" and synced.bytes == synced.shard_bytes
+
+
+@pytest.mark.slow
+def test_fsdp2_bf16_sum_adds_error_an_fp32_sum_does_not(fsdp2):
+    errors = fsdp2[0].errors
+    fp32, bf16 = errors["param_dtype=bf16, reduce_dtype=fp32"], errors["param_dtype=bf16, reduce_dtype unset"]
+    assert fp32 < 1e-6 and bf16 > 1e-4 and bf16 > 100 * fp32
+
+
+@pytest.mark.slow
+def test_fsdp2_fp16_sum_overflows_where_each_backward_fits(fsdp2):
+    fits, sums = fsdp2[0].headroom["fp32"], fsdp2[0].headroom["unset"]
+    assert fits.shard_finite and fits.found_inf == 0 and fits.stepped and fits.scale_after == 2.0**16
+    assert not sums.shard_finite and sums.found_inf >= 1 and not sums.stepped and sums.scale_after == 2.0**15
+
+
+@pytest.mark.slow
+def test_grad_scaler_skips_on_every_rank_when_one_ranks_shard_overflows(fsdp2):
+    runs = [r.one_rank_overflow for r in fsdp2]
+    assert [r.shard_finite for r in runs] == [True, False]  # the inf sits in rank 1's shard only
+    assert all(r.found_inf >= 1 and not r.stepped and r.scale_after == 2.0**15 for r in runs)
+
+
+def test_fsdp2_table_and_lines_say_what_was_held_and_done():
+    from gradaccum.book.ch04_fsdp import Fsdp2Rank, Held, ScalerRun
+
+    rank = Fsdp2Rank(8)
+    rank.held["last micro-batch only", "p"] = Held("somewhere", "float32", 200, 100)
+    rank.errors = {"param_dtype=bf16, reduce_dtype=fp32": 2e-9, "param_dtype=bf16, reduce_dtype unset": 0.004}
+    rank.headroom = {"fp32": ScalerRun(True, 0.0, True, 2.0**16), "unset": ScalerRun(False, 1.0, False, 2.0**15)}
+    rank.one_rank_overflow = ScalerRun(True, 1.0, False, 2.0**15)
+    assert "2×" in repr(ch4.fsdp2_table(rank)) and "somewhere" in repr(ch4.fsdp2_table(rank))
+    lines = ch4.fsdp2_lines([rank, rank])
+    assert "K = 8" in lines[0] and "4e-03" in lines[0]
+    assert "stepped, S = 2^16" in lines[1] and "overflows, step skipped, S = 2^15" in lines[1]
+    assert lines[2].count("inf found, step skipped, S = 2^15") == 2

@@ -283,3 +283,46 @@ def test_loss_type_is_refused_when_not_a_name():
         ch7.builtin_lm_step(
             "gpt2", torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long), None, loss_type=1
         )  # type: ignore[arg-type]
+
+
+def _features(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random 64-feature inputs and 10-class labels (the shape the chapter's MLP takes)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_an_unguarded_accelerate_clip_raises_at_the_second_micro_batch_under_fp16(k):
+    from gradaccum.book import ch07_fp16
+
+    x, y = _features(4 * k)
+    with_scaler = ch07_fp16.unguarded_clip(x, y, k=k, b=4)
+    assert with_scaler.failed_at == 2 and with_scaler.clips == 1
+    assert "unscale_() has already been called" in with_scaler.error  # GradScaler's own refusal
+    without = ch07_fp16.unguarded_clip(x, y, k=k, b=4, scaler=False)
+    assert without.error is None and without.clips == without.micro_batches == k
+
+
+def test_a_step_the_scaler_skips_skips_acceleratess_prepared_scheduler():
+    from gradaccum.book import ch07_fp16
+
+    x, y = _features(2 * 2 * 4, seed=1)
+    first = ch07_fp16.skipped_windows(x, y, k=2, b=4, windows=2, overflow_window=0)
+    assert first.skipped == [True, False]
+    assert first.optimizer_steps == first.scheduler_steps == 1
+    assert first.scales == [2.0**15, 2.0**15]
+    last = ch07_fp16.skipped_windows(x, y, k=2, b=4, windows=2, overflow_window=1)
+    assert last.skipped == [False, True] and last.optimizer_steps == last.scheduler_steps == 1
+    assert last.scales == [2.0**16, 2.0**15]
+
+
+def test_the_fp16_probes_refuse_impossible_arguments():
+    from gradaccum.book import ch07_fp16
+
+    x, y = _features(16)
+    with pytest.raises(ValueError, match="overflow_window"):
+        ch07_fp16.skipped_windows(x, y, k=2, b=4, windows=2, overflow_window=2)
+    with pytest.raises(ValueError, match="samples"):
+        ch07_fp16.skipped_windows(x, y, k=2, b=4, windows=3)
+    with pytest.raises(ValueError):
+        ch07_fp16.unguarded_clip(x, y, k=0)

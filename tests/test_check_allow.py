@@ -34,6 +34,20 @@ def test_an_allowed_batchnorm_finding_is_reported_but_does_not_fail_the_check():
     assert "(allowed)" in str(allowed) and allowed.to_dict()["allowed"] == ["batch_coupled_layer"]
 
 
+def test_the_batchnorm_fix_names_the_remedies_and_how_to_accept_the_difference():
+    """Issue 39: the fix names the toolkit's two BatchNorm schemes, the per-sample norms, and the allow option."""
+    x, y = data()
+    (finding,) = check(bn_mlp(), nn.CrossEntropyLoss(), x, y, 4).findings
+    for name in (
+        "gradaccum.ghostify",
+        "gradaccum.full_batch_stats_backward",
+        "GroupNorm/LayerNorm",
+        "allow=['batch_coupled_layer']",
+        "--allow batch_coupled_layer",
+    ):
+        assert name in finding.fix, finding.fix
+
+
 def test_a_bug_beside_an_allowed_finding_still_fails():
     x, y = data()
     report = check(bn_mlp(), nn.CrossEntropyLoss(), x, y, 4, step=missing_1_over_k, allow=["batch_coupled_layer"])

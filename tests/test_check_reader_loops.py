@@ -1059,15 +1059,19 @@ def test_per_sample_gradients_with_torch_func_are_checked():
 def test_a_regularizer_from_the_given_model_is_told_to_stay_out_of_the_check():
     """Review 7: the advice "compute such a term from the model your step is given" led to a [BUG] on a correct
     loop (the reference is loss_fn on the batch: no term of the parameters alone). The advice now is to leave the
-    term out, and the finding it gets says so."""
+    term out, and the finding it gets says so. Issue 39: an L2 term is weight decay (a term proportional to the
+    parameters), named as such in a note with the verdict of the rest of the loop; an L1 term is not."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 4)).double()
     x, y = torch.randn(32, 10, dtype=torch.float64), torch.randint(0, 4, (32,))
 
-    def step(model, loss_fn, x, y, k):
+    def step(model, loss_fn, x, y, k, l1=False):
         for xb, yb in zip(x.chunk(k), y.chunk(k)):
-            l2 = sum((p * p).sum() for p in model.parameters())
-            ((loss_fn(model(xb), yb) + 1e-2 * l2) / k).backward()
+            reg = sum((p.abs() if l1 else p * p).sum() for p in model.parameters())
+            ((loss_fn(model(xb), yb) + 1e-2 * reg) / k).backward()
 
-    report = C.check(model, nn.CrossEntropyLoss(), x, y, 4, step=step)
+    report = C.check(model, nn.CrossEntropyLoss(), x, y, 4, step=lambda *a: step(*a, l1=True))
     assert report.codes == ["unexplained"] and "leave it out of the check" in report.findings[0].evidence, report
+    report = C.check(model, nn.CrossEntropyLoss(), x, y, 4, step=step)
+    assert report.ok and [(f.code, f.severity) for f in report.findings] == [("weight_decay_in_gradient", "note")]
+    assert report.rel_error <= report.tolerance, report

@@ -206,6 +206,12 @@ RUNS = {
         "the CLI call `make student` makes with those variables (its site build is test_course's), into a "
         "temporary folder",
     ),
+    "student-edition-course-mode": Run(
+        ("make student COURSE_MODE=1",),
+        ("{py}", "-m", "gradaccum.book.course", "student", "--out", "{tmp}/student", "--course-mode"),
+        r"wrote \d+ notebooks under .*course mode \(no expected values in feedback\): on",
+        "the CLI call `make student COURSE_MODE=1` makes (its site build is test_course's), into a temporary folder",
+    ),
     "nbgrader": Run(
         ("python -m gradaccum.book.course nbgrader",),
         ("{py}", "-m", "gradaccum.book.course", "nbgrader", "--out", "{tmp}/nbgrader"),
@@ -227,12 +233,22 @@ ELSEWHERE = {
     "python -m gradaccum.check": (
         "tests/test_check_module.py::test_python_m_gradaccum_check_is_the_command_line_under_its_own_name"
     ),
-    # instructor.md's grading session: tests/test_nbgrader.py runs each step once, for every chapter, in the course
-    # folder it writes
-    "nbgrader validate source/*/*.ipynb": "tests/test_nbgrader.py::graded",
-    'nbgrader generate_assignment "*"': "tests/test_nbgrader.py::graded",
-    'nbgrader autograde "*" --create': "tests/test_nbgrader.py::graded",
-    'nbgrader generate_feedback "*"': "tests/test_nbgrader.py::graded",
+    # instructor.md's semester: tests/test_course_workflow.py runs each week's commands, in the page's order, on
+    # chapters 1 and 3 in the course folder it writes (and checks that the page shows exactly those)
+    **{
+        command: "tests/test_course_workflow.py::semester"
+        for command in (
+            "nbgrader validate source/01_microbatch_statistics/01_microbatch_statistics.ipynb",
+            "nbgrader generate_assignment 01_microbatch_statistics",
+            "nbgrader release_assignment 01_microbatch_statistics",
+            "nbgrader collect 01_microbatch_statistics",
+            "nbgrader autograde 01_microbatch_statistics",
+            "python -m gradaccum.book.marks export 01_microbatch_statistics marks.csv",
+            "python -m gradaccum.book.marks import marks.csv",
+            "nbgrader generate_feedback 01_microbatch_statistics",
+            "nbgrader release_feedback 01_microbatch_statistics",
+        )
+    },
 }
 
 #: `make` targets: what covers each. A target runs the tools above (or pytest) over the whole book; the tests
@@ -258,15 +274,16 @@ MAKE_TARGETS = {
     "gpu-check": "scripts/gpu_check.py over every chapter: the script runs here (gpu-check); the chapters' code "
     "on a CPU is strict nbval's; on a GPU only `make gpu-check` itself, by hand",
     "student": "tests/test_course.py writes the student edition and builds its site; the CLI runs here",
-    "nbgrader": "tests/test_nbgrader.py writes the course with the same CLI and runs nbgrader on it end to end "
-    "(validate, generate_assignment, autograde, generate_feedback) with the kernel installed as `make kernel` does",
+    "nbgrader": "tests/test_nbgrader.py and tests/test_course_workflow.py write the course with the same CLI and run "
+    "nbgrader on it end to end (validate, generate_assignment, release, collect, autograde, marks, feedback) with the "
+    "kernel installed as `make kernel` does",
     "install": "the set-up every other target's recipe starts with: CI's fresh clone runs it inside `make test` "
     "(.ci/run), and tests/test_release.py installs the package's wheel into a fresh environment",
     "dist": "tests/test_release.py runs `make dist` in a copy of the repository, installs the wheel into a fresh "
     "environment holding torch alone and builds the wheel again from the sdist",
     "clean": "test_make_clean_removes_only_build runs it on a copy of the Makefile",
-    "kernel": "tests/test_nbgrader.py installs the same kernelspec (ipykernel install --name gradaccum) into a "
-    "temporary prefix instead of the environment, and grades every chapter with it",
+    "kernel": "tests/test_nbgrader.py and tests/test_course_workflow.py install the same kernelspec (ipykernel "
+    "install --name gradaccum) into a temporary prefix instead of the environment, and grade with it",
 }
 
 #: Shown commands no test runs, and why.

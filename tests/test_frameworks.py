@@ -591,3 +591,57 @@ def test_tools_refuse_mismatched_empty_and_late_input():
         with pytest.raises(ValueError):
             call()
     assert harness.relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 0.0
+
+
+def test_the_trainer_runs_leave_garbage_collection_as_they_found_it():
+    """The Trainer runner freezes the objects made before it (its train() runs a full gc.collect()) and unfreezes
+    them after; a caller that froze objects itself keeps exactly its frozen set."""
+    import gc
+
+    from gradaccum.framework_probes import _young_gc_only
+
+    assert gc.get_freeze_count() == 0
+    with _young_gc_only():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with _young_gc_only():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_a_trainer_run_under_a_callers_freeze_gives_the_same_gradient():
+    import gc
+
+    x, y = data(16, 6, 3)
+    micro = fw.split(x, y, 4)
+    plain = fw.run("trainer", mlp([6, 5, 3]), nn.CrossEntropyLoss(), micro, 4)
+    gc.freeze()
+    try:
+        frozen = fw.run("trainer", mlp([6, 5, 3]), nn.CrossEntropyLoss(), micro, 4)
+    finally:
+        gc.unfreeze()
+    assert torch.equal(plain.grads[0], frozen.grads[0])
+
+
+def test_quiet_silences_every_framework_logger_and_restores_their_levels():
+    import logging
+
+    from gradaccum.framework_probes import _quiet
+
+    own = logging.getLogger("transformers.gradaccum_test_own_level")
+    own.setLevel(logging.INFO)
+    inherited = logging.getLogger("transformers.gradaccum_test_own_level.leaf")
+    top = logging.getLogger("accelerate")
+    before = top.level
+    try:
+        with _quiet():
+            assert own.getEffectiveLevel() == inherited.getEffectiveLevel() == logging.ERROR
+            assert top.getEffectiveLevel() == logging.ERROR
+        assert own.level == logging.INFO and inherited.level == logging.NOTSET and top.level == before
+    finally:
+        own.setLevel(logging.NOTSET)

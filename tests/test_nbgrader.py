@@ -1,15 +1,18 @@
-"""nbgrader end to end, on every chapter, as an instructor runs it: ``python -m gradaccum.book.course nbgrader``
-writes the course; ``nbgrader validate`` passes the source; ``generate_assignment`` releases it with the
-instructions and checker calls kept and no answer left; a right and a wrong submission are autograded in the
-book's kernel; the right one gets full marks, the wrong one 0 on every auto-graded item, and its feedback carries
-the checker's explanation of the mistake. A third student (first chapter only) gives wrong answers and rebinds
-``exercises`` so that every checker says yes: the hidden tests still give 0.
+"""nbgrader on every chapter at once: ``python -m gradaccum.book.course nbgrader`` writes the course;
+``nbgrader validate`` passes every source; ``generate_assignment`` releases them with the instructions and checker
+calls kept and no answer left; a right and a wrong submission of each are autograded in the book's kernel (with no
+checksum warning: nobody edited a locked cell); the right one gets full marks, the wrong one 0 on every auto-graded
+item, and its feedback carries the checker's course-mode explanation of each mistake and no expected value. A third
+student (first chapter only) gives wrong answers and rebinds ``exercises`` so that every checker says yes: the test
+cells import the checker afresh and still give 0. (tests/test_course_workflow.py runs instructor.md's semester, one
+chapter at a time, with release, collect, manual marks and feedback.)
 
 Runs with the book's environment as the grading kernel (a kernelspec named ``gradaccum`` installed into a
-temporary prefix, as ``make kernel`` installs it into the environment)."""
+temporary prefix, as ``make kernel`` installs it into the environment; the course's config grades with it)."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -21,15 +24,15 @@ from pathlib import Path
 import pytest
 from layout import CHAPTERS, ROOT
 
-from gradaccum.book import course, exercises
+from gradaccum.book import course, exercises, grading, nbgrader_course
 
 pytestmark = pytest.mark.nbgrader
 nbgrader = pytest.importorskip("nbgrader")
 
 STEMS = sorted(CHAPTERS)
 
-#: instructor.md's grading session for every chapter at once (the assignment names are globs), as the fixture runs
-#: it in the course folder it writes; autograde and generate_feedback also get --force so that the test can be rerun
+#: instructor.md's grading steps for every chapter at once (the assignment names are globs), as the fixture runs them
+#: in the course folder it writes; autograde and generate_feedback also get --force so that the test can be rerun
 #: in place. One nbgrader process per step instead of one per step and chapter: each costs seconds to start.
 SESSION = (
     "nbgrader validate source/*/*.ipynb",
@@ -38,6 +41,12 @@ SESSION = (
     'nbgrader generate_feedback "*"',
 )
 SUCCESS = "Success! Your notebook passes all the tests."
+
+
+def visible_text(page: str) -> str:
+    """What a reader sees of an HTML page: its text, without tags, styles and scripts (their numbers are CSS)."""
+    page = re.sub(r"<(style|script)\b.*?</\1>", " ", page, flags=re.S | re.I)
+    return html.unescape(re.sub(r"<[^>]+>", " ", page))
 
 
 def _run(args: list[str], cwd: Path, env: dict[str, str]) -> str:
@@ -65,12 +74,13 @@ def _submit(release: Path, target: Path, right: bool, cheat: bool = False) -> li
     explanations = []
     for cell in nb["cells"]:
         src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        if course.CODE_STUB in src:
+        if nbgrader_course.CODE_STUB in src:
             ((name, kwargs),) = course.checker_calls(src)
             value = exercises.expected_answer(getattr(exercises, name), **kwargs)[0] if right else _wrong(name, kwargs)
             if not right:
-                explanations.append(getattr(exercises, name)(value, **kwargs).message)
-            cell["source"] = src.replace(course.CODE_STUB, f"answer = {value!r}")
+                with grading.course_messages():  # the test cell's wording
+                    explanations.append(getattr(exercises, name)(value, **kwargs).message)
+            cell["source"] = src.replace(nbgrader_course.CODE_STUB, f"answer = {value!r}")
             if cheat:
                 cell["source"] = CHEAT + cell["source"]
         elif cell["cell_type"] == "markdown" and "YOUR ANSWER HERE" in src:
@@ -95,7 +105,7 @@ def _session(root: Path, stems: list[str], env: dict[str, str], cheat_stem: str)
         explanations[stem] = _submit(release, root / "submitted" / "wrong" / stem / f"{stem}.ipynb", right=False)
         if stem == cheat_stem:
             _submit(release, root / "submitted" / "cheat" / stem / f"{stem}.ipynb", right=False, cheat=True)
-    _run([*autograde, "--force"], root, env)
+    logs["autograde"] = _run([*autograde, "--force"], root, env)
     _run([*feedback, "--force"], root, env)
     return logs, explanations
 
@@ -111,7 +121,16 @@ def graded(tmp_path_factory):
     )
     root = tmp_path_factory.mktemp("course")
     _run(
-        [sys.executable, "-m", "ipykernel", "install", "--prefix", str(prefix), "--name", course.KERNEL["name"]],
+        [
+            sys.executable,
+            "-m",
+            "ipykernel",
+            "install",
+            "--prefix",
+            str(prefix),
+            "--name",
+            nbgrader_course.GRADING_KERNEL,
+        ],
         root,
         env,
     )
@@ -128,14 +147,23 @@ def test_source_validates_and_release_keeps_instructions_not_answers(graded, ste
     root = where[stem]
     assert "Success! Your notebook passes all the tests." in logs[stem, "validate"]
     source = json.loads((root / "source" / stem / f"{stem}.ipynb").read_text())
-    assert source["metadata"]["kernelspec"]["name"] == "gradaccum"
+    assert source["metadata"]["kernelspec"]["name"] == "python3"  # every student has it; grading uses the book's
     released = (root / "release" / stem / f"{stem}.ipynb").read_text()
     assert "BEGIN SOLUTION" not in released and "END SOLUTION" not in released
     cells = json.loads(released)["cells"]
     answers = [
         "".join(c["source"]) for c in cells if c["metadata"].get("nbgrader", {}).get("grade_id", "").count("-answer-")
     ]
-    assert answers and all(course.CODE_STUB in a and "exercises.grade_" in a and a.startswith("# ") for a in answers)
+    assert answers and all(
+        nbgrader_course.CODE_STUB in a and "exercises.grade_" in a and a.startswith("# ") for a in answers
+    )
+
+
+def test_no_checksum_warning_when_nobody_edits_a_locked_cell(graded):
+    """The released test cells are the cells the gradebook stored (no hidden part removed after the checksum was
+    taken), so a checksum warning in autograde's log means a student edited a locked cell."""
+    _, logs, _ = graded
+    assert "Autograding" in logs["autograde"] and "checksum" not in logs["autograde"], logs["autograde"][-3000:]
 
 
 @pytest.mark.parametrize("stem", STEMS)
@@ -155,6 +183,12 @@ def test_right_submission_full_marks_wrong_submission_zero_with_feedback(graded,
             manual = [g for g in nb.grades if g.cell.name.endswith("-argument")]
             assert all(g.auto_score is None and g.needs_manual_grade for g in manual), (stem, student)
     feedback = (root / "feedback" / "wrong" / stem / f"{stem}.html").read_text()
-    text = re.sub(r"<[^>]+>", "", feedback).replace("&#39;", "'").replace("&quot;", '"').replace("&amp;", "&")
+    text = visible_text(feedback)
     for why in explanations[stem]:
         assert why.split(":")[0][:40] in text, (stem, why)
+    source = json.loads((root / "source" / stem / f"{stem}.ipynb").read_text())
+    for cell in source["cells"]:
+        for name, kwargs in course.checker_calls(cell["source"]) if "BEGIN SOLUTION" in cell["source"] else []:
+            expected = exercises.expected_answer(getattr(exercises, name), **kwargs)[0]
+            for form in course.answer_forms(expected):
+                assert not re.search(rf"(?<![\d.]){re.escape(form)}(?!\d)", text), (stem, name, form)

@@ -32,10 +32,12 @@ from gradaccum.framework_probes import (
     _own_accelerate_state,
     _stack,
     _world,
+    _young_gc_only,
 )
 from gradaccum.windows import IGNORE
 
 # --------------------------------------------------------------------------------------------- Accelerate
+
 
 def _run_accelerate(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Options) -> Run:
     with _own_accelerate_state():
@@ -51,8 +53,11 @@ def _accelerate_loop(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: 
     clip, precision, sum_loss, lr, warmup = o.clip, o.precision, o.sum_loss, o.lr, o.warmup
     from accelerate import Accelerator
 
-    acc = Accelerator(gradient_accumulation_steps=k, cpu=True,
-                      mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision])
+    acc = Accelerator(
+        gradient_accumulation_steps=k,
+        cpu=True,
+        mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision],
+    )
     opt = RecordingSGD(model.parameters(), lr)
     sched = CountingLR(opt, warmup, o.cosine)
     b = len(micro[0][0])
@@ -79,8 +84,9 @@ def _accelerate_loop(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: 
     return _finish(result, opt, sched, comm)
 
 
-def _accelerate_token_epoch(acc: Any, pmodel: Any, popt: Any, psched: Any, ploader: Any, k: int,
-                            sum_loss: LossFn, clip: float | None) -> None:
+def _accelerate_token_epoch(
+    acc: Any, pmodel: Any, popt: Any, psched: Any, ploader: Any, k: int, sum_loss: LossFn, clip: float | None
+) -> None:
     """One epoch of the guide's token recipe: no accumulate(); fetch a window, count its tokens, no_sync but the
     last micro-batch, then clip, step and zero once."""
     batches = iter(ploader)
@@ -98,6 +104,7 @@ def _accelerate_token_epoch(acc: Any, pmodel: Any, popt: Any, psched: Any, pload
         popt.step()
         psched.step()
         popt.zero_grad()
+
 
 # ---------------------------------------------------------------------------------------------- Lightning
 
@@ -145,8 +152,9 @@ def _CommCallback(comm: CommCounter | None) -> Any:
     return Hook()
 
 
-def _lightning_trainer(k: int, clip: float | None, precision: str, comm: CommCounter | None,
-                       overrides: dict[str, Any]) -> Any:
+def _lightning_trainer(
+    k: int, clip: float | None, precision: str, comm: CommCounter | None, overrides: dict[str, Any]
+) -> Any:
     import pytorch_lightning as pl
 
     _, world = _world()
@@ -158,12 +166,22 @@ def _lightning_trainer(k: int, clip: float | None, precision: str, comm: CommCou
         # DDPStrategy(ddp_comm_hook=...) registers hooks on CUDA only: register ours when training starts
         strategy = DDPStrategy(process_group_backend="gloo")
         callbacks.append(_CommCallback(comm))
-    options = dict(accelerator="cpu", devices=world, strategy=strategy, callbacks=callbacks, max_epochs=1,
-                   accumulate_grad_batches=k,
-                   gradient_clip_val=clip,
-                   precision={"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[precision],
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0, use_distributed_sampler=False)
+    options = dict(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        callbacks=callbacks,
+        max_epochs=1,
+        accumulate_grad_batches=k,
+        gradient_clip_val=clip,
+        precision={"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[precision],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
     options.update(overrides)
     return pl.Trainer(**options)
 
@@ -173,8 +191,10 @@ def _run_lightning(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Op
     ``training_step`` returns the micro-batch's mean loss and whose scheduler has ``interval="step"``."""
     clip, precision, sum_loss, lr, warmup = o.clip, o.precision, o.sum_loss, o.lr, o.warmup
     if sum_loss is not None:
-        raise ValueError("Lightning has no token-level recipe: it divides every micro-batch's loss by "
-                         "accumulate_grad_batches. Count the window's tokens yourself (see chapter 6).")
+        raise ValueError(
+            "Lightning has no token-level recipe: it divides every micro-batch's loss by "
+            "accumulate_grad_batches. Count the window's tokens yourself (see chapter 6)."
+        )
     module = _lightning_module(model, loss_fn, lr, warmup, o.cosine)
     comm = CommCounter() if _world()[1] > 1 else None
     b = len(micro[0][0])
@@ -211,8 +231,9 @@ class HFWrapper(nn.Module):
     ``accepts_loss_kwargs=True`` without ``sum_loss``: a model that is handed the count and returns its mean loss
     anyway (a custom ``forward(..., **kwargs)`` that ignores the count)."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, sum_loss: LossFn | None = None,
-                 accepts_loss_kwargs: bool | None = None):
+    def __init__(
+        self, model: nn.Module, loss_fn: LossFn, sum_loss: LossFn | None = None, accepts_loss_kwargs: bool | None = None
+    ):
         super().__init__()
         self.model, self.loss_fn, self.sum_loss = model, loss_fn, sum_loss
         self.accepts_loss_kwargs = sum_loss is not None if accepts_loss_kwargs is None else accepts_loss_kwargs
@@ -260,20 +281,33 @@ def _run_trainer(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Opti
     data = _stack(micro)
     trainer_cls = _hf_trainer_class()
     hooked = trainer_cls.Hooked()  # type: ignore[attr-defined]
-    with _own_accelerate_state(), tempfile.TemporaryDirectory() as out_dir:
-        args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=b, gradient_accumulation_steps=k,
-                                 num_train_epochs=o.epochs, max_grad_norm=clip if clip is not None else 0.0,
-                                 bf16=precision == "bf16", fp16=precision == "fp16", use_cpu=True, report_to=[],
-                                 save_strategy="no",
-                                 logging_strategy="steps", logging_steps=1, disable_tqdm=True,
-                                 dataloader_drop_last=False, ddp_backend="gloo" if _world()[1] > 1 else None,
-                                 learning_rate=lr, seed=0)
+    with _own_accelerate_state(), tempfile.TemporaryDirectory() as out_dir, _young_gc_only():
+        args = TrainingArguments(
+            output_dir=out_dir,
+            per_device_train_batch_size=b,
+            gradient_accumulation_steps=k,
+            num_train_epochs=o.epochs,
+            max_grad_norm=clip if clip is not None else 0.0,
+            bf16=precision == "bf16",
+            fp16=precision == "fp16",
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="steps",
+            logging_steps=1,
+            disable_tqdm=True,
+            dataloader_drop_last=False,
+            ddp_backend="gloo" if _world()[1] > 1 else None,
+            learning_rate=lr,
+            seed=0,
+        )
         # The Trainer seeds the random generators when it is built (set_seed(args.seed)); a training script builds
         # it once, before training: the runner puts the random state back, as if it had been built long before.
         state = torch.get_rng_state()
         columns = _Columns(x=data.tensors[0], labels=data.tensors[1])
-        trainer = trainer_cls(model=wrapped, args=args, train_dataset=columns, optimizers=(opt, sched),
-                              callbacks=[hooked])
+        trainer = trainer_cls(
+            model=wrapped, args=args, train_dataset=columns, optimizers=(opt, sched), callbacks=[hooked]
+        )
         torch.set_rng_state(state)
         hooked.trainer = trainer
         trainer.remove_callback(PrinterCallback)  # it prints every log line when tqdm is off
@@ -363,7 +397,7 @@ def _run_timm(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Options
                         loss = loss_fn(out, yb) / accum
                     else:  # the token recipe: the window's tokens across ranks
                         start = (i // k) * k
-                        loss = sum_loss(out, yb) * _world()[1] / _tokens_across_ranks(micro[start:start + k])
+                        loss = sum_loss(out, yb) * _world()[1] / _tokens_across_ranks(micro[start : start + k])
                 loss.backward()
             if need_update:
                 if clip is not None:
@@ -375,5 +409,10 @@ def _run_timm(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Options
     return _finish(result, opt, sched, comm)
 
 
-_RUNNERS: dict[str, Callable[..., Run]] = {"accelerate": _run_accelerate, "lightning": _run_lightning,
-                                           "trainer": _run_trainer, "nanogpt": _run_nanogpt, "timm": _run_timm}
+_RUNNERS: dict[str, Callable[..., Run]] = {
+    "accelerate": _run_accelerate,
+    "lightning": _run_lightning,
+    "trainer": _run_trainer,
+    "nanogpt": _run_nanogpt,
+    "timm": _run_timm,
+}

@@ -52,9 +52,26 @@ from gradaccum.framework_probes import (
 from gradaccum.framework_runners import _RUNNERS, HFWrapper, _lightning_trainer
 from gradaccum.windows import IGNORE
 
-__all__ = ["FRAMEWORKS", "IGNORE", "LABELS", "LR", "PRECISIONS", "CountingLR", "HFWrapper", "Options", "RecordingSGD",
-           "Run", "accelerate_step", "bn_updates", "flat_grads", "framework_step", "lightning_module_step",
-           "lightning_step", "run", "split"]
+__all__ = [
+    "FRAMEWORKS",
+    "IGNORE",
+    "LABELS",
+    "LR",
+    "PRECISIONS",
+    "CountingLR",
+    "HFWrapper",
+    "Options",
+    "RecordingSGD",
+    "Run",
+    "accelerate_step",
+    "bn_updates",
+    "flat_grads",
+    "framework_step",
+    "lightning_module_step",
+    "lightning_step",
+    "run",
+    "split",
+]
 
 
 def _validate(model: Any, micro: Any, k: Any, framework: str, precision: str) -> None:
@@ -66,14 +83,18 @@ def _validate(model: Any, micro: Any, k: Any, framework: str, precision: str) ->
         raise ValueError(f"K (micro-batches per optimizer step) must be an int >= 1, got {k!r}.")
     if not micro:
         raise ValueError("need at least one micro-batch.")
-    if not all(isinstance(m, (tuple, list)) and len(m) == 2 and all(isinstance(t, torch.Tensor) for t in m)
-               for m in micro):
-        raise ValueError("micro-batches must be (inputs, targets) pairs of tensors; frameworks.split(x, y, n) makes "
-                         "n equal ones.")
+    if not all(
+        isinstance(m, (tuple, list)) and len(m) == 2 and all(isinstance(t, torch.Tensor) for t in m) for m in micro
+    ):
+        raise ValueError(
+            "micro-batches must be (inputs, targets) pairs of tensors; frameworks.split(x, y, n) makes n equal ones."
+        )
     for i, (mx, my) in enumerate(micro):
         if mx.dim() == 0 or my.dim() == 0 or len(mx) != len(my) or len(mx) == 0:
-            raise ValueError(f"micro-batch {i} holds {mx.shape} inputs and {my.shape} targets: each needs as many "
-                             "targets as inputs, at least one, along dimension 0.")
+            raise ValueError(
+                f"micro-batch {i} holds {mx.shape} inputs and {my.shape} targets: each needs as many "
+                "targets as inputs, at least one, along dimension 0."
+            )
     _stack(micro)  # equal sizes (the data loaders need them)
     _check_precision(framework, precision)
 
@@ -85,24 +106,39 @@ def _check_precision(framework: str, precision: Any) -> None:
         raise ValueError(f"the {framework}-style loop takes fp32 or bf16 here: fp16 needs a GradScaler on a GPU.")
 
 
-def _check_options(framework: str, clip: Any, warmup: Any, cosine: Any, epochs: Any, loss_kwargs: Any,
-                   lr: Any) -> None:
+def _check_options(framework: str, clip: Any, warmup: Any, cosine: Any, epochs: Any, loss_kwargs: Any, lr: Any) -> None:
     """:func:`run`'s options, checked before anything runs."""
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
-                             or not math.isfinite(clip)):
+    if clip is not None and (
+        isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0 or not math.isfinite(clip)
+    ):
         raise ValueError(f"clip must be a positive number (a gradient-norm threshold) or None, got {clip!r}.")
     for name, value in (("warmup", warmup), ("cosine", cosine), ("epochs", epochs)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "epochs" else 0):
             raise ValueError(f"{name} must be an int >= {1 if name == 'epochs' else 0}, got {value!r}.")
     if loss_kwargs is not None and (framework != "trainer" or not isinstance(loss_kwargs, bool)):
-        raise ValueError(f"loss_kwargs is the Transformers Trainer's model setting (True or False), got "
-                         f"{loss_kwargs!r} for {framework!r}: leave it None.")
+        raise ValueError(
+            f"loss_kwargs is the Transformers Trainer's model setting (True or False), got "
+            f"{loss_kwargs!r} for {framework!r}: leave it None."
+        )
     require_nonnegative(lr, "lr (the learning rate; 0 keeps the weights)")
 
 
-def run(framework: str, model: nn.Module, loss_fn: LossFn, micro: MicroBatches, k: int, *,
-        clip: float | None = None, precision: str = "fp32", sum_loss: LossFn | None = None,
-        lr: float = LR, warmup: int = 0, cosine: int = 0, epochs: int = 1, loss_kwargs: bool | None = None) -> Run:
+def run(
+    framework: str,
+    model: nn.Module,
+    loss_fn: LossFn,
+    micro: MicroBatches,
+    k: int,
+    *,
+    clip: float | None = None,
+    precision: str = "fp32",
+    sum_loss: LossFn | None = None,
+    lr: float = LR,
+    warmup: int = 0,
+    cosine: int = 0,
+    epochs: int = 1,
+    loss_kwargs: bool | None = None,
+) -> Run:
     """Train ``model`` in place for ``epochs`` epochs over ``micro`` (each rank's list when a process group is
     initialized), in order, with ``framework`` accumulating ``k`` micro-batches per optimizer step.
 
@@ -119,14 +155,20 @@ def run(framework: str, model: nn.Module, loss_fn: LossFn, micro: MicroBatches, 
     _validate(model, micro, k, framework, precision)
     _check_options(framework, clip, warmup, cosine, epochs, loss_kwargs, lr)
     if framework == "nanogpt" and cosine:
-        raise ValueError("the nanoGPT-style loop here writes only a linear warmup into the optimizer (no scheduler "
-                         "object): cosine is not supported; leave cosine=0, or use another framework.")
+        raise ValueError(
+            "the nanoGPT-style loop here writes only a linear warmup into the optimizer (no scheduler "
+            "object): cosine is not supported; leave cosine=0, or use another framework."
+        )
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the model has no trainable parameter (every one has requires_grad=False): there is no "
-                         "gradient to accumulate.")
+        raise ValueError(
+            "the model has no trainable parameter (every one has requires_grad=False): there is no "
+            "gradient to accumulate."
+        )
     if framework == "nanogpt" and epochs * len(micro) < k:
-        raise ValueError(f"the nanoGPT-style loop runs epochs · micro-batches // K iterations: {epochs} · "
-                         f"{len(micro)} // {k} is none; pass at least K micro-batches (or more epochs).")
+        raise ValueError(
+            f"the nanoGPT-style loop runs epochs · micro-batches // K iterations: {epochs} · "
+            f"{len(micro)} // {k} is none; pass at least K micro-batches (or more epochs)."
+        )
     options = Options(clip, precision, sum_loss, lr, warmup, cosine, epochs, loss_kwargs)
     runner = _RUNNERS[framework]
     _import(framework)  # before _quiet(): the loggers it silences are created on import
@@ -146,8 +188,10 @@ def split(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, 
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}.")
     if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.dim() == 0 or y.dim() == 0:
-        raise ValueError(f"x and y must be tensors with the samples along dimension 0, got {type(x).__name__} and "
-                         f"{type(y).__name__}; convert arrays with torch.as_tensor(...).")
+        raise ValueError(
+            f"x and y must be tensors with the samples along dimension 0, got {type(x).__name__} and "
+            f"{type(y).__name__}; convert arrays with torch.as_tensor(...)."
+        )
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} samples but y has {len(y)}; pass matching inputs and targets.")
     if len(x) == 0:
@@ -159,8 +203,10 @@ def split(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, 
 
 def _check_step_k(k: Any) -> None:
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        raise ValueError(f"k (the accumulation steps the framework is configured with) must be an int >= 1 or None "
-                         f"(the window's K), got {k!r}.")
+        raise ValueError(
+            f"k (the accumulation steps the framework is configured with) must be an int >= 1 or None "
+            f"(the window's K), got {k!r}."
+        )
 
 
 def framework_step(framework: str, k: int | None = None, **options: Any) -> Callable[..., None]:
@@ -176,12 +222,14 @@ def framework_step(framework: str, k: int | None = None, **options: Any) -> Call
     _check_step_k(k)
     unknown = sorted(set(options) - set(Options.__dataclass_fields__))
     if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(unknown)}; run() takes "
-                         f"{', '.join(Options.__dataclass_fields__)}.")
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)}; run() takes {', '.join(Options.__dataclass_fields__)}."
+        )
     given = {**vars(Options()), **options}  # checked now: a bad option is not the checked loop's bug
     _check_precision(framework, given["precision"])
-    _check_options(framework, given["clip"], given["warmup"], given["cosine"], given["epochs"], given["loss_kwargs"],
-                   given["lr"])
+    _check_options(
+        framework, given["clip"], given["warmup"], given["cosine"], given["epochs"], given["loss_kwargs"], given["lr"]
+    )
 
     def step(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, window: int) -> None:
         run(framework, model, loss_fn, split(x, y, window), k or window, **options)
@@ -218,19 +266,22 @@ def lightning_module_step(k: int | None = None, **trainer_options: Any) -> Calla
 
     unknown = sorted(set(trainer_options) - set(inspect.signature(pl.Trainer.__init__).parameters))
     if unknown:
-        raise ValueError(f"pytorch_lightning.Trainer takes no {', '.join(unknown)}: pass Trainer's own keyword "
-                         "arguments (e.g. precision='bf16-mixed', gradient_clip_val=1.0).")
+        raise ValueError(
+            f"pytorch_lightning.Trainer takes no {', '.join(unknown)}: pass Trainer's own keyword "
+            "arguments (e.g. precision='bf16-mixed', gradient_clip_val=1.0)."
+        )
 
     def step(module: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, window: int) -> None:
 
         if not isinstance(module, pl.LightningModule):
-            raise ValueError(f"lightning_module_step needs a LightningModule, got {type(module).__name__}; use "
-                             "lightning_step() for a plain nn.Module.")
+            raise ValueError(
+                f"lightning_module_step needs a LightningModule, got {type(module).__name__}; use "
+                "lightning_step() for a plain nn.Module."
+            )
         micro = split(x, y, window)
         _import("lightning")
         with _quiet(), tempfile.TemporaryDirectory() as root:
-            trainer = _lightning_trainer(k or window, None, "fp32", None,
-                                         {"default_root_dir": root, **trainer_options})
+            trainer = _lightning_trainer(k or window, None, "fp32", None, {"default_root_dir": root, **trainer_options})
             trainer.fit(module, DataLoader(_stack(micro), batch_size=len(micro[0][0]), shuffle=False))
 
     return step

@@ -6,6 +6,7 @@ The entry point :func:`full_batch_stats_backward` validates, then runs the uncac
 sweeps) or the cached one (:mod:`gradaccum.fullbatch_cache`, over the torch.fx stages of
 :mod:`gradaccum.fullbatch_trace`); both normalize through :mod:`gradaccum.fullbatch_norm`. Chapter 2 of the book.
 """
+
 from __future__ import annotations
 
 import copy
@@ -61,8 +62,7 @@ def cache_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
     with torch.random.fork_rng(devices=_cuda_devices(model, x)):
         _step(work, loss_fn, x, y, k, True, True, meter)
     if not meter:
-        raise ValueError("the model has no batch-statistics BatchNorm layer that its forward calls: nothing is "
-                         "cached.")
+        raise ValueError("the model has no batch-statistics BatchNorm layer that its forward calls: nothing is cached.")
     return CacheBytes(max(meter), saved_activation_bytes(model, loss_fn, x, y))
 
 
@@ -72,12 +72,21 @@ def _cache_device(cache: bool | str, x: torch.Tensor) -> torch.device | None:
         return x.device if cache else None
     if cache == "cpu":
         return torch.device("cpu")
-    raise ValueError(f"cache must be False, True (keep the cached tensors on the model's device) or 'cpu' (keep "
-                     f"them in host memory), got {cache!r}.")
+    raise ValueError(
+        f"cache must be False, True (keep the cached tensors on the model's device) or 'cpu' (keep "
+        f"them in host memory), got {cache!r}."
+    )
 
 
-def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
-                              exact: bool = True, cache: bool | str | None = None) -> float:
+def full_batch_stats_backward(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    exact: bool = True,
+    cache: bool | str | None = None,
+) -> float:
     r"""One optimizer step's *full-batch* gradient, computed in K micro-batches: every micro-batch normalized by
     the statistics of all K·b samples, and the gradient through those statistics,
     :math:`\frac1s(a - \bar a - \hat x\,\overline{a\hat x})` per BatchNorm layer, up to rounding.
@@ -98,17 +107,20 @@ def full_batch_stats_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor
     """
     require_flag(exact, "exact", "True: the exact full-batch gradient")
     if not exact:
-        raise ValueError("exact=False (the statistics as constants) is not the full-batch gradient: it drops the "
-                         "terms through the mean and variance. Call full_batch_stats_as_constants_backward(...) if "
-                         "you want that scheme on purpose.")
+        raise ValueError(
+            "exact=False (the statistics as constants) is not the full-batch gradient: it drops the "
+            "terms through the mean and variance. Call full_batch_stats_as_constants_backward(...) if "
+            "you want that scheme on purpose."
+        )
     _require_inputs(loss_fn, x, y)
     if cache is None:
         return _cached_where_possible(model, loss_fn, x, y, k)
     return _restoring(model, lambda: _step(model, loss_fn, x, y, k, True, cache))
 
 
-def full_batch_stats_as_constants_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                                           k: int, cache: bool | str = False) -> float:
+def full_batch_stats_as_constants_backward(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, cache: bool | str = False
+) -> float:
     """NOT the full-batch gradient: every micro-batch normalized by the full batch's statistics held as constants
     (gradient a/s through each BatchNorm layer; the terms through the mean and variance are missing). Chapter 2
     measures what that costs: a gradient at cosine about 0.5 to the full batch's at every K, and training that
@@ -143,16 +155,20 @@ def _require_sample_mean(loss_fn: LossFn, y: torch.Tensor) -> None:
         return
     name = type(loss_fn).__name__
     if loss_fn.weight is not None:
-        raise ValueError(f"{name}(weight=...) with reduction='mean' divides by the summed weights of each "
-                         "micro-batch's targets, not by the number of samples: its micro-batch losses divided by K "
-                         f"do not add up to the full batch's. Pass a sample mean instead, e.g. "
-                         f"{name}(weight=w, reduction='none') averaged with .mean().")
+        raise ValueError(
+            f"{name}(weight=...) with reduction='mean' divides by the summed weights of each "
+            "micro-batch's targets, not by the number of samples: its micro-batch losses divided by K "
+            f"do not add up to the full batch's. Pass a sample mean instead, e.g. "
+            f"{name}(weight=w, reduction='none') averaged with .mean()."
+        )
     if not y.is_floating_point() and bool((y == loss_fn.ignore_index).any()):
-        raise ValueError(f"y contains {name}'s ignore_index ({loss_fn.ignore_index}): the mean runs over the "
-                         "targets left in each micro-batch, not over its samples, so the micro-batch losses divided "
-                         "by K do not add up to the full batch's. This scheme needs a mean over the samples (it "
-                         "divides each micro-batch's loss by K): drop the ignored targets from x and y, or pass a "
-                         "loss_fn that averages over samples.")
+        raise ValueError(
+            f"y contains {name}'s ignore_index ({loss_fn.ignore_index}): the mean runs over the "
+            "targets left in each micro-batch, not over its samples, so the micro-batch losses divided "
+            "by K do not add up to the full batch's. This scheme needs a mean over the samples (it "
+            "divides each micro-batch's loss by K): drop the ignored targets from x and y, or pass a "
+            "loss_fn that averages over samples."
+        )
 
 
 def _restoring(model: nn.Module, run: Callable[[], float]) -> float:
@@ -179,15 +195,25 @@ def _restoring(model: nn.Module, run: Callable[[], float]) -> float:
     changed = [name for name, b, saved in buffers if id(b) not in own and not torch.equal(b, saved)]
     if changed:
         restore()
-        raise ValueError(f"the forward changes the model's buffer(s) {changed[:3]} (a power iteration such as "
-                         "spectral_norm's, a counter, an InstanceNorm's running statistics): the scheme runs the "
-                         "forward several times per micro-batch, so later passes would see a different network; "
-                         "put those modules in eval mode for this step, or accumulate plainly.")
+        raise ValueError(
+            f"the forward changes the model's buffer(s) {changed[:3]} (a power iteration such as "
+            "spectral_norm's, a counter, an InstanceNorm's running statistics): the scheme runs the "
+            "forward several times per micro-batch, so later passes would see a different network; "
+            "put those modules in eval mode for this step, or accumulate plainly."
+        )
     return total
 
 
-def _step(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int, exact: bool,
-          cache: bool | str, meter: list[int] | None = None) -> float:
+def _step(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    exact: bool,
+    cache: bool | str,
+    meter: list[int] | None = None,
+) -> float:
     require_k(k)
     device = _cache_device(cache, x)
     if not model.training:
@@ -207,8 +233,15 @@ def _step(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k
     return _uncached_step(model, loss_fn, micro, k, exact, names, rng)
 
 
-def full_batch_stats_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, k: int,
-                              exact: bool = True, cache: bool | str = False) -> torch.Tensor:
+def full_batch_stats_gradient(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    k: int,
+    exact: bool = True,
+    cache: bool | str = False,
+) -> torch.Tensor:
     """Flat gradient of :func:`full_batch_stats_backward` (``exact=False``:
     :func:`full_batch_stats_as_constants_backward`), computed on a copy (the model is not modified)."""
     require_flag(exact, "exact", "True: the exact scheme; False: the statistics as constants")
@@ -234,9 +267,11 @@ def full_batch_forward_error(model: nn.Module, x: torch.Tensor, k: int) -> float
         raise ValueError("full-batch statistics are a training-mode scheme; call model.train() first.")
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
-            raise ValueError(f"dropout layer {_label(name)} draws different masks for the whole batch and for its "
-                             "K parts, so the forwards cannot be compared; put it in eval mode (.eval()) for this "
-                             "check.")
+            raise ValueError(
+                f"dropout layer {_label(name)} draws different masks for the whole batch and for its "
+                "K parts, so the forwards cannot be compared; put it in eval mode (.eval()) for this "
+                "check."
+            )
     work = copy.deepcopy(model)
     reference = copy.deepcopy(work)(x)
     parts = list(x.split(x.shape[0] // k))

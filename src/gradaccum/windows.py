@@ -7,7 +7,9 @@ micro-batch) is in :mod:`gradaccum.step_counts`, re-exported here.
 per-micro-batch means gives :math:`\frac1K\sum_k x_k/n_k`, which weighs a token of a short micro-batch more than a
 token of a long one. The fix: sum the loss and divide by the number of tokens in the whole window
 (Hugging Face's ``num_items_in_batch``), and across ranks by the all-reduced count, times the number of ranks
-(DDP averages the ranks' gradients).
+(DDP averages the ranks' gradients). The same gradient needs no count before the window: backpropagate each
+micro-batch's *summed* loss as it arrives, then multiply the gradients once by p/N (:func:`scale_grads`), before
+clipping.
 
 **Dropout.** Each micro-batch draws its own masks, which are different draws from the ones a single full-batch
 pass would draw; every mask entry is still Bernoulli(1 − p) and independent, so the accumulated gradient has the
@@ -232,6 +234,26 @@ def ranks_gradient(
             window_backward(work, xs, ys, k, "window_tokens")  # divides by this rank's own count
             grads.append(flat_grad(work).detach())
     return torch.stack(grads).mean(0)  # DDP's average over ranks
+
+
+def scale_grads(model: nn.Module, total_tokens: int | torch.Tensor, ranks: int = 1) -> float:
+    r"""Multiply every ``.grad`` of ``model`` by :math:`p/N` (``ranks`` / ``total_tokens``), in place, and return
+    the factor: the exact token normalization that needs no count before the window.
+
+    Each micro-batch's *summed* token loss is backpropagated as it arrives (no division), so ``.grad`` holds
+    :math:`\sum_i \nabla\ell_i` over the window's tokens, averaged over the ``ranks`` replicas by DDP. Once the
+    window's count :math:`N` is known (all ranks' tokens, all-reduced), one multiplication by :math:`p/N` gives the
+    gradient of the token mean. Call it after the window's last backward and before clipping (the threshold is
+    for the mean's gradient); with a ``GradScaler``, after ``unscale_``.
+    """
+    p = require_count(ranks, "ranks (the number of ranks whose gradients DDP averages)")
+    n = _require_count(total_tokens, 1)
+    factor = p / n
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)
+    return factor
 
 
 def dropout_masks(

@@ -1,4 +1,5 @@
-"""Chapter 4, "Loss scaling meets accumulation": the loss-scale grid and the figures.
+"""Chapter 4, "Loss scaling meets accumulation": the loss-scale grid, the figures, and FSDP2's accumulation on two
+processes (:mod:`gradaccum.book.ch04_fsdp`).
 
 The book layer over :mod:`gradaccum.precision` (the torch-only tools the chapter derives).
 """
@@ -14,9 +15,11 @@ import torch
 
 from gradaccum._validate import require_k
 from gradaccum.accumulate import agreement
+from gradaccum.book.ch04_fsdp import Fsdp2Rank, ScalerRun
 from gradaccum.book.data import DigitsSplit
 from gradaccum.book.models import make_cnn
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
+from gradaccum.book.tables import Table
 from gradaccum.precision import (
     activation_gradients,
     amp_window,
@@ -229,3 +232,54 @@ def rounded_error(error: float) -> str:
     kernels move the second digit: another summation order rounds differently), two decimals from 1% up (the size
     of a mistake, which no kernel moves)."""
     return f"{error:.0e}" if error < 0.01 else f"{error:.2f}"
+
+
+# ------------------------------------------------------------------------------------------- FSDP2 (fine print)
+
+
+def fsdp2_ranks(k: int = 16, timeout: float = 120.0) -> list[Fsdp2Rank]:
+    """:func:`gradaccum.book.ch04_fsdp.fsdp2_task` on two gloo processes; both ranks' results, after checking that
+    they agree on everything but the one-rank overflow's shard (that one differs by design)."""
+    from gradaccum.book.ddp_workers import launch
+
+    ranks: list[Fsdp2Rank] = launch("fsdp2", 2, timeout=timeout, k=k)
+    a, b = ranks
+    if (a.held, a.errors, a.headroom) != (b.held, b.errors, b.headroom):
+        raise RuntimeError(f"the two ranks disagree: {a} vs {b}")
+    return ranks
+
+
+def fsdp2_table(rank: Fsdp2Rank) -> Table:
+    """Where FSDP2 keeps the window's gradient between micro-batches, for each gradient sync and mixed-precision
+    policy (one rank's view)."""
+    rows = [
+        [sync, name, held.holder, held.dtype, f"{held.bytes:,}", f"{held.bytes / held.shard_bytes:g}×"]
+        for (sync, name), held in rank.held.items()
+    ]
+    return Table(
+        ["gradient sync", "MixedPrecisionPolicy", "held between micro-batches", "dtype", "bytes", "÷ fp32 shard"],
+        rows,
+    )
+
+
+def fsdp2_lines(ranks: Sequence[Fsdp2Rank]) -> list[str]:
+    """What the two ranks measured beyond the table: the bf16 sum's error, the fp16 sum's overflow, and the grad
+    scaler after an overflow in one rank's shard."""
+    errors, headroom = ranks[0].errors, ranks[0].headroom
+
+    def outcome(run: ScalerRun) -> str:
+        return f"{'stepped' if run.stepped else 'step skipped'}, S = 2^{math.log2(run.scale_after):.0f}"
+
+    one = [r.one_rank_overflow for r in ranks]
+    return [
+        f"bf16 parameters, K = {ranks[0].k}, against the window reduced every micro-batch: summed in fp32 "
+        f"(reduce_dtype=fp32) {rounded_error(errors['param_dtype=bf16, reduce_dtype=fp32'])} off, in bf16 "
+        f"(reduce_dtype unset) {rounded_error(errors['param_dtype=bf16, reduce_dtype unset'])} off",
+        f"fp16, 20480 in each of K = 4 backward passes: reduce_dtype=fp32 → {outcome(headroom['fp32'])}; "
+        f"reduce_dtype unset → the fp16 sum {'fits' if headroom['unset'].shard_finite else 'overflows'}, "
+        f"{outcome(headroom['unset'])}",
+        "an overflow in rank 1's shard only: shard finite on rank 0, 1: "
+        + ", ".join(str(r.shard_finite) for r in one if r)
+        + "; each rank's GradScaler: "
+        + "; ".join(f"inf found, {outcome(r)}" if r.found_inf else outcome(r) for r in one if r),
+    ]

@@ -31,6 +31,7 @@ from gradaccum.framework_probes import (
     _import,
     _own_accelerate_state,
     _quiet,
+    _young_gc_only,
     flat_grads,
 )
 from gradaccum.framework_runners import _Columns, _hf_trainer_class
@@ -404,7 +405,7 @@ def trainer_on_causal_lm(
     full = flat_grads(list(reference.parameters()))
     opt = RecordingSGD(model.parameters(), 0.0)
     sched = CountingLR(opt)
-    with _quiet(), _own_accelerate_state(), tempfile.TemporaryDirectory() as out_dir:
+    with _quiet(), _own_accelerate_state(), tempfile.TemporaryDirectory() as out_dir, _young_gc_only():
         args = TrainingArguments(
             output_dir=out_dir,
             per_device_train_batch_size=len(input_ids) // k,

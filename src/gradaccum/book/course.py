@@ -1,15 +1,19 @@
-"""The course kit: a student edition of the book, and a conversion of its exercises for nbgrader.
+"""The course kit: a student edition of the book, and (with :mod:`gradaccum.book.nbgrader_course`) an nbgrader
+course of its exercises.
 
 Student edition (``make student``, or ``python -m gradaccum.book.course student``): every chapter with its
 ``solution`` directives removed and the outputs of its exercise cells (the cells that call a checker from
 :mod:`gradaccum.book.exercises`) cleared; everything else — text, code, stored figures — is kept, so the notebooks run
-top to bottom. Jupyter Book's ``hide_solutions`` cannot do this: it crashes on gated solutions, and it would only
-hide them in HTML, not remove them from the notebooks students download.
+top to bottom (``--course-mode``: the checkers in course mode, their feedback without expected values). Jupyter
+Book's ``hide_solutions`` cannot do this: it crashes on gated solutions, and it would only hide them in HTML, not
+remove them from the notebooks students download.
 
 nbgrader (``python -m gradaccum.book.course nbgrader``): each exercise cell becomes an nbgrader *solution* cell (the
-student edits ``answer = ...``) followed by a locked, graded *test* cell that asserts the checker accepts the
-answer; the checker's message says what is wrong when it does not.
-"""
+student edits ``answer = ...``) followed by a locked, graded *test* cell that grades the answer with the same checker
+(:func:`gradaccum.book.exercises.verify`); the checker's message, in course mode, says what is wrong when it does not.
+
+Both install ``gradaccum[book]`` from where the instructor says (:func:`student_package`), never from the book's
+repository, which holds the solutions."""
 
 from __future__ import annotations
 
@@ -22,8 +26,6 @@ import shutil
 import sys
 from pathlib import Path
 from typing import Any
-
-from gradaccum.book import exercises
 
 SOLUTION = re.compile(r"```\{solution\}.*?\n```[ \t]*\n?", re.S)
 EXERCISE = re.compile(r"```\{exercise\}[^\n]*\n:label:\s*(\S+)")
@@ -118,10 +120,46 @@ def inline_includes(text: str) -> str:
     return INCLUDE.sub(lambda m: "```python\n" + package_source(m.group(1), m.group(2)) + "\n```", text)
 
 
-def student_notebook(nb: dict[str, Any]) -> dict[str, Any]:
+#: The chapters' Colab install: the requirement ``"gradaccum[book] @ " "git+<the book's repository>"``.
+INSTALL = re.compile(r'"gradaccum\[book\] @ "\s*"git\+[^"\n]*"')
+
+#: A line that imports the checkers (``from gradaccum.book import check_demo, exercises``).
+IMPORTS_CHECKERS = re.compile(r"^from gradaccum\.book import [\w, ]*\bexercises\b", re.M)
+
+#: What course mode adds after the set-up's import of the checkers.
+COURSE_MODE_CALL = "exercises.course_mode()  # course mode: feedback never states the expected value"
+
+
+def install_from(source: str, package: str) -> str:
+    """A set-up cell's Colab install pointed at ``package`` (a pip requirement) instead of the book's repository."""
+    new, n = INSTALL.subn(lambda _: '"' + package + '"', source)
+    if n != 1:
+        raise ValueError(
+            "the set-up cell has no install of gradaccum[book] from the book's repository to replace; "
+            "keep the chapter's first cell's Colab install as the other chapters write it."
+        )
+    return new
+
+
+def _with_course_mode(cells: list[dict[str, Any]]) -> None:
+    """Call :data:`COURSE_MODE_CALL` at the end of the first cell that imports the checkers."""
+    for cell in cells:
+        if cell["cell_type"] == "code" and IMPORTS_CHECKERS.search(_source(cell)):
+            cell["source"] = _source(cell).rstrip("\n") + "\n" + COURSE_MODE_CALL
+            return
+    raise ValueError("no cell imports gradaccum.book.exercises: the chapter has no checkers to put in course mode.")
+
+
+def student_notebook(nb: dict[str, Any], package: str | None = None, course_mode: bool = False) -> dict[str, Any]:
     """The student version of a chapter: solutions removed, exercise outputs cleared, included package code
-    inlined, the rest kept."""
+    inlined, the set-up's install pointed at ``package`` (when given), the checkers in course mode (when asked),
+    the rest kept."""
     out = copy.deepcopy(nb)
+    if package is not None:
+        setup = next(c for c in out["cells"] if c["cell_type"] == "code")
+        setup["source"] = install_from(_source(setup), package)
+    if course_mode:
+        _with_course_mode(out["cells"])
     cells = []
     for cell in out["cells"]:
         if cell["cell_type"] == "markdown":
@@ -136,10 +174,10 @@ def student_notebook(nb: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: Where the student edition is published (its own repository or branch, without solutions). Its launch buttons
-#: (Binder, Colab, Live Code) and repository button point here, never at the book's repository with the
-#: solutions. Set it with ``make student STUDENT_REPO=<url> STUDENT_BRANCH=<branch>`` (or ``--repository``/
-#: ``--branch``); instructor.md documents it.
+#: Where the student edition is published (its own repository or branch, without solutions): a placeholder until the
+#: instructor names theirs. Its launch buttons (Binder, Colab) and repository button point here, never at the book's
+#: repository with the solutions. Set it with ``make student STUDENT_REPO=<url> STUDENT_BRANCH=<branch>`` (or
+#: ``--repository``/``--branch``); instructor.md documents it.
 STUDENT_REPOSITORY = "https://github.com/gradaccum/gradient-accumulation-correctly-student"
 STUDENT_BRANCH = "main"
 
@@ -173,12 +211,28 @@ def _student_config(text: str, repository: str = STUDENT_REPOSITORY, branch: str
     return text
 
 
-def _student_intro(text: str, package_url: str = "") -> str:
+def student_package(
+    repository: str = STUDENT_REPOSITORY, branch: str = STUDENT_BRANCH, package: str | None = None
+) -> str:
+    """The pip requirement the student material installs ``gradaccum[book]`` with: ``package`` when given (a
+    published name, ``gradaccum[book]==0.2.0``, or ``gradaccum[book] @ <URL of a wheel>``), else the package source
+    the student edition carries, from the student repository: ``gradaccum[book] @ git+<repository>@<branch>``."""
+    requirement = package if package is not None else f"gradaccum[book] @ git+{repository}@{branch}"
+    if not re.fullmatch(r"gradaccum\[book\][^\s\"'\\]*(?: @ [^\s\"'\\]+)?", requirement):
+        raise ValueError(
+            f"the student package must be a pip requirement for gradaccum[book] (e.g. 'gradaccum[book]"
+            f"==0.2.0' or 'gradaccum[book] @ https://host/gradaccum-0.2.0-py3-none-any.whl'), got "
+            f"{requirement!r}."
+        )
+    return requirement
+
+
+def _student_intro(text: str, package: str) -> str:
     """The introduction with its sentence on solutions replaced by what the student edition is, and its line on
     running the book's Makefile (which the student edition does not carry) by how to install the package."""
     run_locally = (
         "- **Run a chapter locally**: install the book's package with\n"
-        f'  `pip install "gradaccum[book] @ git+{package_url}"` and open the chapter in Jupyter.\n'
+        f'  `pip install "{package}"` and open the chapter in Jupyter.\n'
     )
     text, n = re.subn(
         r"^- \*\*Run everything locally\*\*.*?(?=^- |^\S|\Z)", run_locally, text, count=1, flags=re.M | re.S
@@ -204,11 +258,18 @@ def _student_toc(text: str) -> str:
 
 
 def write_student_edition(
-    root: Path, out: Path, repository: str = STUDENT_REPOSITORY, branch: str = STUDENT_BRANCH
+    root: Path,
+    out: Path,
+    repository: str = STUDENT_REPOSITORY,
+    branch: str = STUDENT_BRANCH,
+    package: str | None = None,
+    course_mode: bool = False,
 ) -> list[Path]:
-    """Write the student edition of the book in ``root`` to ``out`` (chapters and the files the site needs), its
-    buttons pointing at ``repository`` on ``branch``."""
+    """Write the student edition of the book in ``root`` to ``out`` (chapters, the files the site needs and the
+    package's source), its buttons pointing at ``repository`` on ``branch``, its notebooks, introduction and binder
+    installing :func:`student_package`, its checkers in course mode if ``course_mode``."""
     root, out = Path(root), Path(out)
+    package = student_package(repository, branch, package)
     if out.exists():
         shutil.rmtree(out)
     (out / "chapters").mkdir(parents=True)
@@ -217,7 +278,7 @@ def write_student_edition(
         if name == "_config.yml":
             text = _student_config(text, repository, branch)
         elif name == "intro.md":
-            text = _student_intro(text, _book_repository(root))
+            text = _student_intro(text, package)
         elif name == "_toc.yml":
             text = _student_toc(text)
         (out / name).write_text(text)
@@ -233,227 +294,58 @@ def write_student_edition(
             shutil.copy(root / f"{page}.md", target)
     for folder in ("_vendor", "_ext"):  # the site's own assets and extension (the config names them)
         shutil.copytree(root / folder, out / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    _write_binder(root, out)
+    _write_binder(root, out, package)
+    _write_package(root, out, package)
     written = []
     for path in sorted((root / "chapters").glob("*.ipynb")):
         target = out / "chapters" / path.name
-        notebook = student_notebook(json.loads(path.read_text()))
+        notebook = student_notebook(json.loads(path.read_text()), package, course_mode)
         target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
         written.append(target)
     return written
 
 
-def _book_repository(root: Path) -> str:
-    match = re.search(r"^repository:\s*\n\s+url:\s*(\S+)", (root / "_config.yml").read_text(), flags=re.M)
-    if match is None:
-        raise ValueError("_config.yml has no repository url to install gradaccum from.")
-    return match.group(1)
-
-
-def _write_binder(root: Path, out: Path) -> None:
+def _write_binder(root: Path, out: Path, package: str) -> None:
     """Binder files for the student edition published on its own: the book's runtime requirements plus the
-    ``gradaccum`` package installed from the book's repository (the student edition carries no package source)."""
+    ``gradaccum`` package as :func:`student_package` names it."""
     requirements = (root / "binder" / "requirements.txt").read_text().rstrip("\n")
     (out / "binder").mkdir(exist_ok=True)
     (out / "binder" / "requirements.txt").write_text(
-        f"{requirements}\n"
-        "# The student edition has no package source: install the book's package from its repository.\n"
-        f"gradaccum[book] @ git+{_book_repository(root)}\n"
+        f"{requirements}\n# The book's package, from where the instructor publishes it (never the book's own "
+        f"repository, which holds the solutions).\n{package}\n"
     )
     shutil.copy(root / "binder" / "runtime.txt", out / "binder" / "runtime.txt")
 
 
-# ------------------------------------------------------------------------------------------------ nbgrader
-
-
-#: The kernel the course's notebooks name: the book's environment, installed with ``make kernel``. Grading with a
-#: kernel that lacks torch and gradaccum fails every cell and gives every student 0 — so the notebooks name this one.
-KERNEL = {"name": "gradaccum", "display_name": "Python 3 (Gradient Accumulation, Correctly)", "language": "python"}
-
-#: What a student finds in an answer cell after ``nbgrader generate_assignment`` (ClearSolutions' code stub).
-CODE_STUB = "answer = None  # YOUR ANSWER HERE"
-
-#: nbgrader_config.py of the course folder ``write_nbgrader`` writes.
-NBGRADER_CONFIG = f"""c = get_config()  # noqa: F821 (nbgrader's config loader defines it)
-c.CourseDirectory.course_id = "gradient-accumulation-correctly"
-c.ClearSolutions.code_stub = {{"python": {CODE_STUB!r}}}
-c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
-c.Execute.timeout = 600
-"""
-
-SOLUTION_FOR = re.compile(r"```\{solution\}\s*(\S+)[^\n]*\n(?::[^\n]*\n)*(.*?)\n```", re.S)
-ROLE = re.compile(r"\{(?:ref|numref|doc|cite|cite:p|cite:t|eq)\}`([^`]*)`")
-
-
-#: The book's MathJax macros (_config.yml), spelled out for Jupyter's renderer.
-MACROS = {"\\E": "\\mathbb{E}", "\\Var": "\\operatorname{Var}"}
-
-
-def _plain_markdown(text: str) -> str:
-    """MyST roles as plain text and the book's TeX macros spelled out, for Jupyter's renderer."""
-    text = ROLE.sub(lambda m: m.group(1).split("<")[0].strip(), text)
-    for macro, expansion in MACROS.items():
-        text = re.sub(re.escape(macro) + r"(?![A-Za-z])", expansion.replace("\\", "\\\\"), text)
-    return text
-
-
-def _answer_hint(cell_source: str) -> str:
-    """The chapter's instruction on the ``answer = None  # ...`` line, as a comment line."""
-    match = re.search(r"^answer\s*=\s*None\s*(#.*)$", cell_source, flags=re.M)
-    return match.group(1) if match else "# your answer"
-
-
-def _hidden_test(expected: object, digits: int | None) -> str:
-    """nbgrader hidden tests (stripped from the release) that compare ``answer`` with the expected value written
-    out, with no call into the package: a student who rebinds ``exercises`` or patches the checkers in the
-    kernel still fails them."""
-    if digits is None:
-        check = f"assert set(answer) == {expected!r}"
-    else:
-        value = float(expected)  # type: ignore[arg-type]
-        check = f"assert abs(float(answer) - {value!r}) <= {exercises.tolerance(value, digits)!r}"
-    return f"### BEGIN HIDDEN TESTS\n{check}\n### END HIDDEN TESTS"
-
-
-def nbgrader_notebook(nb: dict[str, Any], title: str = "", points: int = 1, argument_points: int = 2) -> dict[str, Any]:
-    """A chapter's exercises as an nbgrader *source* notebook: the chapter's set-up cell, then per exercise its text,
-    for each checker an answer cell (the right answer between ``### BEGIN SOLUTION`` / ``### END SOLUTION``, so that
-    ``generate_assignment`` keeps the instruction and the checker call and puts :data:`CODE_STUB` in its place) and a
-    locked test cell worth ``points`` that asserts the checker accepts the answer, and — where the exercise asks for
-    more than its checkers check (an argument, a prediction, an explanation) — a manually graded answer cell worth
-    ``argument_points`` holding the book's model solution. The notebook names the book's kernel (:data:`KERNEL`)."""
-    cells: list[dict[str, Any]] = []
-    setup = next(c for c in nb["cells"] if c["cell_type"] == "code")
-    install = _source(setup).split("\nimport matplotlib")[0].split("\nimport gradaccum")[0].rstrip()
-    heading = title or next(
-        (
-            _source(c).splitlines()[0].lstrip("# ")
-            for c in nb["cells"]
-            if c["cell_type"] == "markdown" and _source(c).startswith("# ")
-        ),
-        "Exercises",
+def _write_package(root: Path, out: Path, package: str) -> None:
+    """The package's source (``src/gradaccum``, ``pyproject.toml``, the licences) and a README saying how to install
+    it: published with the student edition, its repository is what the default :func:`student_package` installs."""
+    shutil.copytree(
+        root / "src" / "gradaccum", out / "src" / "gradaccum", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
     )
-    _add(
-        cells,
-        "markdown",
-        f"# Exercises: {heading}\n\nWork with the chapter open beside this notebook: where an "
-        "exercise says *above*, it means the chapter. Run the set-up cell first. Put your answer "
-        "where a cell says `YOUR ANSWER HERE` and run that cell: the checker call in it says "
-        "whether the answer is right and, if not, what is wrong. The locked cells grade your "
-        "answers.",
+    for name in ("pyproject.toml", "LICENSE", "LICENSE-TEXT.md"):
+        shutil.copy(root / name, out / name)
+    (out / "README.md").write_text(
+        "# Gradient Accumulation, Correctly: student edition\n\nThe book's chapters without the solutions of their "
+        "exercises, and the book's package, `gradaccum`, which the chapters use. Install it with\n\n"
+        f'```bash\npip install "{package}"\n```\n'
     )
-    # the chapter's set-up without its data and models: the exercises need the checkers only (fast to grade)
-    _add(
-        cells, "code", f"{install}\n\nimport gradaccum\nfrom gradaccum.book import exercises\n\ngradaccum.setup(seed=0)"
+
+
+def _used(args: argparse.Namespace, package: str) -> str:
+    """What ``main`` used, in words: where the buttons point, what the material installs, and whether it is the
+    placeholder repository."""
+    placeholder = (
+        " — the placeholder: set STUDENT_REPO=<url> (make) or --repository to the repository you publish "
+        "the student edition in"
+        if args.repository == STUDENT_REPOSITORY
+        else ""
     )
-    solutions = {
-        label: body.strip()
-        for cell in nb["cells"]
-        if cell["cell_type"] == "markdown"
-        for label, body in SOLUTION_FOR.findall(_source(cell))
-    }
-    number = 0
-    for i, cell in enumerate(nb["cells"]):
-        found = EXERCISE.search(_source(cell)) if cell["cell_type"] == "markdown" else None
-        if found:
-            number += 1
-            _exercise_cells(
-                cells, nb, i, found.group(1), number, solutions.get(found.group(1)), points, argument_points
-            )
-    return {
-        "cells": cells,
-        "metadata": {"kernelspec": dict(KERNEL), "language_info": {"name": "python"}},
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
-
-
-def _add(cells: list[dict[str, Any]], cell_type: str, text: str, meta: dict[str, Any] | None = None) -> None:
-    """Append a cell (nbgrader metadata ``meta``, if given) to ``cells``."""
-    cell: dict[str, Any] = {"cell_type": cell_type, "id": f"cell-{len(cells)}", "metadata": {}, "source": text}
-    if meta is not None:
-        cell["metadata"]["nbgrader"] = {"schema_version": 3, **meta}
-    if cell_type == "code":
-        cell.update(execution_count=None, outputs=[])
-    cells.append(cell)
-
-
-def _exercise_cells(
-    cells: list[dict[str, Any]],
-    nb: dict[str, Any],
-    i: int,
-    label: str,
-    number: int,
-    solution: str | None,
-    points: int,
-    argument_points: int,
-) -> None:
-    """Exercise ``label`` (cell ``i`` of the chapter): its text, an answer and a locked test cell per checker call in
-    the checker cells after it, and the manually graded argument cell where it asks for more than they check."""
-    body = re.sub(r"^```\{exercise\}[^\n]*\n(?::[^\n]*\n)*", "", _source(nb["cells"][i]).strip()).removesuffix("```")
-    _add(cells, "markdown", f"## Exercise {number} ({label})\n\n{_plain_markdown(inline_includes(body.strip()))}")
-    checks = []
-    for following in nb["cells"][i + 1 :]:
-        if not is_exercise_cell(following):
-            break
-        checks.append(following)
-    n_calls = 0
-    for check in checks:
-        for name, kwargs in checker_calls(_source(check)):
-            n_calls += 1
-            expected, digits = exercises.expected_answer(getattr(exercises, name), **kwargs)
-            args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
-            _add(
-                cells,
-                "code",
-                f"{_answer_hint(_source(check))}\n### BEGIN SOLUTION\nanswer = {expected!r}\n"
-                f"### END SOLUTION\nexercises.{name}(answer{args})",
-                {"grade": False, "solution": True, "locked": False, "grade_id": f"{label}-answer-{n_calls}"},
-            )
-            _add(
-                cells,
-                "code",
-                f"feedback = exercises.{name}(answer{args})\nassert feedback, str(feedback)\n"
-                f"{_hidden_test(expected, digits)}",
-                {
-                    "grade": True,
-                    "solution": False,
-                    "locked": True,
-                    "points": points,
-                    "grade_id": f"{label}-test-{n_calls}",
-                },
-            )
-    if n_calls == 0 or body.count("?") > n_calls:
-        model = _plain_markdown(inline_includes(solution if solution is not None else "(see the book's solution)"))
-        part = "the parts the checker does not check" if n_calls else "graded by your instructor"
-        _add(
-            cells,
-            "markdown",
-            f"**Your argument** ({part}):\n\n### BEGIN SOLUTION\n{model}\n### END SOLUTION",
-            {
-                "grade": True,
-                "solution": True,
-                "locked": False,
-                "points": argument_points,
-                "grade_id": f"{label}-argument",
-            },
-        )
-
-
-def write_nbgrader(root: Path, out: Path) -> list[Path]:
-    """An nbgrader course folder: ``nbgrader_config.py`` and, per chapter, the source notebook of its exercises
-    (``source/<chapter>/<chapter>.ipynb``)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "nbgrader_config.py").write_text(NBGRADER_CONFIG)
-    written = []
-    for path in sorted((Path(root) / "chapters").glob("*.ipynb")):
-        target = out / "source" / path.stem / path.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        notebook = nbgrader_notebook(json.loads(path.read_text()))
-        target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
-        written.append(target)
-    return written
+    where = (
+        f"buttons point at {args.repository} (branch {args.branch}){placeholder}; " if args.what == "student" else ""
+    )
+    mode = "on" if args.what == "nbgrader" or args.course_mode else "off"
+    return f'{where}the notebooks install "{package}"; course mode (no expected values in feedback): {mode}.'
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -467,16 +359,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="output folder (default _build/student or _build/nbgrader)")
     parser.add_argument("--repository", default=STUDENT_REPOSITORY, help="where the student edition is published")
     parser.add_argument("--branch", default=STUDENT_BRANCH, help="its branch")
+    parser.add_argument(
+        "--package",
+        help="the pip requirement students install gradaccum[book] with (default: from "
+        "the student repository, which carries the package's source)",
+    )
+    parser.add_argument(
+        "--course-mode",
+        action="store_true",
+        help="student edition: the checkers in course mode (feedback without the expected values)",
+    )
     args = parser.parse_args(argv)
     if not (args.root / "chapters").is_dir():
         parser.error(f"{args.root} has no chapters/ folder; run from the book's repository or pass --root.")
+    try:
+        package = student_package(args.repository, args.branch, args.package)
+    except ValueError as error:
+        parser.error(str(error))
     if args.what == "student":
         paths = write_student_edition(
-            args.root, args.out or args.root / "_build" / "student" / "book", args.repository, args.branch
+            args.root,
+            args.out or args.root / "_build" / "student" / "book",
+            args.repository,
+            args.branch,
+            package,
+            args.course_mode,
         )
     else:
-        paths = write_nbgrader(args.root, args.out or args.root / "_build" / "nbgrader")
-    print(f"wrote {len(paths)} notebooks under {paths[0].parents[1] if paths else args.out}")
+        from gradaccum.book.nbgrader_course import write_nbgrader  # it imports this module
+
+        paths = write_nbgrader(args.root, args.out or args.root / "_build" / "nbgrader", package)
+    print(f"wrote {len(paths)} notebooks under {paths[0].parents[1] if paths else args.out}: {_used(args, package)}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The tasks each rank of chapter 5's process groups runs (:data:`TASKS`, by name): gradients with and without
 ``no_sync()`` and their all-reduce counts, each placement of the all-reduce, step timings, buffer broadcasts,
-unused parameters, crashes on purpose, training, the frameworks of chapter 7, and subgroups.
+unused parameters, crashes on purpose, training, the frameworks of chapter 7, FSDP2 under accumulation (chapter 4),
+subgroups, and chapter 6's token count and dropout seeds.
 
 A task is called as ``TASKS[name](rank, world_size, **kwargs)`` on an initialized process group, by
 :func:`gradaccum.book.ddp_workers.launch`'s workers (or under ``torchrun``: :func:`train_ddp`), and returns what the
@@ -341,6 +342,21 @@ def _task_frameworks(rank: int, world_size: int, **kwargs: Any) -> Any:
     return rank_task(rank, world_size, **kwargs)
 
 
+def _task_fsdp2(rank: int, world_size: int, **kwargs: Any) -> Any:
+    """Chapter 4: FSDP2 under accumulation (imported here, not at the top: only this task needs it)."""
+    from gradaccum.book.ch04_fsdp import fsdp2_task
+
+    return fsdp2_task(rank, world_size, **kwargs)
+
+
+def _task_ch6(rank: int, world_size: int, **kwargs: Any) -> Any:
+    """Chapter 6: the token count after the window, and each rank's dropout masks (imported here: only this task
+    needs Transformers and Accelerate)."""
+    from gradaccum.book.ch06_ranks import rank_task
+
+    return rank_task(rank, world_size, **kwargs)
+
+
 def _task_subgroups(rank: int, world_size: int) -> dict[str, Any]:
     """One replica per rank: DDP on a process group of this rank alone, counted with :func:`register_counter`;
     input ``rank + 1``. Averaging inside the model's own group leaves each rank its own gradient."""
@@ -363,8 +379,10 @@ TASKS: dict[str, Callable[..., Any]] = {
     "train": _task_train,
     "placement": _task_placement,
     "frameworks": _task_frameworks,
+    "fsdp2": _task_fsdp2,
     "buffers": _task_buffers,
     "collectives": _task_collectives,
     "subgroups": _task_subgroups,
     "unused": _task_unused,
+    "ch6": _task_ch6,
 }

@@ -17,7 +17,7 @@ from gradaccum._validate import (
     require_micro_batch,
     require_positive,
 )
-from gradaccum.book.grading import NO_ANSWER, Feedback, grade_number
+from gradaccum.book.grading import COURSE_NO_ANSWER, NO_ANSWER, Feedback, Reveals, grade_number, in_course_mode
 
 # --------------------------------------------------------------------------------------- chapter 1
 
@@ -116,18 +116,31 @@ LAYER_FACTS: dict[str, tuple[bool, str]] = {
 }
 
 
+def layer_name(name: object) -> object:
+    """A layer name as :data:`LAYER_FACTS` spells it: without a ``nn.`` or ``torch.nn.`` prefix, in any case
+    (``"torch.nn.batchnorm2d"`` is ``"BatchNorm2d"``); anything else as it is."""
+    if not isinstance(name, str):
+        return name
+    bare = name.strip()
+    for prefix in ("torch.nn.", "nn."):
+        if bare.lower().startswith(prefix):
+            bare = bare[len(prefix) :]
+            break
+    return next((known for known in LAYER_FACTS if known.lower() == bare.lower()), name)
+
+
 def grade_batch_coupled(answer: object) -> Feedback:
-    """Exercise: which of :data:`LAYER_FACTS`' layers make an accumulated gradient differ from the full batch."""
+    """Exercise: which of :data:`LAYER_FACTS`' layers make an accumulated gradient differ from the full batch (names
+    read by :func:`layer_name`)."""
     if answer is None:
-        return Feedback(False, NO_ANSWER)
+        return Feedback(False, COURSE_NO_ANSWER if in_course_mode() else NO_ANSWER)
     if isinstance(answer, (str, Mapping)) or not isinstance(answer, Iterable):
         return Feedback(False, "give a set of layer names, e.g. {'Linear'}.")
     try:
         chosen = set(answer)
     except TypeError:  # unhashable items, e.g. a nested list
         return Feedback(False, "give a flat set of layer names, e.g. {'Linear'}, not a nested list.")
-    # "nn.BatchNorm2d" and "torch.nn.BatchNorm2d" name the same class
-    chosen = {c.rsplit(".", 1)[-1] if isinstance(c, str) and c.startswith(("nn.", "torch.nn.")) else c for c in chosen}
+    chosen = {layer_name(c) for c in chosen}  # "nn.BatchNorm2d", "torch.nn.batchnorm2d": the same class
     unknown = chosen - LAYER_FACTS.keys()
     if unknown:
         classes = [u.__name__ for u in unknown if isinstance(u, type)]
@@ -138,8 +151,17 @@ def grade_batch_coupled(answer: object) -> Feedback:
     wrong_in = [name for name in sorted(chosen) if not LAYER_FACTS[name][0]]
     missing = [name for name in sorted(LAYER_FACTS) if LAYER_FACTS[name][0] and name not in chosen]
     if not wrong_in and not missing:
-        return Feedback(True, "correct: only BatchNorm2d couples the samples of a micro-batch.")
-    reasons = [LAYER_FACTS[name][1] for name in wrong_in + missing]
+        return Feedback(
+            True, "correct." if in_course_mode() else "correct: only BatchNorm2d couples the samples of a micro-batch."
+        )
+    reasons = [LAYER_FACTS[name][1] for name in wrong_in]
+    if missing and in_course_mode():  # which layer is missing is the answer: say only that one is
+        reasons.append(
+            f"Your set leaves out {len(missing)} layer{'s' if len(missing) > 1 else ''} whose output "
+            "depends on the other samples of its micro-batch."
+        )
+    elif missing:
+        reasons += [LAYER_FACTS[name][1] for name in missing]
     return Feedback(False, " ".join(reasons))
 
 
@@ -224,6 +246,13 @@ def grade_frozen_bias_change(answer: object, delta: float = 0.5) -> Feedback:
 # --------------------------------------------------------------------------------------- chapter 3
 
 
+_SUM_IS_AVERAGE = Reveals(
+    "the contributions are g_k/K, not g_k: their sum is the average, of norm 2.",
+    course="the contributions are g_k/K, not g_k: added up, they give the average of the "
+    "micro-gradients, not their sum.",
+)
+
+
 def grade_clip_scaled_micro(answer: object) -> Feedback:
     """Exercise: threshold c = 1, K = 4 identical micro-gradients of norm 2; norm of the step under (a1)."""
     return grade_number(
@@ -236,8 +265,8 @@ def grade_clip_scaled_micro(answer: object) -> Feedback:
                 "0.5 < c, so nothing is clipped and the sum keeps its norm.",
             ),
             (0.5, "0.5 is one contribution g_k/K; there are four of them, all pointing the same way."),
-            (4.0, "the contributions are g_k/K, not g_k: their sum is the average, of norm 2."),
-            (8.0, "the contributions are g_k/K, not g_k: their sum is the average, of norm 2."),
+            (4.0, _SUM_IS_AVERAGE),
+            (8.0, _SUM_IS_AVERAGE),
         ],
         hint="Clip each g_k/K (does any exceed c?), then add the four.",
     )
@@ -261,8 +290,12 @@ def grade_clip_raw_micro(answer: object) -> Feedback:
             ),
             (
                 0.5,
-                "(1, 0)/2 leaves g_2 out: g_2 = (−1, 0) has norm 1 = c, so it is not clipped (beyond "
-                "clip_grad_norm_'s factor 1/(1 + 1e-6)), but it still enters the average.",
+                Reveals(
+                    "(1, 0)/2 leaves g_2 out: g_2 = (−1, 0) has norm 1 = c, so it is not clipped (beyond "
+                    "clip_grad_norm_'s factor 1/(1 + 1e-6)), but it still enters the average.",
+                    course="(1, 0)/2 leaves g_2 out: g_2 = (−1, 0) has norm 1 = c, so clipping leaves it as it "
+                    "is (up to rounding), but it still enters the average.",
+                ),
             ),
         ],
         hint="Clip g_1 and g_2 separately to norm ≤ 1, then average.",

@@ -17,7 +17,7 @@ from gradaccum._validate import (
     require_partial,
     require_positive,
 )
-from gradaccum.book.grading import Feedback, grade_number
+from gradaccum.book.grading import Feedback, Reveals, grade_number
 
 # --------------------------------------------------------------------------------------- chapter 5
 
@@ -198,13 +198,18 @@ def grade_warmup_end(answer: object, warmup: int = 1000, k: int = 8) -> Feedback
         )
     end = -(-warmup // k)
     if end + 1 not in (warmup, warmup * k):
+        uses = (
+            f"{end + 1} can be the first optimizer step that *uses* the full rate (depending on the schedule's "
+            "convention and on the order of the window's optimizer and scheduler steps); "
+        )
+        steps = f"its {warmup} step{'s' if warmup != 1 else ''}"
         mistakes.append(
             (
                 float(end + 1),
-                f"{end + 1} can be the first optimizer step that *uses* the full rate "
-                "(depending on the schedule's convention and on the order of the window's "
-                f"optimizer and scheduler steps); the schedule has *counted* its {warmup} "
-                f"step{'s' if warmup != 1 else ''} after {end}.",
+                Reveals(
+                    f"{uses}the schedule has *counted* {steps} after {end}.",
+                    course=f"{uses}the question asks after which optimizer step the schedule has *counted* {steps}.",
+                ),
             )
         )
     return grade_number(

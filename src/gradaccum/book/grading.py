@@ -1,12 +1,19 @@
 """How the book's exercise checkers grade: :class:`Feedback` (✓ or ✗ and one line; truthy when right) and
 :func:`grade_number`, which compares a numeric answer to the significant digits the exercise asks for and names the
 typical slip behind a wrong one. :func:`grading_plan` reads back what a checker compares with.
+
+**Course mode** (:func:`course_mode`, switched on by the course's notebooks): the same verdicts, but no message
+states the expected value (a slip is named by its kind; a :class:`Reveals` explanation gives its course wording,
+and any other explanation that would state the value is replaced by a generic one), and :func:`grading_plan` (so
+``exercises.expected_answer``) refuses to run. There is no call that switches it off again.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
@@ -22,7 +29,7 @@ class Feedback:
         return self.correct
 
     def __str__(self) -> str:
-        if self.message == NO_ANSWER:  # not a wrong answer: no answer yet (the static page shows this)
+        if self.message in (NO_ANSWER, COURSE_NO_ANSWER):  # no answer yet, not a wrong one (the static page shows it)
             return "✎ " + self.message
         return ("✓ " if self.correct else "✗ ") + self.message
 
@@ -35,6 +42,76 @@ NO_ANSWER = (
     "no answer yet. To try this exercise, open a running copy of the page (the rocket button above), set "
     "`answer` in this cell and run it."
 )
+
+
+#: What a checker says before an answer is given, in course mode (no rocket button in a course's notebook).
+COURSE_NO_ANSWER = "no answer yet: set `answer` in this cell and run it."
+
+#: Course mode (:func:`course_mode`): no message states the expected value, and :func:`grading_plan` refuses.
+_COURSE = False
+
+
+def course_mode() -> None:
+    """Switch this process to course mode, for good: every checker keeps its verdicts, but its messages name the kind
+    of a mistake without stating the expected value, and ``expected_answer``/:func:`grading_plan` refuse to run
+    (the course's notebooks call this in their set-up cell; nothing switches it off)."""
+    global _COURSE
+    _COURSE = True
+
+
+def in_course_mode() -> bool:
+    """Whether :func:`course_mode` is on."""
+    return _COURSE
+
+
+@contextmanager
+def course_messages() -> Iterator[None]:
+    """Course mode for the duration of a ``with`` block (the locked test cells grade in it); afterwards, the mode
+    that was on before."""
+    global _COURSE
+    before, _COURSE = _COURSE, True
+    try:
+        yield
+    finally:
+        _COURSE = before
+
+
+class Reveals(str):
+    """A slip's explanation that states the expected value (self-study wording), with ``course``: its wording for
+    course mode, which names the same slip without the value."""
+
+    course: str
+
+    def __new__(cls, text: str, course: str) -> Reveals:
+        made = super().__new__(cls, text)
+        made.course = course
+        return made
+
+
+#: Course mode's explanation of a listed slip whose own wording would state the expected value.
+COURSE_SLIP = "that is the value one of this exercise's typical slips gives; redo the calculation step by step."
+
+#: A number as an explanation writes it (1,221 · 0.5 · 2e-05 · 1.1e+03), not inside a word or formula name.
+NUMBER = re.compile(r"(?<![\w.^·/])[-−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[-+]?\d+)?(?![\w^(/])")
+
+
+def states_value(text: str, expected: float, digits: int, atol: float = 1e-12) -> bool:
+    """Whether ``text`` writes a number that agrees with ``expected`` to ``digits`` significant digits (or, for a
+    nonzero ``expected``, its first two digits): the test course mode holds every message to. Coordinates of a
+    vector, ``(1, 0)``, are not read as statements of a value."""
+    text = re.sub(r"\([^()]*,[^()]*\)", " ", text)  # (3, 0), (−1, 0): vectors, not values
+    for match in NUMBER.finditer(text):
+        x = float(match.group().replace("−", "-").replace(",", ""))
+        if agrees(x, expected, digits, atol) or (expected != 0 and _is_rounded(x, expected, 2)):
+            return True
+    return False
+
+
+def _course_text(text: str, expected: float, digits: int, atol: float, fallback: str) -> str:
+    """``text`` as course mode says it: its course wording when it is a :class:`Reveals`, ``fallback`` when it would
+    still state the expected value."""
+    text = getattr(text, "course", text)
+    return fallback if states_value(text, expected, digits, atol) else text
 
 
 def round_significant(x: float, digits: int) -> float:
@@ -78,7 +155,26 @@ def agrees(value: float, target: float, digits: int, atol: float = 1e-12) -> boo
 
 #: While not None, :func:`grade_number` records what it would grade against instead of grading: the expected
 #: value, the digits and the listed mistakes (see :func:`expected_answer`).
-_RECORD: list[tuple[float, int, list[tuple[float, str]]]] | None = None
+_RECORD: list[Plan] | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything :func:`grade_number` grades one exercise with (:func:`grading_plan` returns its first three)."""
+
+    expected: float
+    digits: int
+    mistakes: list[tuple[float, str]]
+    hint: str
+    atol: float
+    count: bool
+
+    def accepts_within(self) -> float:
+        """How far from ``expected`` an answer is still accepted: :func:`tolerance`, or for a count that is a whole
+        number the float rounding of a whole number (9 is not 10)."""
+        if self.count and float(self.expected).is_integer():
+            return 1e-9 * max(1.0, abs(self.expected))
+        return tolerance(self.expected, self.digits, self.atol)
 
 
 def _digits(x: float, digits: int) -> str:
@@ -108,10 +204,10 @@ def grade_number(
     """
     if _RECORD is not None:
         mistakes = list(mistakes)
-        _RECORD.append((expected, digits, [(m[0], m[1]) for m in mistakes]))
+        _RECORD.append(Plan(expected, digits, [(m[0], m[1]) for m in mistakes], hint, atol, count))
         return Feedback(False, "recorded")
     if answer is None:
-        return Feedback(False, NO_ANSWER)
+        return Feedback(False, COURSE_NO_ANSWER if _COURSE else NO_ANSWER)
     value = _as_number(answer)
     if isinstance(value, Feedback):
         return value
@@ -140,6 +236,7 @@ def grade_number(
         return Feedback(False, f"{value!r} is not a whole number: the answer counts something; give the count.")
     why = _slip(value, expected, mistakes, same, digits, atol, count and float(expected).is_integer())
     if why is not None:
+        why = _course_text(why, expected, digits, atol, COURSE_SLIP) if _COURSE else str(why)
         return Feedback(False, f"{too_few} If you did not round: {why}" if fewer is not None and not count else why)
     if fractional:
         return Feedback(False, f"{value!r} is not a whole number: the answer counts something; give the count.")
@@ -178,7 +275,12 @@ def _matcher(whole: bool, digits: int, atol: float) -> Callable[[float, float], 
 
 
 def _correct(expected: float, digits: int) -> Feedback:
-    """The ✓ message: the answer as the exercise states it (a tie at ``digits`` digits accepted either way)."""
+    """The ✓ message: the answer as the exercise states it (a tie at ``digits`` digits accepted either way); in course
+    mode without the value."""
+    if _COURSE:
+        return Feedback(
+            True, "correct." if float(expected).is_integer() else f"correct (to {digits} significant digits)."
+        )
     if float(expected).is_integer() and abs(expected) < 1e15:
         return Feedback(True, f"correct: {int(expected)}.")
     shown = round_significant(expected, digits)
@@ -220,9 +322,13 @@ def _slip(
 
 
 def _near_miss(value: float, expected: float, digits: int, atol: float, count: bool, hint: str) -> Feedback:
-    """The ✗ message for an answer that is no listed slip: a percentage, a truncation, or ``hint``."""
+    """The ✗ message for an answer that is no listed slip: a percentage, a truncation, or ``hint`` (in course mode,
+    none of them with the expected value)."""
+    if _COURSE:
+        hint = _course_text(hint, expected, digits, atol, "")
     if not count and 0 < abs(expected) < 1 and agrees(value / 100, expected, digits, atol):
-        return Feedback(False, f"{value:g} looks like a percentage: give the answer as a fraction, {value / 100:g}.")
+        fraction = "" if _COURSE else f", {value / 100:g}"
+        return Feedback(False, f"{value:g} looks like a percentage: give the answer as a fraction{fraction}.")
     if not count and expected != 0 and math.isclose(value, _truncated(expected, digits), rel_tol=1e-9):
         return Feedback(
             False, f"{value:g} cuts the answer off after {digits} significant digits; round it to the nearest instead."
@@ -238,7 +344,19 @@ def _truncated(x: float, digits: int) -> float:
 
 def grading_plan(grader: Callable[..., Feedback], **kwargs: object) -> tuple[float, int, list[tuple[float, str]]]:
     """What a numeric ``grader`` compares with for the exercise ``kwargs`` describe: the expected value (computed
-    by the grader itself), the significant digits it checks and its typical mistakes ``(value, explanation)``."""
+    by the grader itself), the significant digits it checks and its typical mistakes ``(value, explanation)``. Not in
+    course mode (:func:`course_mode`): there it raises RuntimeError."""
+    if _COURSE:
+        raise RuntimeError(
+            "the expected answers are not available in course mode (the course's notebooks grade with "
+            "the checkers; ask your instructor for the solutions after the deadline)."
+        )
+    plan = _plan(grader, **kwargs)
+    return plan.expected, plan.digits, plan.mistakes
+
+
+def _plan(grader: Callable[..., Feedback], **kwargs: object) -> Plan:
+    """The :class:`Plan` a numeric ``grader`` grades the exercise ``kwargs`` describe with (any mode: the tests')."""
     global _RECORD
     _RECORD = []
     try:

@@ -10,6 +10,11 @@ and names every cause it finds with its evidence and fix (see :mod:`gradaccum.ch
 inside your step is reported as a finding. It works on copies and restores the random state: your model and random
 streams are left as they were.
 
+Hugging Face models need no wrapper: ``x`` may be a dict of tensors that share the batch dimension (called as
+``model(**x)``, cut into dict micro-batches), an output may be a ``ModelOutput`` or a dict (``loss_fn`` takes its
+``logits``), and ``loss_fn=None`` with ``y=None`` uses the loss the model computes from the labels in ``x``
+(``output.loss``); transformers itself is never imported.
+
 ``step(model, loss_fn, x, y, k)`` does what your training loop does for one window of K micro-batches: either
 between ``zero_grad()`` and ``optimizer.step()`` (leaving the gradient in ``.grad``), or a whole iteration with an
 optimizer and scheduler built inside ``step`` from ``model.parameters()`` (the gradient at its optimizer step is

@@ -57,9 +57,10 @@ def _made(func: Callable[[], Any]) -> tuple[Any, ...]:
     except Exception as err:
         raise _UsageError(f"{func.__name__}() raised {type(err).__name__}: {err}") from err
     if not isinstance(made, (tuple, list)) or len(made) not in (4, 5):
-        raise _UsageError(f"{func.__name__}() must return (model, loss_fn, x, y) or (model, loss_fn, x, y, step), "
-                          f"got {type(made).__name__}"
-                          + (f" of length {len(made)}" if isinstance(made, (tuple, list)) else ""))
+        raise _UsageError(
+            f"{func.__name__}() must return (model, loss_fn, x, y) or (model, loss_fn, x, y, step), "
+            f"got {type(made).__name__}" + (f" of length {len(made)}" if isinstance(made, (tuple, list)) else "")
+        )
     return tuple(made)
 
 
@@ -73,20 +74,33 @@ PROG = "python -m gradaccum.checker"
 def _parser(prog: str = PROG) -> argparse.ArgumentParser:
     import gradaccum.checker as package
 
-    parser = argparse.ArgumentParser(prog=prog, description=package.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("target", nargs="?", help="module:function (or file.py:function) returning "
-                        "(model, loss_fn, x, y) or (model, loss_fn, x, y, step)")
+    parser = argparse.ArgumentParser(
+        prog=prog, description=package.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "target",
+        nargs="?",
+        help="module:function (or file.py:function) returning (model, loss_fn, x, y) or (model, loss_fn, x, y, step)",
+    )
     parser.add_argument("-k", type=int, default=4, help="accumulation steps K (default 4)")
     parser.add_argument("--clip", type=float, help="the threshold your loop clips the gradient norm to")
-    parser.add_argument("--tolerance", type=float, help="relative error that counts as equal (default 1e-9 for "
-                        "float64 parameters, 1e-4 for float32, 8 epsilons of bf16 or fp16 parameters)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        help="relative error that counts as equal (default 1e-9 for "
+        "float64 parameters, 1e-4 for float32, 8 epsilons of bf16 or fp16 parameters)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds make() and the replayed randomness (default 0)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-partial", action="store_true", help="do not check a partial last window")
-    parser.add_argument("--allow", action="append", default=[], metavar="CODE",
-                        help="a finding you expect and accept (repeatable), e.g. --allow batch_coupled_layer for a "
-                        "BatchNorm model under plain accumulation: still reported, not a failure")
+    parser.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="CODE",
+        help="a finding you expect and accept (repeatable), e.g. --allow batch_coupled_layer for a "
+        "BatchNorm model under plain accumulation: still reported, not a failure",
+    )
     # the demo is the book layer's (the core never imports it): --demo only says where it went
     parser.add_argument("--demo", action="store_true", help=f"moved: run {DEMO_COMMAND}")
     return parser
@@ -106,8 +120,10 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     if unknown:
         return f"--allow: unknown finding code(s) {unknown}; the codes are {sorted(CODES)}"
     if args.demo:
-        return (f"--demo moved to the book layer: run {DEMO_COMMAND} [-k K] [--json] "
-                "(it needs pip install 'gradaccum[book]')")
+        return (
+            f"--demo moved to the book layer: run {DEMO_COMMAND} [-k K] [--json] "
+            "(it needs pip install 'gradaccum[book]')"
+        )
     if not args.target:
         return f"give module:function (the demo: {DEMO_COMMAND})"
     return None
@@ -139,8 +155,19 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     try:
         torch.manual_seed(args.seed)
         model, loss_fn, x, y, *rest = _made(_load_target(args.target))
-        report = check(model, loss_fn, x, y, args.k, step=rest[0] if rest else None, clip=args.clip,
-                       tolerance=args.tolerance, seed=args.seed, partial=not args.no_partial, allow=args.allow)
+        report = check(
+            model,
+            loss_fn,
+            x,
+            y,
+            args.k,
+            step=rest[0] if rest else None,
+            clip=args.clip,
+            tolerance=args.tolerance,
+            seed=args.seed,
+            partial=not args.no_partial,
+            allow=args.allow,
+        )
     except (_UsageError, ValueError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return _usage_json(str(err)) if args.json else 2

@@ -34,13 +34,34 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradaccum import _tensors
 
+from .batch import batch_size, call
+
 _SEEDED = torch.Tag.nondeterministic_seeded
 
 
 #: Random ATen ops replayed per sample (elementwise draws); other random ops run as they are and are reported.
-REPLAYABLE = {"bernoulli", "bernoulli_", "uniform_", "normal_", "normal", "rand", "rand_like", "randn", "randn_like",
-              "randint", "randint_like", "multinomial", "native_dropout", "exponential_", "geometric_", "cauchy_",
-              "log_normal_", "random_", "poisson", "binomial"}
+REPLAYABLE = {
+    "bernoulli",
+    "bernoulli_",
+    "uniform_",
+    "normal_",
+    "normal",
+    "rand",
+    "rand_like",
+    "randn",
+    "randn_like",
+    "randint",
+    "randint_like",
+    "multinomial",
+    "native_dropout",
+    "exponential_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+    "random_",
+    "poisson",
+    "binomial",
+}
 
 
 _MASK = (1 << 63) - 1
@@ -74,11 +95,13 @@ class SampleRNG(TorchDispatchMode):
     """Replays randomness per sample inside forward passes (``replay=True``), or records the random values a
     step draws (``replay=False``: used to see whether a step's draws depend on the state it starts from)."""
 
-    def __init__(self, seed: int, replay: bool = True, plans: dict[int, tuple[str, int, int]] | None = None):
+    def __init__(self, seed: int, replay: bool = True, plans: dict[Any, Any] | None = None):
         super().__init__()
         self.seed = seed
         self.replay = replay
-        self.plans = {} if plans is None else plans  # call index → (kind, batch dim, rows per sample)
+        # call index → (kind, batch dim, rows per sample); a module's name → the call index at which the model's
+        # forward enters it (a step that calls the module itself continues the count from there)
+        self.plans = {} if plans is None else plans
         self.window: tuple[int, int] | None = None  # (offset of the forward's first sample, its batch size)
         self.calls = 0
         self.replayed = 0
@@ -253,8 +276,7 @@ class OutsideDraws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if _SEEDED in func.tags and not self.inside() and not _draws_nothing(func, args, kwargs) \
-                and not _loader_seed():
+        if _SEEDED in func.tags and not self.inside() and not _draws_nothing(func, args, kwargs) and not _loader_seed():
             shape = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None
             self.draws.append(f"{func} on shape {shape}")
             if self.unpreserved():
@@ -270,8 +292,7 @@ def _loader_seed() -> bool:
     for _ in range(6):
         if frame is None:
             return False
-        if frame.f_code.co_filename.endswith(_LOADER_FILE) and frame.f_code.co_name in ("__init__",
-                                                                                       "_share_dist_seed"):
+        if frame.f_code.co_filename.endswith(_LOADER_FILE) and frame.f_code.co_name in ("__init__", "_share_dist_seed"):
             return True
         frame = frame.f_back
     return False
@@ -285,16 +306,21 @@ def _draws_nothing(func, args, kwargs) -> bool:  # noqa: ANN001
     for i, arg in enumerate(func._schema.arguments):
         default = arg.default_value if arg.has_default_value() else None
         value = args[i] if i < len(args) else kwargs.get(arg.name, default)
-        if arg.name in ("dropout_p", "p") and func._overloadpacket.__name__ not in ("bernoulli_", "bernoulli") \
-                and isinstance(value, (int, float)) and value == 0:
+        if (
+            arg.name in ("dropout_p", "p")
+            and func._overloadpacket.__name__ not in ("bernoulli_", "bernoulli")
+            and isinstance(value, (int, float))
+            and value == 0
+        ):
             return True
         if arg.name == "train" and value is False:
             return True
     return False
 
 
-def identical_draws(a: list[tuple[tuple[int, ...], torch.Tensor]],
-                    b: list[tuple[tuple[int, ...], torch.Tensor]]) -> tuple[int, int]:
+def identical_draws(
+    a: list[tuple[tuple[int, ...], torch.Tensor]], b: list[tuple[tuple[int, ...], torch.Tensor]]
+) -> tuple[int, int]:
     """(draws equal in both runs, draws compared): draws that are constant (all entries equal) are skipped, since
     they carry no randomness (``bernoulli(1)``)."""
     same = compared = 0
@@ -323,14 +349,16 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
     return float((a.detach() - b.detach()).abs().max()) <= rtol * max(scale, 1e-30) if a.numel() else True
 
 
-def _module_difference(module: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], n: int, b: int,
-                       rng: SampleRNG, rtol: float) -> float | None:
+def _module_difference(
+    module: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], n: int, b: int, rng: SampleRNG, rtol: float
+) -> float | None:
     """The largest difference between ``module``'s output for the first b samples called on them alone and called
     on all n (its captured ``inputs``), or None when they agree or cannot be compared."""
     args, kwargs = inputs
     small_args = tuple(_slice(a, n, b) if isinstance(a, torch.Tensor) and n in a.shape else a for a in args)
-    small_kwargs = {k: _slice(v, n, b) if isinstance(v, torch.Tensor) and n in v.shape else v
-                    for k, v in kwargs.items()}
+    small_kwargs = {
+        k: _slice(v, n, b) if isinstance(v, torch.Tensor) and n in v.shape else v for k, v in kwargs.items()
+    }
     if any(s is None for s in small_args):
         return None
     rng.plans = {}
@@ -355,8 +383,7 @@ def _module_difference(module: nn.Module, inputs: tuple[tuple[Any, ...], dict[st
     return float((small.double() - head.double()).abs().max())
 
 
-def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
-                    rtol: float) -> list[tuple[str, str, float]]:
+def coupled_modules(model: nn.Module, x: Any, b: int, rng: SampleRNG, rtol: float) -> list[tuple[str, str, float]]:
     """Modules whose output for a sample depends on the other samples of its batch, found by measurement.
 
     Every module is called twice on the inputs it received in a full-batch forward pass: on all N samples, and
@@ -365,7 +392,7 @@ def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
     """
 
     work = copy.deepcopy(model)
-    n = x.shape[0]
+    n = batch_size(x)
     captured: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     handles = []
     names = {m: name for name, m in work.named_modules()}
@@ -373,15 +400,17 @@ def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
     def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         name = names.get(module)
         if name is not None and name not in captured:
-            captured[name] = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                              {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+            captured[name] = (
+                tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+            )
 
     for module in work.modules():
         handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
     try:
         with torch.no_grad(), rng:
             rng.start_forward(0, n)
-            work(x)
+            call(work, x)
     finally:
         for h in handles:
             h.remove()
@@ -395,4 +424,3 @@ def coupled_modules(model: nn.Module, x: torch.Tensor, b: int, rng: SampleRNG,
                 found[name] = (type(module).__name__, diff)
     inner = [name for name in found if not any(o != name and (name == "" or o.startswith(name + ".")) for o in found)]
     return [(name or "(the model itself)", found[name][0], found[name][1]) for name in inner]
-

@@ -55,8 +55,9 @@ def clip_vec(v: torch.Tensor, c: float, kind: str = "norm", norm_type: float = 2
     return _tensors.clip_vector(v, c, kind, norm_type)
 
 
-def placements(basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "norm",
-               norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+def placements(
+    basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "norm", norm_type: float = 2.0
+) -> dict[str, torch.Tensor]:
     """Chapter 3's clipping placements for micro-batch gradients ``basis`` weighted by ``f``."""
     parts = [fj * basis[j] for j, fj in enumerate(f)]
     running = torch.zeros_like(basis[0])
@@ -69,6 +70,31 @@ def placements(basis: torch.Tensor, f: Sequence[float], c: float, kind: str = "n
         "raw_micro": cast(torch.Tensor, sum(fj * clip_vec(basis[j], c, kind, norm_type) for j, fj in enumerate(f))),
         "running": running,
     }
+
+
+def tolerances(
+    params: list[torch.nn.Parameter], loss: torch.dtype, tolerance: float | None
+) -> tuple[float, float, str | None]:
+    """The verdict's tolerance and the fitted weights' rounding: 1e-9 when the parameters and the loss (its dtype) are
+    float64, else the coarsest of their formats (1e-4 for float32; parameters held in bf16 or fp16 round every
+    gradient to their format: 8 of its epsilons count as equal); and a note when the loss's format, coarser than
+    the parameters', sets them (transformers' losses cast the logits to float32, float64 ones too)."""
+    dtypes = [p.dtype for p in params]
+    coarser = loss.is_floating_point and torch.finfo(loss).eps > max(torch.finfo(d).eps for d in dtypes)
+    if coarser:
+        dtypes.append(loss)
+    float64 = all(d == torch.float64 for d in dtypes)
+    low = 8 * max(torch.finfo(d).eps for d in dtypes)
+    tol = float(tolerance) if tolerance is not None else (1e-9 if float64 else max(1e-4, low))
+    wtol = 1e-9 if float64 else max(1e-5, low)
+    note = None
+    if coarser and tolerance is None:
+        note = (
+            f"precision: the loss is computed in {str(loss).replace('torch.', '')}, coarser than the "
+            f"parameters' (as in transformers, whose losses cast the logits to float32): the tolerance is that "
+            f"format's, {tol:.2g}"
+        )
+    return tol, wtol, note
 
 
 def _dtype_eps(name: object) -> float:
@@ -112,6 +138,7 @@ class Measurements:
     # by a batch-wide value of the outputs (check._loss_probe)
     f_moved: list[float] | None = None
     loss_thr: float | None = None  # what counts as equal in the loss probe (its dtype's rounding); None: thr
+    params: torch.Tensor | None = None  # the trainable parameters θ as the window starts (flat, as basis)
 
     @property
     def thr(self) -> float:
@@ -154,4 +181,3 @@ def _most_per(events: list[Event], key: str) -> int:
     for e in events:
         counts[e.detail.get(key)] = counts.get(e.detail.get(key), 0) + 1
     return max(counts.values(), default=0)
-

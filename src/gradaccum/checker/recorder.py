@@ -3,10 +3,7 @@ that runs) and the ``.grad`` trace (the buffer before and after every backward p
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
-import random
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,7 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.swa_utils import AveragedModel
 
+from .averaging import ParameterCopies
+from .frames import _SEED_NAMES, _changes_nothing, _closure_argument, _code_of, _from_the_toolkit
 from .instrument import _as_float, flat
 
 
@@ -85,15 +85,6 @@ class Event:
 _CLIP_NAMES = {"clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "_clip_grads_with_norm_"}
 
 
-_SEED_NAMES = {"manual_seed", "seed", "set_rng_state", "manual_seed_all"}
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # gradaccum/
-
-
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
 def _wraps_optimizer(obj: Any) -> bool:
     """True for an optimizer wrapper (Accelerate's ``AcceleratedOptimizer``): an ``Optimizer`` that holds another
     in ``.optimizer`` and calls it (or skips the call on micro-batches that do not end a window)."""
@@ -105,80 +96,26 @@ def _values(params: list[nn.Parameter]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params]).clone() if params else torch.zeros(0)
 
 
-def _closure_argument(frame: Any) -> Any:
-    """The closure an optimizer's ``step`` was called with: the ``closure`` argument, else its first positional
-    argument after ``self``, else the first of ``*args``; None when there is none."""
-    loc = frame.f_locals
-    if callable(loc.get("closure")):
-        return loc["closure"]
-    code = frame.f_code
-    names = code.co_varnames
-    if code.co_argcount > 1 and callable(loc.get(names[1])):
-        return loc[names[1]]
-    if code.co_flags & inspect.CO_VARARGS:
-        extra = loc.get(names[code.co_argcount + code.co_kwonlyargcount], ())
-        if extra and callable(extra[0]):
-            return extra[0]
-    return None
+_NAMES = (
+    {
+        "step",
+        "__init__",
+        "zero_grad",
+        "scale",
+        "unscale_",
+        "update",
+        "__enter__",
+        "checkpoint",
+        "update_parameters",
+        "_call_impl",
+    }
+    | _CLIP_NAMES
+    | _SEED_NAMES
+)
 
 
-def _code_of(fn: Any) -> Any:
-    """The code object a call of ``fn`` runs first (through partials, bound methods and callable objects)."""
-    for _ in range(8):
-        if isinstance(fn, functools.partial):
-            fn = fn.func
-        elif inspect.ismethod(fn):
-            fn = fn.__func__
-        elif fn is not None and not inspect.isfunction(fn) and callable(fn):
-            fn = type(fn).__call__
-        else:
-            break
-    return getattr(fn, "__code__", None)
-
-
-def _from_the_toolkit(frame: Any) -> bool:
-    """Whether a seeding call, made from ``frame`` (the code that called the seeding function), is not a seed the
-    reader's loop sets: a call from gradaccum's own tools (the exact full-batch BatchNorm scheme restores the RNG
-    state to replay dropout masks) or from torch itself (``fork_rng`` and activation checkpointing save and
-    restore the RNG state). Only the immediate caller counts: the reader's step is itself called by the checker.
-
-    The tools are the code under gradaccum's directory, except a package of it that declares its code a user's
-    (``USER_CODE = True`` in its ``__init__``: a layer built on the toolkit, whose loops are checked as a reader's
-    are)."""
-    # torch's own pass-through frames: a seeding function calling another (manual_seed → cuda.manual_seed_all)
-    # and the wrappers that keep the compiler out of it
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_TORCH) and (
-            frame.f_code.co_name in _SEED_NAMES or frame.f_code.co_filename.endswith(("eval_frame.py", "_compile.py"))):
-        frame = frame.f_back
-    if frame is None:
-        return True
-    filename = os.path.abspath(frame.f_code.co_filename)
-    if filename.startswith(_TORCH):
-        return True
-    if not filename.startswith(_PACKAGE):
-        return False
-    package = frame.f_globals.get("__package__") or ""
-    while package:
-        if getattr(sys.modules.get(package), "USER_CODE", False) is True:
-            return False
-        package = package.rpartition(".")[0]
-    return True
-
-
-def _changes_nothing(frame: Any, name: str) -> bool:
-    """A seeding call that leaves every shared generator as it was: a new ``random.Random`` seeding itself as it is
-    constructed (``tempfile`` makes one), or ``torch.set_rng_state`` given the state the generator is in (a
-    framework restoring what it saved around code that drew nothing, as Lightning's ``isolate_rng`` does)."""
-    if name == "seed":
-        return frame.f_back is not None and frame.f_back.f_code is random.Random.__init__.__code__
-    state = frame.f_locals.get("new_state")
-    if name != "set_rng_state" or not frame.f_code.co_filename.endswith(os.path.join("torch", "random.py")):
-        return False
-    return isinstance(state, torch.Tensor) and torch.equal(state, torch.get_rng_state())
-
-
-_NAMES = ({"step", "__init__", "zero_grad", "scale", "unscale_", "update", "__enter__", "checkpoint"} | _CLIP_NAMES
-          | _SEED_NAMES)
+#: What an average written by hand is recorded as (see :mod:`.averaging`).
+BY_HAND = "(an average written by hand)"
 
 
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
@@ -228,19 +165,21 @@ class CallRecorder:
         stepping optimizer holds, ``.grad`` at the last step. None before any step."""
         if self._last is None:
             return None
-        return torch.cat([self._reads.get(i, self._last[a:b])
-                          for i, (a, b) in enumerate(zip(self._offsets, self._offsets[1:]))])
+        return torch.cat(
+            [self._reads.get(i, self._last[a:b]) for i, (a, b) in enumerate(zip(self._offsets, self._offsets[1:]))]
+        )
 
     def _read(self, opt: Any = None, grads: torch.Tensor | None = None) -> None:
         """Read the gradient an optimizer step applies: ``grads`` (default: ``.grad`` now), for the parameters
         ``opt`` holds (all of them when ``opt`` is None)."""
         now = flat(self.params) if grads is None else grads
         self._last = now
-        held = ({id(p) for g in opt.param_groups for p in g["params"]} if isinstance(opt, torch.optim.Optimizer)
-                else None)
+        held = (
+            {id(p) for g in opt.param_groups for p in g["params"]} if isinstance(opt, torch.optim.Optimizer) else None
+        )
         for i, p in enumerate(self.params):
             if held is None or id(p) in held:
-                self._reads[i] = now[self._offsets[i]:self._offsets[i + 1]]
+                self._reads[i] = now[self._offsets[i] : self._offsets[i + 1]]
 
     @property
     def backwards(self) -> int:
@@ -268,8 +207,11 @@ class CallRecorder:
                 elif name in _NAMES:
                     self._call(frame, name)
                 owners = self._unpreserved.get(frame.f_code)
-                if owners is not None and id(frame) not in self._open and (
-                        None in owners or id(self._self(frame)) in owners):
+                if (
+                    owners is not None
+                    and id(frame) not in self._open
+                    and (None in owners or id(self._self(frame)) in owners)
+                ):
                     self._push(frame, "unpreserved")  # one category per frame: its return pops it
             elif event == "return":
                 if self._open and id(frame) in self._open:
@@ -309,7 +251,12 @@ class CallRecorder:
             self._on_seed(frame, name, filename)
             return
         obj = self._self(frame)
-        if obj is not None:
+        if name in ("_call_impl", "update_parameters"):  # a module's forward; an AveragedModel's update
+            if name == "_call_impl" and isinstance(obj, nn.Module):
+                self._push(frame, "forward")
+            elif isinstance(obj, AveragedModel) and self._push(frame, "average"):
+                self._event("average.update", cls=type(obj).__name__, avg=id(obj))
+        elif obj is not None:
             self._on_method(frame, name, obj)
 
     def _on_clip(self, frame: Any, name: str) -> None:
@@ -338,8 +285,9 @@ class CallRecorder:
     def _on_seed(self, frame: Any, name: str, filename: str) -> None:
         """A seeding call of torch's or ``random``'s that the reader's loop makes (not torch's or gradaccum's own)."""
         obj = self._self(frame)
-        is_rng = (filename.endswith(("torch/random.py", "cuda/random.py", "torch/cuda/random.py"))
-                  or (name == "seed" and obj is not None and type(obj).__module__ == "random"))
+        is_rng = filename.endswith(("torch/random.py", "cuda/random.py", "torch/cuda/random.py")) or (
+            name == "seed" and obj is not None and type(obj).__module__ == "random"
+        )
         if is_rng and not _from_the_toolkit(frame.f_back) and not _changes_nothing(frame, name):
             if self._push(frame, "seed"):
                 self._event("seed", fn=name)
@@ -378,8 +326,11 @@ class CallRecorder:
         if self._push(frame, "scaler"):
             scale = getattr(obj, "_scale", None)
             optimizer = frame.f_locals.get("optimizer")
-            self._event(f"scaler.{name}", scale=float(scale) if scale is not None else None,
-                        opt=id(optimizer) if optimizer is not None else None)
+            self._event(
+                f"scaler.{name}",
+                scale=float(scale) if scale is not None else None,
+                opt=id(optimizer) if optimizer is not None else None,
+            )
 
     def _on_optimizer_step(self, frame: Any, obj: Any) -> None:
         """An optimizer's step (a framework's wrapper: the step of the optimizer it wraps counts)."""
@@ -394,8 +345,13 @@ class CallRecorder:
             owns = any(id(p) in self.param_ids for g in obj.param_groups for p in g["params"])
             self._read(obj)
             self._stepping = obj
-            event = self._event("optimizer.step", cls=type(obj).__name__,
-                                via_scaler=bool(self._depth.get("scaler")), owns_params=owns, opt=id(obj))
+            event = self._event(
+                "optimizer.step",
+                cls=type(obj).__name__,
+                via_scaler=bool(self._depth.get("scaler")),
+                owns_params=owns,
+                opt=id(obj),
+            )
             # A closure runs inside step() (Lightning's last forward and backward): the gradient the step
             # applies is the one when the closure returns (after any clip it makes), and the backward passes
             # before the step are counted then. Without a closure we can name, backward passes that ran
@@ -407,13 +363,15 @@ class CallRecorder:
     def _on_zero_grad(self, frame: Any, obj: Any) -> None:
         """zero_grad on an optimizer or module (after an update written by hand, that update is read first)."""
         if self._push(frame, "zero_grad"):
-            if not any(e.kind == "optimizer.step" for e in self.events) and self.backwards and not torch.equal(
-                    self._start, _values(self.params)):
+            if (
+                not any(e.kind == "optimizer.step" for e in self.events)
+                and self.backwards
+                and not torch.equal(self._start, _values(self.params))
+            ):
                 # no optimizer has stepped, yet the parameters moved: an update written by hand (p -= lr * p.grad)
                 # applied the gradient the buffer holds now
                 self._read(None)
-                self._event("optimizer.step", cls="(an update written by hand)", via_scaler=False,
-                            owns_params=True)
+                self._event("optimizer.step", cls="(an update written by hand)", via_scaler=False, owns_params=True)
             self._event("zero_grad", cls=type(obj).__name__)
 
     def recomputing_unpreserved(self) -> bool:
@@ -467,12 +425,30 @@ class CallRecorder:
             data.detail["norm_before"] = nb
             data.detail["factor"] = float(after.norm()) / nb if nb > 0 else 1.0
 
+    def _copies_skipped(self) -> bool:
+        """Where an in-place read of a parameter is no average written by hand (see :mod:`.averaging`)."""
+        return (
+            self.mute()
+            or torch._C._current_graph_task_id() != -1
+            or any(self._depth.get(c) for c in ("opt", "wrap", "average", "clip", "scaler", "zero_grad", "forward"))
+        )
+
+    def _hand_average(self) -> None:
+        """An average written by hand read the parameters: one event per place between backward passes."""
+        last = self.events[-1] if self.events else None
+        if last is None or (last.kind, last.after, last.detail.get("cls")) != (
+            "average.update",
+            self.backwards,
+            BY_HAND,
+        ):
+            self._event("average.update", cls=BY_HAND)
+
     @contextmanager
     def active(self) -> Iterator[None]:
         previous = sys.getprofile()
         sys.setprofile(self._profile)
         try:
-            yield
+            with ParameterCopies(self.params, self._copies_skipped, self._hand_average):
+                yield
         finally:
             sys.setprofile(previous)
-

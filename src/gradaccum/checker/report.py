@@ -29,8 +29,14 @@ class Finding:
         return self.severity == "note"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "cause": self.cause, "evidence": self.evidence, "fix": self.fix,
-                "chapter": self.chapter, "severity": self.severity}
+        return {
+            "code": self.code,
+            "cause": self.cause,
+            "evidence": self.evidence,
+            "fix": self.fix,
+            "chapter": self.chapter,
+            "severity": self.severity,
+        }
 
     def __str__(self) -> str:
         tag = {"bug": "BUG", "note": "note", "inconclusive": "??"}[self.severity]
@@ -73,7 +79,7 @@ CLIP_FIX = "clip once, after the last micro-batch (after scaler.unscale_ with a 
 CODES: dict[str, str] = {
     "missing_1_over_k": "the micro-batch losses are not divided by K: the gradient is K times the full batch's",
     "double_1_over_k": "one 1/K too many (divided by K twice, or a summed loss divided by K): the gradient is 1/K "
-                       "of the full batch's",
+    "of the full batch's",
     "gradient_scaled": "the gradient is a constant multiple of the full batch's, by another factor",
     "loss_scale_not_removed": "the gradient still carries GradScaler's loss scale",
     "zero_grad_inside_window": "the .grad buffer is emptied between micro-batches: only the last ones count",
@@ -89,12 +95,17 @@ CODES: dict[str, str] = {
     "scaler_unscale_inside_window": "GradScaler.unscale_() more than once per window",
     "optimizer_step_inside_window": "an optimizer steps more than once per window, or before the last backward",
     "scheduler_step_inside_window": "scheduler.step() more than once per window (constructors not counted)",
+    "weight_decay_per_micro_batch": "a term proportional to the parameters (weight decay) added to .grad after "
+    "every micro-batch: K times the decay per step",
+    "weight_decay_in_gradient": "(note) weight decay in the gradient (p.grad += wd * p once, or an L2 term in the "
+    "loss): left out of the comparison",
+    "ema_per_micro_batch": "a model average (AveragedModel, or an EMA written by hand) updated per micro-batch",
     "batch_coupled_layer": "a layer (BatchNorm, or any other) makes a sample's output depend on its batch",
     "loss_couples_samples": "the loss is not a sum over micro-batches (in-batch negatives, batch statistics)",
     "bn_stats_updated_twice": "BatchNorm statistics updated again when backward recomputes it (checkpointing)",
     "checkpoint_rng_not_preserved": "checkpointing with preserve_rng_state=False recomputes dropout with new masks",
     "token_normalization": "micro-batches weighted equally although the full batch weighs them by tokens (or "
-                           "by a weighted loss's weights)",
+    "by a weighted loss's weights)",
     "rng_reseeded": "random draws do not depend on the state the window starts from: a seed is set inside",
     "seed_inside_window": "(note) a seed is set inside the window, but nothing random is drawn",
     "partial_window": "a window of K − 1 micro-batches is not normalized by its own size",
@@ -116,9 +127,11 @@ CODES: dict[str, str] = {
 
 
 #: The loop the checker compares with, in four lines (what "compare your loop" means).
-CORRECT_LOOP = ("compare your loop with the correct one: optimizer.zero_grad(); for xb, yb in zip(x.chunk(K), "
-                "y.chunk(K)): (loss_fn(model(xb), yb) / K).backward(); then, once, clip (if you clip) and "
-                "optimizer.step()")
+CORRECT_LOOP = (
+    "compare your loop with the correct one: optimizer.zero_grad(); for xb, yb in zip(x.chunk(K), "
+    "y.chunk(K)): (loss_fn(model(xb), yb) / K).backward(); then, once, clip (if you clip) and "
+    "optimizer.step()"
+)
 
 
 PLACEMENT_TEXT = {
@@ -128,6 +141,16 @@ PLACEMENT_TEXT = {
 }
 
 
+#: The fix a BatchNorm ``batch_coupled_layer`` finding names: remove the coupling, compute the full batch's statistics
+#: exactly, or keep per-micro-batch statistics on purpose and accept the finding.
+BN_FIX = (
+    "GroupNorm/LayerNorm (no batch coupling); gradaccum.full_batch_stats_backward (exact full-batch "
+    "statistics); or keep per-micro-batch statistics deliberately (gradaccum.ghostify: GhostBatchNorm) and "
+    "accept the difference with allow=['batch_coupled_layer'] (--allow batch_coupled_layer); running "
+    "statistics are also updated K times per step: PreciseBN (chapters 1, 2)"
+)
+
+
 #: What every zero_grad_inside_window finding says the cause is.
 ZERO_GRAD_CAUSE = "zero_grad() inside the window: the gradient buffer is emptied between micro-batches"
 
@@ -135,17 +158,29 @@ ZERO_GRAD_CAUSE = "zero_grad() inside the window: the gradient buffer is emptied
 #: The ``double_1_over_k`` finding's cause and fix. Two loops give a step 1/K of the full batch's: a mean loss
 #: divided by K twice, and a loss with ``reduction="sum"`` divided by K once (its micro-batch sums already add up to
 #: the full batch's sum).
-_DOUBLE_1_OVER_K = ("one 1/K too many: the gradient is K times too small (1/K applied twice, or a summed loss "
-                    "divided by K)")
+_DOUBLE_1_OVER_K = (
+    "one 1/K too many: the gradient is K times too small (1/K applied twice, or a summed loss divided by K)"
+)
 
 
-_DOUBLE_1_OVER_K_FIX = ("divide by K once, and only a mean: either each micro-batch's loss, or the gradients before "
-                        "the step; a loss_fn with reduction='sum' needs no 1/K at all for micro-batches of equal size")
+_DOUBLE_1_OVER_K_FIX = (
+    "divide by K once, and only a mean: either each micro-batch's loss, or the gradients before "
+    "the step; a loss_fn with reduction='sum' needs no 1/K at all for micro-batches of equal size"
+)
 
 
 #: What ``Report.counts`` counts (0 everywhere when the step did not run, e.g. an inconclusive verdict).
-COUNTED = ("backward", "optimizer.step", "scheduler.step", "scaler.step", "scaler.update", "scaler.unscale_", "clip",
-           "zero_grad", "seed")
+COUNTED = (
+    "backward",
+    "optimizer.step",
+    "scheduler.step",
+    "scaler.step",
+    "scaler.update",
+    "scaler.unscale_",
+    "clip",
+    "zero_grad",
+    "seed",
+)
 
 
 @dataclass
@@ -185,11 +220,23 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (``python -m gradaccum.checker --json`` prints it)."""
         finite = lambda v: v if v is not None and math.isfinite(v) else None  # noqa: E731
-        return {"ok": self.ok, "k": self.k, "micro_batch": self.micro_batch, "batch": self.batch,
-                "rel_error": finite(self.rel_error), "cosine": finite(self.cosine), "tolerance": self.tolerance,
-                "weights": self.weights, "expected_weights": self.expected_weights, "counts": self.counts,
-                "findings": [f.to_dict() for f in self.findings], "notes": self.notes, "warnings": self.warnings,
-                "events": self.events, "allowed": list(self.allowed)}
+        return {
+            "ok": self.ok,
+            "k": self.k,
+            "micro_batch": self.micro_batch,
+            "batch": self.batch,
+            "rel_error": finite(self.rel_error),
+            "cosine": finite(self.cosine),
+            "tolerance": self.tolerance,
+            "weights": self.weights,
+            "expected_weights": self.expected_weights,
+            "counts": self.counts,
+            "findings": [f.to_dict() for f in self.findings],
+            "notes": self.notes,
+            "warnings": self.warnings,
+            "events": self.events,
+            "allowed": list(self.allowed),
+        }
 
     def __str__(self) -> str:
         if not math.isfinite(self.rel_error):
@@ -202,8 +249,7 @@ class Report:
         lines = [f"gradaccum.check, K = {self.k}: accumulated vs full-batch gradient: relative error {error}"]
         lines += ["  warning raised by your step: " + w for w in self.warnings]
         if self.weights is not None and self.expected_weights is not None and not self.ok and self.findings:
-            lines.append(f"  micro-batch weights: yours {nums(self.weights)}, "
-                         f"full batch {nums(self.expected_weights)}")
+            lines.append(f"  micro-batch weights: yours {nums(self.weights)}, full batch {nums(self.expected_weights)}")
         lines += ["  " + n for n in self.notes]
         if self.ok and not self.findings:
             return "\n".join(lines + ["  OK: accumulation computes the full-batch gradient."])
@@ -225,8 +271,9 @@ class _Findings:
         if code in self.by_code:
             old = self.by_code[code]
             if evidence and evidence not in old.evidence:
-                self.by_code[code] = Finding(code, old.cause, old.evidence + "; " + evidence, old.fix, old.chapter,
-                                             old.severity)
+                self.by_code[code] = Finding(
+                    code, old.cause, old.evidence + "; " + evidence, old.fix, old.chapter, old.severity
+                )
             return
         self.by_code[code] = Finding(code, cause, evidence, fix, chapter, severity)
 

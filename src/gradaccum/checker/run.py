@@ -1,10 +1,9 @@
-"""The step on a copy, the state restored: one accumulated window of the reader's step under the instruments, the
-references it is compared with (the full batch and each micro-batch alone), and the loss probe."""
+"""The step on a copy, the state restored: one accumulated window of the reader's step under the instruments (the
+references it is compared with are in :mod:`.references`)."""
 
 from __future__ import annotations
 
 import copy
-import math
 import random
 import sys
 import warnings
@@ -17,13 +16,14 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from gradaccum.accumulate import split_batch
-
+from .batch import Batch, batch_size, batch_tensors, output_field
 from .instrument import OutsideDraws, SampleRNG, first_tensor, flat
 from .recorder import CallRecorder, Event, GradTrace
 from .report import Finding
 
-Step = Callable[[nn.Module, Callable, torch.Tensor, torch.Tensor, int], Any]
+#: ``step(model, loss_fn, x, y, k)``: x a tensor or a dict of tensors, y None and loss_fn None when the model
+#: computes its own loss.
+Step = Callable[[nn.Module, Any, Any, Any, int], Any]
 
 
 #: How much longer than the full batch's gradient the micro-batch gradients may be, on average, before the default
@@ -45,76 +45,135 @@ def _transformed(t: torch.Tensor) -> bool:
     return bool(check(t)) if check is not None else False
 
 
-class _ForwardScope:
-    """Forward hooks on a model copy: each forward pass learns which samples of the window it holds (by value,
-    so copies and moved tensors are recognized), and the per-sample RNG is active inside it."""
+def _batch_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The tensor a forward pass is located by: the first one with a dimension among its arguments (positional
+    first, then keyword, nested containers searched), else the first tensor, else None."""
+    found = [t for t in (first_tensor(a) for a in (*args, *kwargs.values())) if t is not None]
+    return next((t for t in found if t.dim()), found[0] if found else None)
 
-    def __init__(self, model: nn.Module, rng: SampleRNG, x: torch.Tensor):
-        self.rng, self.n = rng, x.shape[0]
+
+class _ForwardScope:
+    """Forward hooks on every module of a model copy. The outermost forward pass the step runs learns which samples
+    of the window it holds (by value, so copies and moved tensors are recognized), and the per-sample RNG is active
+    inside it. That pass is the model's, or a submodule's whose input is rows of the window (the inner model a
+    wrapper holds, called as ``wrapper.hf(**micro_batch)``; a submodule the model's forward runs, as
+    ``model.transformer``): the count of random ops then starts where the model's own forward reaches that
+    submodule (recorded in the plans, under its name, by the full batch), so its draws get the same masks as in
+    the full batch. A submodule whose input is not rows of the window (hidden states) opens no scope: its draws
+    are outside, as before."""
+
+    def __init__(self, model: nn.Module, rng: SampleRNG, x: Batch):
+        self.rng, self.n = rng, batch_size(x)
         self.model = model
         self.modes: list[bool] | None = None  # every module's training flag at the first forward pass
-        self.rows = x.detach().reshape(self.n, -1)
+        self.rows = [t.detach().reshape(self.n, -1) for t in batch_tensors(x)]
         self.seen = 0
         self.unlocated = 0  # forward passes whose input is not a run of consecutive rows of x
         self.expect: int | None = None
         self.forwards: list[tuple[int, int]] = []
         self.transformed = 0  # forward passes inside torch.func transforms
-        self.depth = 0
-        self.handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
-                        model.register_forward_hook(self._post, always_call=True)]
+        self.depth = 0  # forward passes running inside the open scope (0: random draws now are outside it)
+        self.stack: list[tuple[str, bool]] = []  # per running forward: "open", "transformed" or "closed"; opened it
+        self.root_open = False  # the open scope is the model's own forward (it records where submodules start)
+        self.loss_dtypes: set[torch.dtype] = set()  # dtypes of the losses the placed forwards returned (.loss)
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post, always_call=True),
+        ]
+        for module in model.modules():
+            if module is not model and not isinstance(module, torch.jit.ScriptModule):  # (which refuse hooks)
+                self.handles += [
+                    module.register_forward_pre_hook(self._pre, with_kwargs=True),
+                    module.register_forward_hook(self._post, always_call=True),
+                ]
+
+    def _find(self, inp: torch.Tensor, n: int, guess: int) -> int | None:
+        """Where the rows of ``inp`` start in a tensor of the window (``guess`` first), -1 when no tensor of the
+        window has its row length and dtype (nothing to compare with), None when they are not rows of it."""
+        q = inp.detach().reshape(n, -1)
+        comparable = [rows for rows in self.rows if q.shape[1] == rows.shape[1] and q.dtype == rows.dtype]
+        for rows in comparable:
+            q = q.to(rows.device)
+            if guess + n <= self.n and torch.equal(rows[guess : guess + n], q):
+                return guess
+            for i in (rows == q[0]).all(1).nonzero().flatten().tolist():
+                if i + n <= self.n and torch.equal(rows[i : i + n], q):
+                    return i
+        return None if comparable else -1
 
     def _locate(self, inp: torch.Tensor | None, n: int) -> int:
         guess = self.expect if self.expect is not None else self.seen % self.n
         self.expect = None
         if inp is None or not n or n > self.n:
             return guess
-        q = inp.detach().reshape(n, -1)
-        if q.shape[1] != self.rows.shape[1] or q.dtype != self.rows.dtype:
-            return guess
-        q = q.to(self.rows.device)
-        if guess + n <= self.n and torch.equal(self.rows[guess:guess + n], q):
-            return guess
-        for i in (self.rows == q[0]).all(1).nonzero().flatten().tolist():
-            if i + n <= self.n and torch.equal(self.rows[i:i + n], q):
-                return i
-        self.unlocated += 1
-        return guess
+        found = self._find(inp, n, guess)
+        if found is None:
+            self.unlocated += 1
+        return guess if found is None or found < 0 else found
+
+    def _push(self, state: str, opened: bool = False) -> None:
+        self.stack.append((state, opened))
+        self.depth += state == "open"
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        inp = first_tensor(args)
-        if inp is None:
-            inp = first_tensor(kwargs)
+        if self.stack and self.stack[-1][0] != "closed":  # inside a forward already placed (or transformed)
+            state = self.stack[-1][0]
+            if state == "open" and self.root_open:
+                self.rng.plans.setdefault(self.names.get(id(module), ""), self.rng.calls)
+            self._push(state)
+            return
+        inp = _batch_input(args, kwargs)
+        root = module is self.model
+        name = self.names.get(id(module), "")
+        # a submodule opens a scope only when the step calls it in a forward pass the model's own forward reaches
+        # it in: not when backward recomputes it (the model's activation checkpointing: reported as before)
+        if not root and (name not in self.rng.plans or torch._C._current_graph_task_id() != -1):
+            self._push("closed")
+            return
         if inp is not None and _transformed(inp):
             # a forward inside torch.func (vmap, grad: per-sample gradients): its input is a wrapper whose values
             # the checker cannot read, and one sample at a time; counted, and the check says so
             self.transformed += 1
+            self._push("transformed")
             return
         n = int(inp.shape[0]) if inp is not None and inp.dim() else 0
-        offset = self._locate(inp, n)
+        if root:
+            offset = self._locate(inp, n)
+        else:
+            found = self._find(inp, n, self.seen % self.n) if inp is not None and 0 < n <= self.n else None
+            if found is None or found < 0:
+                self._push("closed")
+                return
+            offset = found
         self.seen = offset + n
         if torch.is_grad_enabled():  # a forward under no_grad (logging, a probe) never reaches a backward pass
             self.forwards.append((offset, n))
-        if self.depth == 0:
-            if self.modes is None:
-                self.modes = [m.training for m in self.model.modules()]
-            self.rng.start_forward(offset, n)
-            self.rng.__enter__()
-        self.depth += 1
+        if self.modes is None:
+            self.modes = [m.training for m in self.model.modules()]
+        self.rng.start_forward(offset, n)
+        self.rng.calls = 0 if root else self.rng.plans[name]
+        self.root_open = root
+        self.rng.__enter__()
+        self._push("open", True)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        inp = first_tensor(args)
-        if inp is not None and _transformed(inp):
-            return
-        if self.depth > 0:
-            self.depth -= 1
-            if self.depth == 0:
-                self.rng.__exit__(None, None, None)
+        if self.stack:
+            if self.stack[-1][1]:
+                loss = output_field(output, "loss")
+                if isinstance(loss, torch.Tensor) and loss.is_floating_point():
+                    self.loss_dtypes.add(loss.dtype)
+            self._pop()
+
+    def _pop(self) -> None:
+        state, opened = self.stack.pop()
+        self.depth -= state == "open"
+        if opened:
+            self.rng.__exit__(None, None, None)
 
     def close(self) -> None:
-        while self.depth > 0:
-            self.depth -= 1
-            if self.depth == 0:
-                self.rng.__exit__(None, None, None)
+        while self.stack:
+            self._pop()
         for h in self.handles:
             h.remove()
 
@@ -137,10 +196,21 @@ class _Run:
     unlocated: int = 0
     unpreserved_draws: int = 0  # random draws in recomputations of functions checkpointed without their RNG state
     transformed: int = 0  # forward passes inside torch.func transforms
+    loss_dtypes: set[torch.dtype] = field(default_factory=set)  # of the losses the step's forwards returned
 
 
-def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, step: Step, seed: int,
-              mode: str = "replay", start: int | None = None, plans: dict | None = None) -> _Run:
+def _run_step(
+    model: nn.Module,
+    loss_fn: Callable | None,
+    x: Batch,
+    y: torch.Tensor | None,
+    k: int,
+    step: Step,
+    seed: int,
+    mode: str = "replay",
+    start: int | None = None,
+    plans: dict | None = None,
+) -> _Run:
     """Run ``step`` on a copy of ``model``: randomness replayed per sample (``mode="replay"``, calls recorded) or
     recorded as drawn (``mode="record"``, from ``torch.manual_seed(start)``)."""
     work = copy.deepcopy(model)
@@ -161,11 +231,10 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
         warnings.simplefilter("always")
         try:
             calls = recorder.active() if mode == "replay" else nullcontext()
-            outside = (OutsideDraws(lambda: scope is not None and scope.depth > 0) if mode == "replay" else
-                       nullcontext())
+            outside = OutsideDraws(lambda: scope is not None and scope.depth > 0) if mode == "replay" else nullcontext()
             if isinstance(outside, OutsideDraws):
                 outside.unpreserved = recorder.recomputing_unpreserved
-            with calls, (rng if mode == "record" else outside):
+            with calls, rng if mode == "record" else outside:
                 step(work, loss_fn, x, y, k)
         except Exception as err:  # a finding, never a crash of the checker
             error = err
@@ -174,14 +243,44 @@ def _run_step(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Ten
                 scope.close()
             trace.detach()
             rerun_counts = reruns.close()
-    applied = recorder.applied if recorder.applied is not None else flat(params)
     caught = list(dict.fromkeys(str(w.message).split(". ")[0] for w in raised))
-    return _Run(applied, trace.passes, recorder.events, error, caught, scope.forwards if scope else [],
-                rng.replayed, rng.unreplayed, rng.draws, recorder.errors,
-                outside.draws if isinstance(outside, OutsideDraws) else [], rerun_counts,
-                scope.modes if scope else None, scope.unlocated if scope else 0,
-                rng.unpreserved_draws + (outside.unpreserved_draws if isinstance(outside, OutsideDraws) else 0),
-                scope.transformed if scope else 0)
+    return _collect(params, trace, recorder, rng, scope, outside, error, caught, rerun_counts)
+
+
+def _collect(
+    params: list[nn.Parameter],
+    trace: GradTrace,
+    recorder: CallRecorder,
+    rng: SampleRNG,
+    scope: _ForwardScope | None,
+    outside: object,
+    error: BaseException | None,
+    caught: list[str],
+    rerun_counts: dict[str, tuple[int, int]],
+) -> _Run:
+    """What the instruments saw of one run of the step, as a :class:`_Run` (``scope`` and ``outside``: the
+    forward scope and the draws outside it, where the run replayed randomness; None and a null context where it
+    recorded it)."""
+    applied = recorder.applied if recorder.applied is not None else flat(params)
+    return _Run(
+        applied,
+        trace.passes,
+        recorder.events,
+        error,
+        caught,
+        scope.forwards if scope else [],
+        rng.replayed,
+        rng.unreplayed,
+        rng.draws,
+        recorder.errors,
+        outside.draws if isinstance(outside, OutsideDraws) else [],
+        rerun_counts,
+        scope.modes if scope else None,
+        scope.unlocated if scope else 0,
+        rng.unpreserved_draws + (outside.unpreserved_draws if isinstance(outside, OutsideDraws) else 0),
+        scope.transformed if scope else 0,
+        scope.loss_dtypes if scope else set(),
+    )
 
 
 class _BatchNormReruns:
@@ -196,8 +295,11 @@ class _BatchNormReruns:
         for name, layer in work.named_modules():
             if isinstance(layer, _BatchNorm):
                 self.counts[name or "(the model)"] = [0, 0]
-                self.handles.append(layer.register_forward_pre_hook(
-                    lambda m, _args, c=self.counts[name or "(the model)"]: self._count(m, c)))
+                self.handles.append(
+                    layer.register_forward_pre_hook(
+                        lambda m, _args, c=self.counts[name or "(the model)"]: self._count(m, c)
+                    )
+                )
 
     @staticmethod
     def _count(layer: nn.Module, count: list[int]) -> None:
@@ -218,13 +320,17 @@ def _unpreserved_finding(run: _Run) -> Finding | None:
     if not calls or not run.unpreserved_draws or run.error is not None:
         return None
     return Finding(
-        "checkpoint_rng_not_preserved", "activation checkpointing with preserve_rng_state=False around a forward "
-        "that draws random numbers (dropout)", f"{calls} checkpoint call(s) with preserve_rng_state=False; backward "
+        "checkpoint_rng_not_preserved",
+        "activation checkpointing with preserve_rng_state=False around a forward that draws random numbers (dropout)",
+        f"{calls} checkpoint call(s) with preserve_rng_state=False; backward "
         f"recomputed {run.unpreserved_draws} random op call(s) inside them: torch does not restore the random state "
         "for the recomputation, so it draws new masks and the gradient belongs to other masks than the forward's "
-        "(the checker replays masks per sample, so the comparison cannot show it)", "drop "
+        "(the checker replays masks per sample, so the comparison cannot show it)",
+        "drop "
         "preserve_rng_state=False (the default saves and restores the random state), or switch the randomness off "
-        "in the checkpointed part", 6)
+        "in the checkpointed part",
+        6,
+    )
 
 
 def _recorder_error_finding(run: _Run) -> Finding | None:
@@ -233,10 +339,15 @@ def _recorder_error_finding(run: _Run) -> Finding | None:
     if not run.recorder_errors:
         return None
     more = f" (and {len(run.recorder_errors) - 1} more)" if len(run.recorder_errors) > 1 else ""
-    return Finding("checker_error", "the checker's call recorder raised while your step ran: its record of the "
-                   "calls your step made may be incomplete", f"{run.recorder_errors[0]}{more}",
-                   "report this as a bug in gradaccum (with this report and the step you checked)", None,
-                   "inconclusive")
+    return Finding(
+        "checker_error",
+        "the checker's call recorder raised while your step ran: its record of the "
+        "calls your step made may be incomplete",
+        f"{run.recorder_errors[0]}{more}",
+        "report this as a bug in gradaccum (with this report and the step you checked)",
+        None,
+        "inconclusive",
+    )
 
 
 def _bn_rerun_finding(reruns: dict[str, tuple[int, int]]) -> Finding | None:
@@ -245,8 +356,10 @@ def _bn_rerun_finding(reruns: dict[str, tuple[int, int]]) -> Finding | None:
     calls) / forward calls updates act as one of momentum :math:`1-(1-m)^r` (chapter 8)."""
     if not reruns:
         return None
-    shown = "; ".join(f"{name!r}: {calls} call(s) in forward passes, {again} more during backward"
-                      for name, (calls, again) in list(reruns.items())[:3])
+    shown = "; ".join(
+        f"{name!r}: {calls} call(s) in forward passes, {again} more during backward"
+        for name, (calls, again) in list(reruns.items())[:3]
+    )
     ratios = {name: (calls + again) / calls for name, (calls, again) in reruns.items() if calls}
     distinct = sorted(set(ratios.values()))
     if len(distinct) > 1:  # nested checkpoints: a layer recomputed r times has its own r
@@ -258,150 +371,16 @@ def _bn_rerun_finding(reruns: dict[str, tuple[int, int]]) -> Finding | None:
         effect = f"1 - (1 - m)^{r:g} instead of m"
         fix = f"set the momentum to 1 - (1 - m)^(1/{r:g})"
     return Finding(
-        "bn_stats_updated_twice", "BatchNorm running statistics are updated again when backward recomputes the "
+        "bn_stats_updated_twice",
+        "BatchNorm running statistics are updated again when backward recomputes the "
         "forward (activation checkpointing)",
         f"{shown}: every recomputation in training mode moves the running averages once more, so the effective "
         f"momentum per micro-batch is {effect}",
         "recompute with the statistics frozen (gradaccum.coupled.checkpoint_keeping_bn_stats around every "
         f"checkpointed call, nested ones included), or {fix}; the gradient "
-        "itself is unaffected", 8)
-
-
-@dataclass
-class _Refs:
-    basis: torch.Tensor
-    full: torch.Tensor
-    out: torch.Tensor
-    error: BaseException | None
-    micro: int
-    plans: dict
-    unreplayed: list[str] = field(default_factory=list)
-    recomputed: list[str] = field(default_factory=list)
-
-
-def _references(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, seed: int) -> _Refs:
-    r"""The full-batch gradient and the micro-batch gradients :math:`h_j`, randomness replayed per sample (the
-    full batch runs first: it decides how each random op splits into samples, for every later pass)."""
-    work = copy.deepcopy(model)
-    params = _trainable(work)
-    buffers = {name: b.detach().clone() for name, b in work.named_buffers()}
-    live = dict(work.named_buffers())
-    rng = SampleRNG(seed)
-    scope = _ForwardScope(work, rng, x)
-    # random draws outside the forward passes: backward recomputing a checkpointed forward with dropout
-    recomputed = OutsideDraws(lambda: scope.depth > 0)
-    b = x.shape[0] // k
-
-    def reset() -> None:
-        with torch.no_grad():
-            for name, value in buffers.items():
-                live[name].copy_(value)
-        work.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-
-    try:
-        recomputed.__enter__()
-        reset()
-        scope.expect = 0
-        out = work(x)
-        try:
-            loss_fn(out, y).backward()
-        except RuntimeError as err:
-            raise ValueError(f"loss_fn(model(x), y).backward() raised: {err}; the checker needs a loss that is "
-                             "differentiable with respect to the model's trainable parameters.") from err
-        full = flat(params)
-        if not bool(full.ne(0).any()):
-            raise ValueError("the full batch's gradient is exactly zero (are all its targets ignore_index or padding? "
-                             "does the loss depend on the trainable parameters?): there is nothing to compare a "
-                             "window with; pass a batch with counted targets.")
-        basis = []
-        for j, (xb, yb) in enumerate(split_batch(x, y, k)):
-            reset()
-            scope.expect = j * b
-            try:
-                loss_fn(work(xb), yb).backward()
-            except Exception as err:
-                return _Refs(torch.empty(0), torch.empty(0), torch.empty(0), err, j + 1, rng.plans)
-            basis.append(flat(params))
-        return _Refs(torch.stack(basis), full, out.detach(), None, 0, rng.plans, rng.unreplayed, recomputed.draws)
-    finally:
-        recomputed.__exit__(None, None, None)
-        scope.close()
-
-
-@dataclass
-class _Probe:
-    weights: list[float]
-    residual: float
-    tokens: list[int]
-    moved: list[float] | None = None  # the weights again at moved outputs, where they follow the outputs
-    thr: float = 1e-9  # what counts as equal in this reading (a thousand roundings of the loss's dtype)
-
-
-def _loss_probe(loss_fn: Callable, out: torch.Tensor, y: torch.Tensor, k: int, b: int) -> _Probe:
-    r"""How the loss weighs micro-batches, measured on the loss alone: with :math:`G` its gradient with respect to
-    the full batch's output and :math:`G_j` the gradient of micro-batch j's loss with respect to its part,
-    :math:`f_j = \langle G[j], G_j\rangle / \|G_j\|^2`; ``residual`` is how far :math:`G[j]` is from
-    :math:`f_j G_j` (0 for a loss that is a sum over positions, to the rounding of the loss's dtype: ``thr``).
-    ``tokens``: positions with a non-zero gradient (padding and ignored targets have none).
-
-    A loss whose weights are fixed by the targets or by counts (a token mean, a class-weighted mean, a mean over
-    the non-zero losses) keeps the same :math:`f_j` when the outputs move a little. ``moved`` holds the weights at
-    outputs moved by a thousandth of their spread (a hundredth below float64; three random directions) when they
-    change with the outputs, smoothly (moving the other way changes them by as much, with the opposite sign): a
-    batch-wide value of the outputs sets them (a logsumexp or softmax over the samples' losses, the square root of
-    a mean), which no fixed normalization reproduces."""
-    n = out.shape[0]
-    dim = 0 if out.shape[0] == n else next(d for d, s in enumerate(out.shape) if s == n)
-    base = out.detach().double()
-    weights, residuals, tokens = _probe_at(loss_fn, base, out.dtype, y, k, b, dim)
-    thr = max(1e-9, 1000 * torch.finfo(out.dtype).eps) if out.is_floating_point() else 1e-9
-    probe = _Probe(weights, max(residuals), tokens, thr=thr)
-    top = max(abs(f) for f in weights) if weights else 0.0
-    if n < 2 or top == 0 or not out.is_floating_point():
-        return probe
-    eps = 1e-3 if out.dtype == torch.float64 else max(1e-2, 16 * torch.finfo(out.dtype).eps)
-    noise = max(1e-12, 100 * torch.finfo(out.dtype).eps) * top  # the rounding of weights read in the loss's dtype
-    for seed in range(3):  # three random directions: one may leave the weights nearly where they were
-        step = eps * float(base.std()) * torch.randn(base.shape, generator=torch.Generator().manual_seed(seed),
-                                                     dtype=torch.float64)
-        try:  # outputs a little away, both ways
-            up = _probe_at(loss_fn, base + step, out.dtype, y, k, b, dim)[0]
-            down = _probe_at(loss_fn, base - step, out.dtype, y, k, b, dim)[0]
-        except Exception:  # noqa: BLE001 (a loss that refuses moved outputs: the weights are read as fixed)
-            return probe
-        rise = [u - f for u, f in zip(up, weights)]
-        fall = [d - f for d, f in zip(down, weights)]
-        largest = max(max(abs(r) for r in rise), max(abs(f) for f in fall))
-        if largest > 10 * noise and all(math.isfinite(r) and math.isfinite(f) and abs(r + f) <= 0.1 * largest + noise
-                                         for r, f in zip(rise, fall)):
-            probe.moved = up
-            break
-    return probe
-
-
-def _probe_at(loss_fn: Callable, o: torch.Tensor, dtype: torch.dtype, y: torch.Tensor, k: int, b: int,
-              dim: int) -> tuple[list[float], list[float], list[int]]:
-    """:func:`_loss_probe`'s reading at the (float64) outputs ``o``, the loss computed in ``dtype``: weights,
-    residuals and tokens."""
-    o = o.detach().clone().requires_grad_()
-    full = loss_fn(o.to(dtype), y)
-    (g_full,) = torch.autograd.grad(full, o, allow_unused=True)
-    g_full = torch.zeros_like(o) if g_full is None else g_full
-    weights, residuals, tokens = [], [], []
-    for j in range(k):
-        oj = o.detach().narrow(dim, j * b, b).clone().requires_grad_()
-        (gj,) = torch.autograd.grad(loss_fn(oj.to(dtype), y[j * b:(j + 1) * b]), oj, allow_unused=True)
-        gj = torch.zeros_like(oj) if gj is None else gj
-        gf = g_full.narrow(dim, j * b, b)
-        gg = float((gj * gj).sum())
-        fj = float((gf * gj).sum()) / gg if gg > 0 else 0.0
-        weights.append(fj)
-        scale = max(float(gf.norm()), float(gj.norm()) * abs(fj), 1e-300)
-        residuals.append(float((gf - fj * gj).norm()) / scale if gg > 0 or float(gf.norm()) > 0 else 0.0)
-        nz = (gj != 0)
-        tokens.append(int(nz.reshape(*nz.shape[:-1], -1).any(-1).sum()) if gj.dim() >= 2 else int(nz.sum()))
-    return weights, residuals, tokens
+        "itself is unaffected",
+        8,
+    )
 
 
 class _Restore:
@@ -431,4 +410,3 @@ class _Restore:
         random.setstate(self.py)
         if self.np is not None:
             sys.modules["numpy"].random.set_state(self.np)
-

@@ -40,7 +40,7 @@ def arrange(findings: list[Finding]) -> list[Finding]:
 
 def resolve(findings: list[Finding]) -> list[Finding]:
     """Drop what a later finding outranks (:data:`OUTRANKS`), then :func:`arrange`."""
-    kept = [f for i, f in enumerate(findings) if not any(_outranks(g, f) for g in findings[i + 1:])]
+    kept = [f for i, f in enumerate(findings) if not any(_outranks(g, f) for g in findings[i + 1 :])]
     return arrange(kept)
 
 
@@ -81,11 +81,15 @@ def clip_missing(ctx: RunContext, findings: list[Finding]) -> Finding | None:
     if c.given is None or ctx.run.error is not None or c.clips or "clip_missing" in ctx.codes:
         return None
     return Finding(
-        "clip_missing", "a clip threshold was given but your loop makes no clip call",
+        "clip_missing",
+        "a clip threshold was given but your loop makes no clip call",
         f"threshold {num(c.given)} (the clip argument); the full-batch gradient's norm "
         f"{num(float(ctx.full.norm()))} is below it, so this window is not affected, but larger gradients "
-        "will be clipped in the reference and not in your loop", "clip once per window, after the last "
-        "backward (after scaler.unscale_), or drop the clip argument", 3, "note")
+        "will be clipped in the reference and not in your loop",
+        "clip once per window, after the last backward (after scaler.unscale_), or drop the clip argument",
+        3,
+        "note",
+    )
 
 
 def clip_threshold_differs(ctx: RunContext, findings: list[Finding]) -> Finding | None:
@@ -97,11 +101,15 @@ def clip_threshold_differs(ctx: RunContext, findings: list[Finding]) -> Finding 
     if not differ:
         return None
     return Finding(
-        "clip_threshold_differs", "the clip threshold you gave is not the one your loop uses",
+        "clip_threshold_differs",
+        "the clip threshold you gave is not the one your loop uses",
         f"you gave {num(c.given)}; your loop's clip call(s) use {', '.join(num(v) for v in differ)}: the "
         "comparison clips the full batch at the threshold you gave, so a difference below may come from "
-        "the two thresholds alone", f"rerun with --clip {num(differ[0])} (or without --clip: the checker "
-        "then reads the threshold from your loop)", 3, "note")
+        "the two thresholds alone",
+        f"rerun with --clip {num(differ[0])} (or without --clip: the checker then reads the threshold from your loop)",
+        3,
+        "note",
+    )
 
 
 def clip_misplaced(ctx: RunContext, findings: list[Finding]) -> Finding | None:
@@ -111,9 +119,12 @@ def clip_misplaced(ctx: RunContext, findings: list[Finding]) -> Finding | None:
         return None
     e, where = c.misplaced[0]
     return Finding(
-        "clip_misplaced", "your clip call does not clip the gradient the optimizer step applies",
+        "clip_misplaced",
+        "your clip call does not clip the gradient the optimizer step applies",
         f"{e.detail.get('fn', 'clip')} ran {where}: the step applied the gradient as it was before any clip",
-        "clip once per window after the last backward (after scaler.unscale_) and before optimizer.step()", 3)
+        "clip once per window after the last backward (after scaler.unscale_) and before optimizer.step()",
+        3,
+    )
 
 
 def unplaced_randomness(ctx: RunContext, findings: list[Finding]) -> Finding | None:
@@ -121,16 +132,25 @@ def unplaced_randomness(ctx: RunContext, findings: list[Finding]) -> Finding | N
     not be found, so they may have drawn other masks than in the full batch (it outranks the bugs before it)."""
     run = ctx.run
     bugs = [f for f in arrange(findings) if f.severity == "bug"]
-    if not (run.unlocated and run.replayed and bugs and run.error is None
-            and rel(ctx.clipping.target, run.applied) > ctx.tol):
+    if not (
+        run.unlocated
+        and run.replayed
+        and bugs
+        and run.error is None
+        and rel(ctx.clipping.target, run.applied) > ctx.tol
+    ):
         return None
     return Finding(
-        "randomness_not_replayed", "dropout in micro-batches the checker could not place in the batch",
+        "randomness_not_replayed",
+        "dropout in micro-batches the checker could not place in the batch",
         f"{run.unlocated} forward pass(es) of your step got inputs that are not consecutive rows of x (e.g. "
         f"x[j::K], or a shuffle), and the forward draws random numbers: their samples may have been given other "
         f"masks than in the full batch (without that, the findings would be: {', '.join(f.code for f in bugs)})",
         "split the window into consecutive micro-batches as the checker does (x.chunk(K)), or rerun with "
-        "dropout off to compare like with like", 6, "inconclusive")
+        "dropout off to compare like with like",
+        6,
+        "inconclusive",
+    )
 
 
 def micro_batches_differ(ctx: RunContext, findings: list[Finding]) -> Finding | None:
@@ -142,10 +162,14 @@ def micro_batches_differ(ctx: RunContext, findings: list[Finding]) -> Finding | 
     if sizes == [ctx.b]:
         return None
     return Finding(
-        "micro_batches_differ", "your step's micro-batches are not the K you passed",
+        "micro_batches_differ",
+        "your step's micro-batches are not the K you passed",
         f"its forward passes saw {len(run.forwards)} batch(es) of size(s) {sizes}, not K = {ctx.k} "
-        f"micro-batches of {ctx.b}; this window's gradient is still the full batch's", "pass the K your loop "
-        "uses (-k), so that the check (and its partial window) tests the loop you run", 6, "note")
+        f"micro-batches of {ctx.b}; this window's gradient is still the full batch's",
+        "pass the K your loop uses (-k), so that the check (and its partial window) tests the loop you run",
+        6,
+        "note",
+    )
 
 
 def bn_stats_updated_twice(ctx: RunContext, findings: list[Finding]) -> Finding | None:
@@ -165,6 +189,12 @@ def checker_error(ctx: RunContext, findings: list[Finding]) -> Finding | None:
 
 #: The run-level rules, in the order they are applied (a rule sees the findings raised before it).
 RUN_RULES: tuple[Callable[[RunContext, list[Finding]], Finding | None], ...] = (
-    clip_missing, clip_threshold_differs, clip_misplaced, unplaced_randomness, micro_batches_differ,
-    bn_stats_updated_twice, checkpoint_rng_not_preserved, checker_error,
+    clip_missing,
+    clip_threshold_differs,
+    clip_misplaced,
+    unplaced_randomness,
+    micro_batches_differ,
+    bn_stats_updated_twice,
+    checkpoint_rng_not_preserved,
+    checker_error,
 )

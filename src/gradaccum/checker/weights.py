@@ -32,27 +32,39 @@ def _token_finding(m: Measurements, out: _Findings, e: list[float], w: list[floa
     class-weighted mean). ``how`` says where ``w`` was read."""
     total_e, total_t = sum(e), sum(m.tokens)
     by_tokens = bool(total_e and total_t) and all(
-        abs(ej / total_e - tj / total_t) <= 1e-6 for ej, tj in zip(e, m.tokens))
+        abs(ej / total_e - tj / total_t) <= 1e-6 for ej, tj in zip(e, m.tokens)
+    )
     if len(set(m.tokens)) > 1 and by_tokens:
-        out.add("token_normalization", "mean of per-micro-batch token means: micro-batches weighted equally, "
-                "not by their token counts", f"tokens per micro-batch {m.tokens}: the full batch weighs "
-                f"micro-batch gradients by their tokens, {nums(e)}; your loop weighs them equally, {nums(w)}{how}",
-                "reduction='sum' and divide by the tokens of the whole window (num_items_in_batch), all-reduced "
-                "across ranks", 6)
+        out.add(
+            "token_normalization",
+            "mean of per-micro-batch token means: micro-batches weighted equally, not by their token counts",
+            f"tokens per micro-batch {m.tokens}: the full batch weighs "
+            f"micro-batch gradients by their tokens, {nums(e)}; your loop weighs them equally, {nums(w)}{how}",
+            "reduction='sum' and divide by the tokens of the whole window (num_items_in_batch), all-reduced "
+            "across ranks",
+            6,
+        )
     else:
         # the same number of targets everywhere, yet the loss weighs micro-batches unequally: a weighted loss
-        counted = (f"each micro-batch has {m.tokens[0]} target(s)" if len(set(m.tokens)) == 1 else
-                   f"micro-batches have {m.tokens} target(s), not in proportion to these weights")
-        out.add("token_normalization", "a mean of per-micro-batch weighted means: micro-batches weighted "
-                "equally, not by their total weight", f"{counted}, yet the full batch weighs micro-batch "
-                f"gradients {nums(e)}: the loss divides by a total that differs between micro-batches (e.g. "
-                f"CrossEntropyLoss(weight=...) divides by the summed class weights of the targets); your loop "
-                f"weighs them equally, {nums(w)}{how}", "sum each micro-batch's weighted loss (reduction='sum') and "
-                "divide by the total weight of the whole window's targets", 6)
+        counted = (
+            f"each micro-batch has {m.tokens[0]} target(s)"
+            if len(set(m.tokens)) == 1
+            else f"micro-batches have {m.tokens} target(s), not in proportion to these weights"
+        )
+        out.add(
+            "token_normalization",
+            "a mean of per-micro-batch weighted means: micro-batches weighted equally, not by their total weight",
+            f"{counted}, yet the full batch weighs micro-batch "
+            f"gradients {nums(e)}: the loss divides by a total that differs between micro-batches (e.g. "
+            f"CrossEntropyLoss(weight=...) divides by the summed class weights of the targets); your loop "
+            f"weighs them equally, {nums(w)}{how}",
+            "sum each micro-batch's weighted loss (reduction='sum') and "
+            "divide by the total weight of the whole window's targets",
+            6,
+        )
 
 
-def _token_from_backwards(m: Measurements, out: _Findings, loop_error: float, cos: float,
-                          clips: list[Event]) -> None:
+def _token_from_backwards(m: Measurements, out: _Findings, loop_error: float, cos: float, clips: list[Event]) -> None:
     r"""A clip inside the window rescales the buffer, so the step's fitted weights mix the clip with the loss's
     weighting. What each backward pass added, :math:`\alpha_j` (read before any clip), is the loss's alone: equal
     :math:`\alpha_j` where the full batch's :math:`f_j` differ is a per-micro-batch mean, named alongside the clip
@@ -62,8 +74,9 @@ def _token_from_backwards(m: Measurements, out: _Findings, loop_error: float, co
         return
     if "token_normalization" not in out:
         _token_finding(m, out, list(m.f), pattern[2], " (what each backward added, read before your clip)")
-    _scale_findings(m, out, pattern[0], loop_error, cos, clips, token=True,
-                    what="on average, the backward passes' weights are")
+    _scale_findings(
+        m, out, pattern[0], loop_error, cos, clips, token=True, what="on average, the backward passes' weights are"
+    )
 
 
 def _clip_placement(m: Measurements, out: _Findings, clips: list[Event], weights: str) -> bool:
@@ -74,15 +87,19 @@ def _clip_placement(m: Measurements, out: _Findings, clips: list[Event], weights
     inside = [e for e in clips if e.after < len(m.passes)]
     if c is None or not inside:  # no clip inside the window: none of these placements
         return False
-    matches = [name for name, vec in placements(m.basis, m.f, c, kind, norm_type).items()
-               if name != "once" and rel(vec, m.applied) <= m.thr]
+    matches = [
+        name
+        for name, vec in placements(m.basis, m.f, c, kind, norm_type).items()
+        if name != "once" and rel(vec, m.applied) <= m.thr
+    ]
     if not matches:
         return False
     # several can match (duplicate micro-batches make the running buffer and raw per-micro-batch clips one
     # vector): then the placement the buffer trace shows stands
     traced = "clip_per_micro_batch" if _trace_per_micro(m, inside) else "clip_running_buffer"
-    agreeing = [name for name in matches
-                if ("clip_running_buffer" if name == "running" else "clip_per_micro_batch") == traced]
+    agreeing = [
+        name for name in matches if ("clip_running_buffer" if name == "running" else "clip_per_micro_batch") == traced
+    ]
     matched = (agreeing or matches)[0]
     evidence = f"your gradient equals {PLACEMENT_TEXT[matched]} at threshold {num(c)} to rounding; {weights}"
     if matched == "running":
@@ -167,23 +184,32 @@ def _backward_weight_findings(m: Measurements, out: _Findings, loop_error: float
     mean = pattern[0]
     clips = _counts(m.events, "clip")
     before = " (measured before any clipping)" if clips else ""
-    evidence = (f"each backward added {nums(alphas)}× its micro-batch's gradient{before}; "
-                f"the full batch weighs them {nums(m.f)}: the micro-batch weights are {num(mean)}× the full "
-                "batch's")
+    evidence = (
+        f"each backward added {nums(alphas)}× its micro-batch's gradient{before}; "
+        f"the full batch weighs them {nums(m.f)}: the micro-batch weights are {num(mean)}× the full "
+        "batch's"
+    )
     if not clips:
         kminus1 = " = K − 1" if abs(loop_error - (k - 1)) <= m.thr * (k - 1) else ""
-        evidence += (f" (your step against the ideal accumulation Σ f_j h_j: relative error "
-                     f"{num(loop_error)}{kminus1}, cosine {cos:.4f})")
+        evidence += (
+            f" (your step against the ideal accumulation Σ f_j h_j: relative error "
+            f"{num(loop_error)}{kminus1}, cosine {cos:.4f})"
+        )
     if clips:
-        c = ", ".join(sorted({num(e.detail.get("max_norm", e.detail.get("clip_value", float("nan"))))
-                              for e in clips}))
-        evidence += (f"; your clipping (threshold {c}) rescales the step and hides part or all of this from it "
-                     f"(your step against the ideal accumulation: relative error {num(loop_error)}), but the "
-                     "weights hold whenever the threshold does not bite")
+        c = ", ".join(sorted({num(e.detail.get("max_norm", e.detail.get("clip_value", float("nan")))) for e in clips}))
+        evidence += (
+            f"; your clipping (threshold {c}) rescales the step and hides part or all of this from it "
+            f"(your step against the ideal accumulation: relative error {num(loop_error)}), but the "
+            "weights hold whenever the threshold does not bite"
+        )
     if abs(mean - k) <= m.thr * k:
-        out.add("missing_1_over_k", "missing 1/K: the micro-batch losses are not divided by K", evidence,
-                "divide each micro-batch's loss by K before backward (or the gradients by K once, before the step)",
-                6)
+        out.add(
+            "missing_1_over_k",
+            "missing 1/K: the micro-batch losses are not divided by K",
+            evidence,
+            "divide each micro-batch's loss by K before backward (or the gradients by K once, before the step)",
+            6,
+        )
     elif abs(mean - 1 / k) <= m.thr / k:
         out.add("double_1_over_k", _DOUBLE_1_OVER_K, evidence, _DOUBLE_1_OVER_K_FIX, 6)
 
@@ -215,18 +241,19 @@ def _per_backward(m: Measurements) -> list[float] | None:
     return alphas
 
 
-def _scale_findings(m: Measurements, out: _Findings, s: float, loop_error: float, cos: float, clips: list[Event],
-                    token: bool = False, what: str = "the gradient is") -> None:
+def _scale_findings(
+    m: Measurements,
+    out: _Findings,
+    s: float,
+    loop_error: float,
+    cos: float,
+    clips: list[Event],
+    token: bool = False,
+    what: str = "the gradient is",
+) -> None:
     """Findings for a gradient that is ``s`` times what it should be (same direction). ``what`` names the
     measured quantity ``s`` is read from (the fitted micro-batch weights, or the whole gradient)."""
-    k = m.k
-    close = lambda a, b: abs(a - b) <= m.thr * abs(b)  # noqa: E731
-    # clip_grad_norm_ divides by the norm + 1e-6: a clip that bit moves the step by up to 1e-6 / norm of itself
-    slack = sum(1e-6 / n for n in (e.detail.get("norm_before", math.nan) for e in clips) if n > 0)
-    full = float(m.full.norm())
-    if m.clip is not None and full > 0:  # the reference's own clip has the same term
-        slack += 1e-6 / full
-    if close(s, 1.0) or abs(s - 1) <= 2 * slack:
+    if abs(s - 1) <= m.thr or abs(s - 1) <= 2 * _clip_slack(m, clips):
         return
     named = [c for c in ("missing_1_over_k", "double_1_over_k") if c in out]
     if named:  # already named from the per-backward weights (a clip may have rescaled the step): add the fit
@@ -234,39 +261,87 @@ def _scale_findings(m: Measurements, out: _Findings, s: float, loop_error: float
         out.add(named[0], "", f"fitted on the step{after}, {what} {num(s)}× the full batch's", "", 6)
         return
     alphas = _per_backward(m)
-    added = (f"; each backward added {nums(alphas)}× its micro-batch's gradient (the full batch weighs them "
-             f"{nums(m.f)})" if alphas else "")
+    added = (
+        f"; each backward added {nums(alphas)}× its micro-batch's gradient (the full batch weighs them {nums(m.f)})"
+        if alphas
+        else ""
+    )
+    k = m.k
     kminus1 = " = K − 1" if k > 1 and abs(loop_error - (k - 1)) <= m.thr * (k - 1) else ""
-    head = (f"{what} {num(s)}× the full batch's (your step against the ideal accumulation Σ f_j h_j of this model: "
-            f"relative error {num(loop_error)}{kminus1}, cosine {cos:.4f})")
+    head = (
+        f"{what} {num(s)}× the full batch's (your step against the ideal accumulation Σ f_j h_j of this model: "
+        f"relative error {num(loop_error)}{kminus1}, cosine {cos:.4f})"
+    )
+    _name_scale(m, out, s, head, added, clips, token)
+
+
+def _clip_slack(m: Measurements, clips: list[Event]) -> float:
+    """How far from 1 a correct step's scale can read: clip_grad_norm_ divides by the norm + 1e-6, so a clip that
+    bit moves the step by up to 1e-6 / norm of itself (and the reference's own clip has the same term)."""
+    slack = sum(1e-6 / n for n in (e.detail.get("norm_before", math.nan) for e in clips) if n > 0)
+    full = float(m.full.norm())
+    if m.clip is not None and full > 0:
+        slack += 1e-6 / full
+    return slack
+
+
+def _name_scale(
+    m: Measurements, out: _Findings, s: float, head: str, added: str, clips: list[Event], token: bool
+) -> None:
+    """The cause of a scale ``s`` (``head`` and ``added``: the evidence): 1/K missing or twice, the loss scale
+    left in, a clip the loop does not make or makes before unscaling, else a constant factor (not for a token
+    mean, which its own finding names)."""
+    k = m.k
+    close = lambda a, b: abs(a - b) <= m.thr * abs(b)  # noqa: E731
     scalers = [p.scale for p in m.passes if p.scale is not None]
     if k > 1 and close(s, k):
-        out.add("missing_1_over_k", "missing 1/K: the micro-batch losses are not divided by K",
-                head + added, "divide each micro-batch's loss by K before backward (or the gradients by K once, "
-                "before the step)", 6)
+        out.add(
+            "missing_1_over_k",
+            "missing 1/K: the micro-batch losses are not divided by K",
+            head + added,
+            "divide each micro-batch's loss by K before backward (or the gradients by K once, before the step)",
+            6,
+        )
     elif k > 1 and close(s, 1 / k):
         out.add("double_1_over_k", _DOUBLE_1_OVER_K, head + added, _DOUBLE_1_OVER_K_FIX, 6)
     elif scalers and close(s, scalers[-1]):
-        out.add("loss_scale_not_removed", "the gradient still carries the loss scale",
-                head + f"; the loss scale is {num(scalers[-1])}" + added,
-                "scaler.unscale_(optimizer) (or scaler.step(optimizer), which unscales) before using the gradients",
-                4)
+        out.add(
+            "loss_scale_not_removed",
+            "the gradient still carries the loss scale",
+            head + f"; the loss scale is {num(scalers[-1])}" + added,
+            "scaler.unscale_(optimizer) (or scaler.step(optimizer), which unscales) before using the gradients",
+            4,
+        )
     elif m.clip is not None and not clips and s > 1:
-        out.add("clip_missing", "your loop does not clip", head + f"; the full-batch gradient's norm "
-                f"{num(float(m.full.norm()))} exceeds the threshold {num(m.clip)} ({m.clip_source})",
-                "clip once per window, after the last backward (after scaler.unscale_), or drop clip=", 3)
+        out.add(
+            "clip_missing",
+            "your loop does not clip",
+            head + f"; the full-batch gradient's norm "
+            f"{num(float(m.full.norm()))} exceeds the threshold {num(m.clip)} ({m.clip_source})",
+            "clip once per window, after the last backward (after scaler.unscale_), or drop clip=",
+            3,
+        )
     elif any(e.detail.get("scaled") for e in clips):
-        out.add("clip_before_unscale", "", f"the step applies {num(s)}× the gradient clipped once after unscaling",
-                "", 3)
+        out.add(
+            "clip_before_unscale", "", f"the step applies {num(s)}× the gradient clipped once after unscaling", "", 3
+        )
     elif not token:
-        out.add("gradient_scaled", "the gradient is scaled by a constant factor", head + added,
-                "find where your loop multiplies or divides the loss or the gradients", 6)
+        out.add(
+            "gradient_scaled",
+            "the gradient is scaled by a constant factor",
+            head + added,
+            "find where your loop multiplies or divides the loss or the gradients",
+            6,
+        )
 
 
 def _other_sizes(m: Measurements, out: _Findings, sizes: list[int]) -> None:
     """The step's forward passes saw batches of other sizes than the K equal micro-batches (another K)."""
-    out.add("micro_batches_differ", "your step's micro-batches are not the K equal parts of the batch",
-            f"its forward passes saw {len(m.forwards)} batch(es) of size(s) {sizes}; K = {m.k} micro-batches of "
-            f"{m.b} were expected", "pass the K your loop uses (-k), and split the window into K equal, "
-            "consecutive micro-batches", 6)
-
+    out.add(
+        "micro_batches_differ",
+        "your step's micro-batches are not the K equal parts of the batch",
+        f"its forward passes saw {len(m.forwards)} batch(es) of size(s) {sizes}; K = {m.k} micro-batches of "
+        f"{m.b} were expected",
+        "pass the K your loop uses (-k), and split the window into K equal, consecutive micro-batches",
+        6,
+    )

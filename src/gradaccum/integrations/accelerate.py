@@ -46,8 +46,12 @@ def _is_scheduler(v: Any) -> bool:
 
 
 def _is_batch(v: Any) -> bool:
-    return (isinstance(v, (tuple, list)) and len(v) == 2
-            and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in v) and len(v[0]) == len(v[1]))
+    return (
+        isinstance(v, (tuple, list))
+        and len(v) == 2
+        and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in v)
+        and len(v[0]) == len(v[1])
+    )
 
 
 @dataclass
@@ -67,9 +71,11 @@ class _Call:
 
 def _one(found: list[str], what: str) -> str:
     if len(found) != 1:
-        raise ValueError(f"check_accelerate: the decorated function must take exactly one {what} as an argument, "
-                         f"got {len(found)} ({', '.join(found) or 'none'}); pass it as an argument of its own, so "
-                         "the check can hand its copy to your function.")
+        raise ValueError(
+            f"check_accelerate: the decorated function must take exactly one {what} as an argument, "
+            f"got {len(found)} ({', '.join(found) or 'none'}); pass it as an argument of its own, so "
+            "the check can hand its copy to your function."
+        )
     return found[0]
 
 
@@ -77,17 +83,28 @@ def _sort(fn: Callable, args: tuple, kwargs: dict) -> _Call:
     """The call's arguments by role; a ValueError where a role is missing, doubled or hidden in a container."""
     bound = inspect.signature(fn).bind(*args, **kwargs)
     values = bound.arguments
-    hidden = [n for n, v in values.items() if isinstance(v, (tuple, list, dict)) and not _is_batch(v) and any(
-        isinstance(i, torch.optim.Optimizer) or _is_scheduler(i)
-        for i in (v.values() if isinstance(v, dict) else v))]
+    hidden = [
+        n
+        for n, v in values.items()
+        if isinstance(v, (tuple, list, dict))
+        and not _is_batch(v)
+        and any(
+            isinstance(i, torch.optim.Optimizer) or _is_scheduler(i) for i in (v.values() if isinstance(v, dict) else v)
+        )
+    ]
     if hidden:
-        raise ValueError(f"check_accelerate: {', '.join(hidden)} hold(s) optimizers or schedulers; pass each as an "
-                         "argument of its own, so the check steps copies of them and not yours.")
-    return _Call(bound, _one([n for n, v in values.items() if isinstance(v, Accelerator)], "Accelerator"),
-                 _one([n for n, v in values.items() if isinstance(v, nn.Module)], "model (an nn.Module)"),
-                 _one([n for n, v in values.items() if _is_batch(v)], "batch of (inputs, targets) tensors"),
-                 [n for n, v in values.items() if isinstance(v, torch.optim.Optimizer)],
-                 [n for n, v in values.items() if _is_scheduler(v)])
+        raise ValueError(
+            f"check_accelerate: {', '.join(hidden)} hold(s) optimizers or schedulers; pass each as an "
+            "argument of its own, so the check steps copies of them and not yours."
+        )
+    return _Call(
+        bound,
+        _one([n for n, v in values.items() if isinstance(v, Accelerator)], "Accelerator"),
+        _one([n for n, v in values.items() if isinstance(v, nn.Module)], "model (an nn.Module)"),
+        _one([n for n, v in values.items() if _is_batch(v)], "batch of (inputs, targets) tensors"),
+        [n for n, v in values.items() if isinstance(v, torch.optim.Optimizer)],
+        [n for n, v in values.items() if _is_scheduler(v)],
+    )
 
 
 def _window_step(fn: Callable, call: _Call) -> Callable[..., None]:
@@ -102,10 +119,12 @@ def _window_step(fn: Callable, call: _Call) -> Callable[..., None]:
     def step(work: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, k: int) -> None:
         with _own_accelerate_state():
             acc = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(**plugin), **settings)
-            opts, scheds = rebuild(model, work, [call.value(n) for n in call.optimizers],
-                                   [call.value(n) for n in call.schedulers])
-            prepared = acc.prepare(work, *opts, *scheds,
-                                   DataLoader(TensorDataset(x, y), batch_size=len(x) // k, shuffle=False))
+            opts, scheds = rebuild(
+                model, work, [call.value(n) for n in call.optimizers], [call.value(n) for n in call.schedulers]
+            )
+            prepared = acc.prepare(
+                work, *opts, *scheds, DataLoader(TensorDataset(x, y), batch_size=len(x) // k, shuffle=False)
+            )
             swap = dict(zip([call.model, *call.optimizers, *call.schedulers], prepared[:-1]))
             swap[call.accelerator] = acc
             for xb, yb in prepared[-1]:
@@ -126,9 +145,46 @@ def _partial(accelerator: Accelerator) -> bool:
         return True
 
 
-def check_accelerate(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, on_bug: str = "raise",
-                     allow: Sequence[str] = (), micro_batch_size: int | None = None,
-                     tolerance: float | None = None) -> Callable[[Callable], Callable]:
+def _check_window(
+    fn: Callable,
+    call: Any,
+    real: Any,
+    pending: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    allow: Sequence[str],
+    micro_batch_size: int | None,
+    tolerance: float | None,
+) -> Report | None:
+    """Collect this call's batch; once the window has the rows it needs, check it and return the report (``None``
+    while rows are still missing)."""
+    k = real.gradient_accumulation_steps
+    pending.append(call.value(call.batch))
+    need = rows_needed(len(pending[0][0]), k, micro_batch_size)[1]
+    if sum(len(b[0]) for b in pending) < need:
+        return None
+    x, y = concat([[b[0] for b in pending], [b[1] for b in pending]], need)
+    pending.clear()
+    return check(
+        call.value(call.model),
+        loss_fn,
+        x,
+        y,
+        k,
+        step=_window_step(fn, call),
+        partial=_partial(real),
+        allow=allow,
+        tolerance=tolerance,
+    )
+
+
+def check_accelerate(
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    on_bug: str = "raise",
+    allow: Sequence[str] = (),
+    micro_batch_size: int | None = None,
+    tolerance: float | None = None,
+) -> Callable[[Callable], Callable]:
     """Decorate the function that trains one batch in an Accelerate loop: its first window is checked before it
     trains (see the module's docstring); ``wrapper.report`` then holds the report.
 
@@ -150,15 +206,9 @@ def check_accelerate(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
             if wrapper.report is None:  # type: ignore[attr-defined]
                 call = _sort(fn, args, kwargs)
                 real = call.value(call.accelerator)
-                k = real.gradient_accumulation_steps
-                pending.append(call.value(call.batch))
-                need = rows_needed(len(pending[0][0]), k, micro_batch_size)[1]
-                if sum(len(b[0]) for b in pending) < need:
+                report = _check_window(fn, call, real, pending, loss_fn, allow, micro_batch_size, tolerance)
+                if report is None:
                     return fn(*args, **kwargs)  # fewer than K samples so far: no optimizer step yet either
-                x, y = concat([[b[0] for b in pending], [b[1] for b in pending]], need)
-                pending.clear()
-                report: Report = check(call.value(call.model), loss_fn, x, y, k, step=_window_step(fn, call),
-                                       partial=_partial(real), allow=allow, tolerance=tolerance)
                 wrapper.report = report  # type: ignore[attr-defined]
 
                 def stop() -> None:

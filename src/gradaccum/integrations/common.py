@@ -55,8 +55,12 @@ def options(on_bug: Any, allow: Any, micro_batch_size: Any, tolerance: Any) -> t
         raise ValueError(f"on_bug must be one of {', '.join(repr(o) for o in ON_BUG)}, got {on_bug!r}.")
     if micro_batch_size is not None:
         require_count(micro_batch_size, "micro_batch_size (samples per micro-batch of the checked window)")
-    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
-                                  or not math.isfinite(tolerance) or tolerance <= 0):
+    if tolerance is not None and (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, (int, float))
+        or not math.isfinite(tolerance)
+        or tolerance <= 0
+    ):
         raise ValueError(f"tolerance must be a positive finite number or None, got {tolerance!r}.")
     return on_bug, _allowed_codes(list(allow))
 
@@ -74,8 +78,9 @@ def act(report: Report, on_bug: str, stop: Callable[[], None], where: str) -> No
             LOG.info("%s: gradient accumulation checked on the run's first window\n%s", where, report)
         else:  # inconclusive: the check could not decide; the run goes on
             LOG.warning("%s: the accumulation check is inconclusive\n%s", where, report)
-            warnings.warn(f"{where}: the accumulation check is inconclusive:\n{report}", AccumulationWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f"{where}: the accumulation check is inconclusive:\n{report}", AccumulationWarning, stacklevel=3
+            )
         return
     LOG.error("%s: gradient accumulation bug(s) %s\n%s", where, ", ".join(found), report)
     if on_bug == "raise":
@@ -83,8 +88,9 @@ def act(report: Report, on_bug: str, stop: Callable[[], None], where: str) -> No
     if on_bug == "stop":
         stop()
     else:
-        warnings.warn(f"{where}: gradient accumulation bug(s) {', '.join(found)}:\n{report}", AccumulationWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"{where}: gradient accumulation bug(s) {', '.join(found)}:\n{report}", AccumulationWarning, stacklevel=3
+        )
 
 
 # ------------------------------------------------------------------------------------------------- the window
@@ -96,14 +102,18 @@ def rows_needed(first: int, k: int, micro_batch_size: int | None) -> tuple[int, 
     return b, b * k
 
 
-def first_batches(loader: Iterable, rows: Callable[[Any], int], k: int,
-                  micro_batch_size: int | None) -> tuple[list[Any], int]:
+def first_batches(
+    loader: Iterable, rows: Callable[[Any], int], k: int, micro_batch_size: int | None
+) -> tuple[list[Any], int]:
     """The run's first batches, enough for the window, and its samples: read from a fresh iterator of ``loader``
     with torch's random state and the loader's own generator put back afterwards (a shuffling sampler draws its
     order from one of them), so the run itself still sees its data in the order it would have."""
     batches: list[Any] = []
-    owners = [loader, getattr(loader, "sampler", None),
-              getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    owners = [
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ]
     generators = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
     states = [(g, g.get_state()) for g in generators.values()]  # a loader's own generator draws its order
     try:
@@ -116,8 +126,10 @@ def first_batches(loader: Iterable, rows: Callable[[Any], int], k: int,
     finally:
         for g, state in states:
             g.set_state(state)
-    raise ValueError(f"the training data holds {sum(rows(b) for b in batches)} samples, fewer than one checked "
-                     f"window of K = {k} micro-batches needs; pass a smaller micro_batch_size, or train on more.")
+    raise ValueError(
+        f"the training data holds {sum(rows(b) for b in batches)} samples, fewer than one checked "
+        f"window of K = {k} micro-batches needs; pass a smaller micro_batch_size, or train on more."
+    )
 
 
 def concat(columns: Sequence[Sequence[torch.Tensor]], n: int) -> list[torch.Tensor]:
@@ -127,9 +139,11 @@ def concat(columns: Sequence[Sequence[torch.Tensor]], n: int) -> list[torch.Tens
     for parts in columns:
         shapes = {tuple(p.shape[1:]) for p in parts}
         if len(shapes) > 1:
-            raise ValueError(f"the run's first batches differ in shape beyond the samples ({sorted(shapes)}: padded "
-                             "to each batch's length?), and one checked window needs several of them; pass "
-                             "micro_batch_size=1 with batches of at least K samples, or pad to one fixed length.")
+            raise ValueError(
+                f"the run's first batches differ in shape beyond the samples ({sorted(shapes)}: padded "
+                "to each batch's length?), and one checked window needs several of them; pass "
+                "micro_batch_size=1 with batches of at least K samples, or pad to one fixed length."
+            )
         joined.append(torch.cat(list(parts))[:n] if len(parts) > 1 else parts[0][:n])
     return joined
 
@@ -156,8 +170,11 @@ def _track_steps(opt: torch.optim.Optimizer) -> None:
 
 
 #: A framework's wrapper around the torch optimizer or scheduler, and the attribute that holds it.
-_WRAPPERS = {"AcceleratedOptimizer": "optimizer", "AcceleratedScheduler": "scheduler",
-             "LightningOptimizer": "_optimizer"}
+_WRAPPERS = {
+    "AcceleratedOptimizer": "optimizer",
+    "AcceleratedScheduler": "scheduler",
+    "LightningOptimizer": "_optimizer",
+}
 
 
 def unwrap(obj: Any) -> Any:
@@ -168,8 +185,9 @@ def unwrap(obj: Any) -> Any:
     return obj
 
 
-def rebuild(model: nn.Module, work: nn.Module, optimizers: Sequence[Any], schedulers: Sequence[Any]
-            ) -> tuple[list[torch.optim.Optimizer], list[Any]]:
+def rebuild(
+    model: nn.Module, work: nn.Module, optimizers: Sequence[Any], schedulers: Sequence[Any]
+) -> tuple[list[torch.optim.Optimizer], list[Any]]:
     """The run's optimizers and schedulers, copied onto ``work`` (a deep copy of ``model``, as the checker makes):
     every parameter is mapped to its copy, and the hyperparameters, state and schedule position carry over. A
     scheduler built on a framework's wrapper of an optimizer (the Trainer builds its scheduler on Accelerate's)

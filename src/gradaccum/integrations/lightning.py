@@ -26,22 +26,30 @@ from .common import act, concat, first_batches, options
 
 
 def _pair(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    if (isinstance(batch, (tuple, list)) and len(batch) == 2
-            and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in batch)):
+    if (
+        isinstance(batch, (tuple, list))
+        and len(batch) == 2
+        and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in batch)
+    ):
         return batch[0], batch[1]
-    raise ValueError(f"LightningCheck reads (inputs, targets) batches of two tensors, got {type(batch).__name__}; "
-                     "check a module whose training_step takes x, y = batch.")
+    raise ValueError(
+        f"LightningCheck reads (inputs, targets) batches of two tensors, got {type(batch).__name__}; "
+        "check a module whose training_step takes x, y = batch."
+    )
 
 
 def _inner_trainer(trainer: Any, module: Any) -> dict[str, Any]:
     """The run's settings the checked window is fit with (the rest are the checker's: one epoch, no logger)."""
     device = module.device
     algorithm = trainer.gradient_clip_algorithm
-    return {"gradient_clip_val": trainer.gradient_clip_val,
-            "gradient_clip_algorithm": getattr(algorithm, "value", algorithm),
-            "precision": trainer.precision, "strategy": "auto",
-            "accelerator": "gpu" if device.type == "cuda" else "cpu",
-            "devices": [device.index or 0] if device.type == "cuda" else 1}
+    return {
+        "gradient_clip_val": trainer.gradient_clip_val,
+        "gradient_clip_algorithm": getattr(algorithm, "value", algorithm),
+        "precision": trainer.precision,
+        "strategy": "auto",
+        "accelerator": "gpu" if device.type == "cuda" else "cpu",
+        "devices": [device.index or 0] if device.type == "cuda" else 1,
+    }
 
 
 class LightningCheck(pl.Callback):
@@ -55,11 +63,20 @@ class LightningCheck(pl.Callback):
     :func:`gradaccum.check` (raise it for mixed precision). After the check, ``report`` holds its report.
     """
 
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, on_bug: str = "raise",
-                 allow: Sequence[str] = (), micro_batch_size: int | None = None, tolerance: float | None = None):
+    def __init__(
+        self,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        on_bug: str = "raise",
+        allow: Sequence[str] = (),
+        micro_batch_size: int | None = None,
+        tolerance: float | None = None,
+    ):
         if not callable(loss_fn):
-            raise ValueError("LightningCheck needs loss_fn(module(x), y): the loss training_step computes for a "
-                             "batch, e.g. torch.nn.functional.cross_entropy.")
+            raise ValueError(
+                "LightningCheck needs loss_fn(module(x), y): the loss training_step computes for a "
+                "batch, e.g. torch.nn.functional.cross_entropy."
+            )
         self.loss_fn = loss_fn
         self.on_bug, self.allow = options(on_bug, allow, micro_batch_size, tolerance)
         self.micro_batch_size, self.tolerance = micro_batch_size, tolerance
@@ -74,8 +91,15 @@ class LightningCheck(pl.Callback):
         pairs = [_pair(trainer.strategy.batch_to_device(b)) for b in batches]
         x, y = concat([[p[0] for p in pairs], [p[1] for p in pairs]], n)
         total = trainer.num_training_batches
-        self.report = check(pl_module, self.loss_fn, x, y, k,
-                            step=lightning_module_step(k=k, **_inner_trainer(trainer, pl_module)),
-                            partial=not (math.isfinite(total) and int(total) % k == 0),
-                            allow=self.allow, tolerance=self.tolerance)
+        self.report = check(
+            pl_module,
+            self.loss_fn,
+            x,
+            y,
+            k,
+            step=lightning_module_step(k=k, **_inner_trainer(trainer, pl_module)),
+            partial=not (math.isfinite(total) and int(total) % k == 0),
+            allow=self.allow,
+            tolerance=self.tolerance,
+        )
         act(self.report, self.on_bug, lambda: setattr(trainer, "should_stop", True), "LightningCheck")

@@ -50,8 +50,10 @@ def _logits(out: Any) -> torch.Tensor:
     if found is None and isinstance(out, (tuple, list)) and out:
         found = out[0]
     if not isinstance(found, torch.Tensor):
-        raise ValueError(f"TrainerCheck: the model returned {type(out).__name__} without logits; pass "
-                         "TrainerCheck(loss_fn=...) for a model whose output the checker cannot read.")
+        raise ValueError(
+            f"TrainerCheck: the model returned {type(out).__name__} without logits; pass "
+            "TrainerCheck(loss_fn=...) for a model whose output the checker cannot read."
+        )
     return found
 
 
@@ -79,9 +81,12 @@ def _reference(trainer: Any, model: nn.Module) -> Callable[[torch.Tensor, torch.
     """The full-batch loss of logits and labels the run computes: its ``compute_loss_func`` (given the batch's own
     item count, as the Trainer counts it) or the model's ``loss_function``."""
     if trainer.label_smoother is not None:
-        raise ValueError("TrainerCheck: with label_smoothing_factor set, pass TrainerCheck(loss_fn=...), the "
-                         "smoothed loss of (logits, labels) for one batch.")
+        raise ValueError(
+            "TrainerCheck: with label_smoothing_factor set, pass TrainerCheck(loss_fn=...), the "
+            "smoothed loss of (logits, labels) for one batch."
+        )
     if trainer.compute_loss_func is not None:
+
         def run_loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             count = trainer.get_batch_samples(iter([{"labels": labels}]), 1, labels.device)[1]
             return trainer.compute_loss_func(_Output(logits=out), labels, num_items_in_batch=count)
@@ -89,15 +94,19 @@ def _reference(trainer: Any, model: nn.Module) -> Callable[[torch.Tensor, torch.
         return run_loss
     config = getattr(model, "config", None)
     if getattr(type(model), "loss_function", None) is None or config is None:
-        raise ValueError(f"TrainerCheck: {type(model).__name__} has no loss_function the check can call on its "
-                         "logits; pass TrainerCheck(loss_fn=...), the mean loss of (logits, labels) for one batch.")
+        raise ValueError(
+            f"TrainerCheck: {type(model).__name__} has no loss_function the check can call on its "
+            "logits; pass TrainerCheck(loss_fn=...), the mean loss of (logits, labels) for one batch."
+        )
 
     def model_loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         try:
             return model.loss_function(logits=out, labels=labels, vocab_size=config.vocab_size)  # type: ignore
         except TypeError as err:
-            raise ValueError(f"the model's loss_function takes other arguments ({err}); pass "
-                             "TrainerCheck(loss_fn=...), the mean loss of (logits, labels) for one batch.") from None
+            raise ValueError(
+                f"the model's loss_function takes other arguments ({err}); pass "
+                "TrainerCheck(loss_fn=...), the mean loss of (logits, labels) for one batch."
+            ) from None
 
     return model_loss
 
@@ -163,9 +172,16 @@ class TrainerCheck(TrainerCallback):
     :class:`~gradaccum.integrations.LightningCheck`. ``trainer``: the Trainer (default: the one calling the
     callback). After the check, ``report`` holds its report."""
 
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
-                 on_bug: str = "raise", allow: Sequence[str] = (), micro_batch_size: int | None = None,
-                 tolerance: float | None = None, trainer: Any = None):
+    def __init__(
+        self,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        *,
+        on_bug: str = "raise",
+        allow: Sequence[str] = (),
+        micro_batch_size: int | None = None,
+        tolerance: float | None = None,
+        trainer: Any = None,
+    ):
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError("loss_fn must be callable as loss_fn(logits, labels), or None for the run's own loss.")
         self.loss_fn, self.trainer = loss_fn, trainer
@@ -173,20 +189,28 @@ class TrainerCheck(TrainerCallback):
         self.micro_batch_size, self.tolerance = micro_batch_size, tolerance
         self.report: Report | None = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, train_dataloader: Any = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, train_dataloader: Any = None, **kwargs: Any
+    ) -> None:
         trainer = self.trainer or _calling_trainer(self)
         k = int(args.gradient_accumulation_steps)
         loader = getattr(train_dataloader, "base_dataloader", train_dataloader)  # not Accelerate's: no state moves
-        batches, n = first_batches(loader, lambda b: len(next(iter(_columns(b).values()))), k,
-                                   self.micro_batch_size)
+        batches, n = first_batches(loader, lambda b: len(next(iter(_columns(b).values()))), k, self.micro_batch_size)
         names = list(_columns(batches[0]))
         columns = dict(zip(names, (c.to(args.device) for c in concat([[b[m] for b in batches] for m in names], n))))
         labels = [m for m in trainer.label_names or ["labels"] if m in columns]
         if len(labels) != 1:
             raise ValueError(f"TrainerCheck needs one label column among {names}, found {labels or 'none'}.")
         x = torch.arange(n, dtype=torch.float32, device=args.device).unsqueeze(1)  # exact below 2**24
-        self.report = check(_Rows(model, columns, labels[0]), self.loss_fn or _reference(trainer, model), x,
-                            columns[labels[0]], k, step=_window_step(trainer, model),
-                            partial=_partial(train_dataloader, k), allow=self.allow, tolerance=self.tolerance)
+        self.report = check(
+            _Rows(model, columns, labels[0]),
+            self.loss_fn or _reference(trainer, model),
+            x,
+            columns[labels[0]],
+            k,
+            step=_window_step(trainer, model),
+            partial=_partial(train_dataloader, k),
+            allow=self.allow,
+            tolerance=self.tolerance,
+        )
         act(self.report, self.on_bug, lambda: setattr(control, "should_training_stop", True), "TrainerCheck")
