@@ -88,7 +88,8 @@ def test_the_wheel_carries_py_typed_the_data_and_only_torch_as_a_dependency(dist
     with zipfile.ZipFile(_one(dist, "gradaccum-*.whl")) as wheel:
         names = set(wheel.namelist())
         metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    for shipped in ("py.typed", "check.py", "checker/__main__.py", "book/corpus.txt", "book/ghost_bn_cpu.json"):
+    shipped_data = ("book/corpus.txt", "book/ghost_bn_cpu.json", "book/ch02_study.json")
+    for shipped in ("py.typed", "check.py", "checker/__main__.py", *shipped_data):
         assert f"gradaccum/{shipped}" in names, shipped
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert [r for r in requires if "extra ==" not in r] == ["torch>=2.4"], requires

@@ -3,7 +3,8 @@ PreciseBN size effects and the figures.
 
 The book layer over :mod:`gradaccum.ghost_bn`, :mod:`gradaccum.fullbatch_bn` and :mod:`gradaccum.precise_bn` (the
 torch-only tools the chapter derives). Here: what each method does to one batch (:func:`method_effects`) and the
-figures; the training runs and the seed study are in :mod:`gradaccum.book.ch02_training`, the step costs in
+figures; the training runs and the seed study are in :mod:`gradaccum.book.ch02_training`, the recorded study on
+two networks and its claims in :mod:`gradaccum.book.ch02_study`, the step costs in
 :mod:`gradaccum.book.ch02_costs`, PreciseBN's size effects in :mod:`gradaccum.book.ch02_precise_bn`, all re-exported
 here.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from torch import nn
@@ -31,6 +33,15 @@ from gradaccum.book.ch02_costs import step_functions as step_functions
 from gradaccum.book.ch02_precise_bn import PreciseBNSizeEffect as PreciseBNSizeEffect
 from gradaccum.book.ch02_precise_bn import first_layer_variance_ratio as first_layer_variance_ratio
 from gradaccum.book.ch02_precise_bn import precise_bn_size_effect as precise_bn_size_effect
+from gradaccum.book.ch02_study import Claim as Claim
+from gradaccum.book.ch02_study import format_seed_study as format_seed_study
+from gradaccum.book.ch02_study import format_side_by_side as format_side_by_side
+from gradaccum.book.ch02_study import load_study as load_study
+from gradaccum.book.ch02_study import run_study as run_study
+from gradaccum.book.ch02_study import side_by_side as side_by_side
+from gradaccum.book.ch02_study import study_claims as study_claims
+from gradaccum.book.ch02_study import study_plan as study_plan
+from gradaccum.book.ch02_training import ARCHS as ARCHS
 from gradaccum.book.ch02_training import METHODS as METHODS
 from gradaccum.book.ch02_training import MethodRun as MethodRun
 from gradaccum.book.ch02_training import ShadowRunningStats as ShadowRunningStats
@@ -110,70 +121,73 @@ def method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor, see
     return rows
 
 
-def plot_methods(runs: list[MethodRun]):
-    """Validation accuracy of every method, with its running statistics and after PreciseBN."""
+def plot_methods(runs: Sequence[MethodRun]):
+    """Validation accuracy of every method, with its running statistics and after PreciseBN: one panel per network
+    (``runs`` holds one run per network and method)."""
 
-    fig, (ax,) = figure(1, 9.6, 3.8)
-    pos = np.arange(len(runs))
-    ax.bar(pos - 0.2, [100 * r.val_acc for r in runs], 0.4, color=PALETTE["sky"], label="running statistics")
-    ax.bar(
-        pos + 0.2,
-        [100 * r.val_acc_precise for r in runs],
-        0.4,
-        color=PALETTE["vermillion"],
-        hatch="//",
-        edgecolor="white",
-        label="after PreciseBN",
-    )
-    # n: the samples a BatchNorm normalizes over; GroupNorm and LayerNorm have none
+    archs = [a for a in ARCHS if any(r.arch == a for r in runs)]
+    fig, axes = plt.subplots(len(archs), 1, figsize=(9.6, 2.6 + 2.2 * len(archs)), sharex=True, layout="constrained")
+    axes = np.atleast_1d(axes)
     no_bn = ("GroupNorm", "LayerNorm")
-    ticks = [f"{r.method}\n(K={r.k}, " + ("no BatchNorm)" if r.method in no_bn else f"BN over n={r.b})") for r in runs]
-    ax.set_xticks(pos, ticks, rotation=25, ha="right", fontsize=8)
-    title = f"Digits, seed {runs[0].seed}, {runs[0].schedule} LR, {runs[0].steps} optimizer steps"
-    decorate(ax, "", "validation accuracy (%)", title)
-    ax.set_ylim(0, 118)
-    ax.set_yticks(range(0, 101, 20))
-    ax.legend(loc="upper center", ncol=2, frameon=False)
+    for ax, arch in zip(axes, archs):
+        mine = sorted((r for r in runs if r.arch == arch), key=lambda r: METHODS.index(r.method))
+        pos = np.arange(len(mine))
+        ax.bar(pos - 0.2, [100 * r.val_acc for r in mine], 0.4, color=PALETTE["sky"], label="running statistics")
+        precise = [100 * r.val_acc_precise for r in mine]
+        ax.bar(
+            pos + 0.2, precise, 0.4, color=PALETTE["vermillion"], hatch="//", edgecolor="white", label="after PreciseBN"
+        )
+        title = f"{ARCHS[arch]}: seed {mine[0].seed}, {mine[0].schedule} LR, {mine[0].steps} optimizer steps"
+        decorate(ax, "", "validation accuracy (%)", title)
+        ax.set_ylim(0, 118)
+        ax.set_yticks(range(0, 101, 20))
+        ax.legend(loc="upper center", ncol=2, frameon=False)
+    # n: the samples a BatchNorm normalizes over; GroupNorm and LayerNorm have none
+    ticks = [f"{r.method}\n(K={r.k}, " + ("no BatchNorm)" if r.method in no_bn else f"BN over n={r.b})") for r in mine]
+    axes[-1].set_xticks(pos, ticks, rotation=25, ha="right", fontsize=8)
     return fig
 
 
 def plot_study(runs: Sequence[MethodRun]):
-    """Each claim's runs, seed by seed: PreciseBN and momentum correction against plain accumulation at K,
-    and plain accumulation at the small K against the full batch, for each schedule."""
+    """Each claim's runs, seed by seed, one panel per network and schedule: PreciseBN and momentum correction
+    against plain accumulation at K (before PreciseBN, and the correction after it), and plain accumulation at the
+    small K against the full batch after PreciseBN."""
 
     table = study_table(runs)
-    schedules = list(dict.fromkeys(s for _, _, s, _ in table))
-    seeds = sorted({s for _, _, _, s in table})
-    k = max(kk for m, kk, _, _ in table if m == "momentum-corrected")
-    k_small = min(kk for m, kk, _, _ in table if m == "plain accumulation")
-    fig, axes = figure(len(schedules), 4.8 * len(schedules), 3.6)
-    for ax, schedule in zip(axes, schedules):
-        b_small = table["plain accumulation", k_small, schedule, seeds[0]].b
-        for i, seed in enumerate(seeds):
-            plain = table["plain accumulation", k, schedule, seed]
-            full = table["full batch", 1, schedule, seed]
-            small = table["plain accumulation", k_small, schedule, seed]
-            mom = table["momentum-corrected", k, schedule, seed]
-            pairs = [
-                (0, plain.val_acc_precise - plain.val_acc, PALETTE["vermillion"], f"PreciseBN − plain (K={k})"),
-                (1, mom.val_acc - plain.val_acc, PALETTE["blue"], f"momentum-corrected − plain (K={k})"),
-                (2, small.val_acc - full.val_acc, PALETTE["orange"], f"b={b_small} − full batch"),
-                (
-                    3,
+    archs = [a for a in ARCHS if any(key[0] == a for key in table)]
+    schedules = list(dict.fromkeys(key[3] for key in table))
+    seeds = sorted({key[4] for key in table if key[1] == "momentum-corrected"})
+    k = max(key[2] for key in table if key[1] == "momentum-corrected")
+    k_small = min(key[2] for key in table if key[1] == "plain accumulation")
+    fig, grid = plt.subplots(len(archs), len(schedules), figsize=(9.6, 3.2 * len(archs)), sharey=True, squeeze=False)
+    fig.set_layout_engine("constrained")
+    labels = [
+        "PreciseBN gain\n(plain)",
+        "momentum corr.\nvs plain",
+        "momentum corr.\nvs plain,\nafter PreciseBN",
+        f"b={64 // k_small} vs full,\nafter PreciseBN",
+    ]
+    colors = [PALETTE[c] for c in ("vermillion", "blue", "sky", "green")]
+    for row, arch in zip(grid, archs):
+        for ax, schedule in zip(row, schedules):
+            for i, seed in enumerate(seeds):
+                plain, mom = (table[arch, m, k, schedule, seed] for m in ("plain accumulation", "momentum-corrected"))
+                small, full = (
+                    table[arch, "plain accumulation", k_small, schedule, seed],
+                    table[arch, "full batch", 1, schedule, seed],
+                )
+                diffs = [
+                    plain.val_acc_precise - plain.val_acc,
+                    mom.val_acc - plain.val_acc,
+                    mom.val_acc_precise - plain.val_acc_precise,
                     small.val_acc_precise - full.val_acc_precise,
-                    PALETTE["green"],
-                    f"b={b_small} − full batch, both PreciseBN",
-                ),
-            ]
-            for x, diff, color, label in pairs:
-                ax.scatter(x + (i - 1) * 0.12, 100 * diff, color=color, s=28, label=label if i == 0 else None)
-        ax.axhline(0, color="0.4", lw=0.8)
-        ax.set_xticks(
-            range(4),
-            ["PreciseBN", "momentum\ncorrection", f"b={b_small}\nvs full", f"b={b_small} vs full\n(PreciseBN)"],
-            fontsize=8,
-        )
-        decorate(ax, "", "difference (points)", f"{schedule} learning rate, seeds {seeds[0]}–{seeds[-1]}")
+                ]
+                offset = (i - (len(seeds) - 1) / 2) * 0.12
+                for x, (diff, color) in enumerate(zip(diffs, colors)):
+                    ax.scatter(x + offset, 100 * diff, color=color, s=28)
+            ax.axhline(0, color="0.4", lw=0.8)
+            ax.set_xticks(range(len(labels)), labels, fontsize=7)
+            decorate(ax, "", "difference (points)", f"{ARCHS[arch]}, {schedule} LR (K={k})", legend=False)
     return fig
 
 

@@ -1,5 +1,6 @@
-"""Chapter 2's training runs: a fresh SmallCNN trained on the digits with each method the chapter compares
-(:data:`METHODS`), the seed study behind its comparative claims, and their tables.
+"""Chapter 2's training runs: a fresh network (:data:`ARCHS`: the SmallCNN or the BatchNorm MLP) trained on the
+digits with each method the chapter compares (:data:`METHODS`), the seed study behind its comparative claims, and
+their tables.
 
 Every method trains on the same batches (64 images by default) with the same optimizer; only how BatchNorm
 normalizes and what gradient the step gets differ (plain accumulation, Ghost BatchNorm, the two
@@ -25,7 +26,7 @@ from gradaccum.accumulate import BackwardFn, accuracy, train
 from gradaccum.bn_statistics import corrected_momentum, set_bn_momentum
 from gradaccum.book.ch02_precise_bn import _running_stats
 from gradaccum.book.data import DigitsSplit
-from gradaccum.book.models import NormKind, make_cnn
+from gradaccum.book.models import NormKind, make_cnn, make_norm_mlp
 from gradaccum.book.parallel import run_jobs
 from gradaccum.book.tables import Table
 from gradaccum.fullbatch_bn import full_batch_stats_as_constants_backward, full_batch_stats_backward
@@ -47,6 +48,21 @@ METHODS: tuple[str, ...] = (
 )
 
 
+#: The networks chapter 2 trains: the book's SmallCNN (three BatchNorm layers, two on feature maps) and an MLP
+#: with two BatchNorm1d layers (:class:`gradaccum.book.models.NormMLP`); with the names the chapter gives them.
+ARCHS: dict[str, str] = {"cnn": "SmallCNN", "mlp": "BatchNorm MLP"}
+
+
+def make_network(arch: str, norm: NormKind = "batch", seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
+    """A fresh float64 network of :data:`ARCHS` with the normalization ``norm``; its weights depend only on
+    ``seed``."""
+    if arch == "cnn":
+        return make_cnn(norm, seed=seed, device=device)
+    if arch == "mlp":
+        return make_norm_mlp(norm, seed=seed, device=device)
+    raise ValueError(f"unknown network {arch!r}; choose from {list(ARCHS)}.")
+
+
 @dataclass(frozen=True)
 class MethodRun:
     """One training run of the side-by-side experiment.
@@ -58,7 +74,8 @@ class MethodRun:
     ``val_acc_precise``: the same model after PreciseBN (:func:`precise_bn` over the training set in batches
     of the size the method normalized with; NaN for GroupNorm/LayerNorm, which keep no statistics);
     ``weight_growth``: for each layer whose output feeds a BatchNorm, ‖W_end‖/‖W_start‖ (empty without
-    BatchNorm) — the drift Ioffe and Szegedy predicted for gradients that ignore the statistics.
+    BatchNorm) — the drift Ioffe and Szegedy predicted for gradients that ignore the statistics;
+    ``arch``: the network (a key of :data:`ARCHS`).
     """
 
     method: str
@@ -70,6 +87,7 @@ class MethodRun:
     val_acc_precise: float
     weight_growth: tuple[float, ...]
     steps: int
+    arch: str = "cnn"
 
 
 def pre_bn_layers(model: nn.Module) -> list[str]:
@@ -144,9 +162,10 @@ def train_method(
     seed: int = 0,
     schedule: str = "constant",
     shadow: list[MethodRun] | None = None,
+    arch: str = "cnn",
 ) -> tuple[MethodRun, nn.Module]:
-    """Train a fresh SmallCNN with one method on 64-image batches (K micro-batches of b = 64/K): SGD with
-    momentum 0.9, learning rate 0.05 (``schedule`` "constant" or "cosine"), cross-entropy, float64.
+    """Train a fresh network ``arch`` (:data:`ARCHS`) with one method on 64-image batches (K micro-batches of
+    b = 64/K): SGD with momentum 0.9, learning rate 0.05 (``schedule`` "constant" or "cosine"), cross-entropy, float64.
 
     "full batch" and "ghost BN, 1 update/step" take one forward/backward per batch (K = 1); every other method
     accumulates K micro-batches. Returns the run and the trained model (in eval mode).
@@ -161,7 +180,7 @@ def train_method(
         raise ValueError(f"K = {k} must divide the batch size {batch_size} into micro-batches of at least 2.")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}.")
-    model, steps_k, backward_fn = _method_model(method, k, batch_size // k, seed, split.x_train.device)
+    model, steps_k, backward_fn = _method_model(method, k, batch_size // k, seed, split.x_train.device, arch)
     if shadow is not None and method != "plain accumulation":
         raise ValueError("shadow running statistics are read off a plain-accumulation run only.")
     tracker = ShadowRunningStats(model, corrected_momentum(0.1, k)) if shadow is not None else None
@@ -187,7 +206,9 @@ def train_method(
     )
     group = _normalization_size(method, k, batch_size)
     precise = _precise_bn_accuracy(model, split, group) if method not in ("GroupNorm", "LayerNorm") else float("nan")
-    run = MethodRun(method, steps_k, group, seed, schedule, result.val_acc, precise, growth, result.optimizer_steps)
+    run = MethodRun(
+        method, steps_k, group, seed, schedule, result.val_acc, precise, growth, result.optimizer_steps, arch
+    )
     if tracker is not None and shadow is not None:  # the same weights: only the running statistics differ
         twin = tracker.apply_to(model).eval()
         shadow.append(replace(run, method="momentum-corrected", val_acc=accuracy(twin, split.x_val, split.y_val)))
@@ -195,13 +216,13 @@ def train_method(
 
 
 def _method_model(
-    method: str, k: int, b: int, seed: int, device: torch.device
+    method: str, k: int, b: int, seed: int, device: torch.device, arch: str = "cnn"
 ) -> tuple[nn.Module, int, BackwardFn | None]:
-    """A fresh SmallCNN set up for ``method`` (its normalization; Ghost BatchNorm layers, or BatchNorm's corrected
-    momentum), the K :func:`train` runs it with (1 for the full batch and the one-pass Ghost BatchNorm), and the
-    backward function that replaces plain accumulation (None: plain accumulation)."""
+    """A fresh network ``arch`` set up for ``method`` (its normalization; Ghost BatchNorm layers, or BatchNorm's
+    corrected momentum), the K :func:`train` runs it with (1 for the full batch and the one-pass Ghost BatchNorm),
+    and the backward function that replaces plain accumulation (None: plain accumulation)."""
     norms: dict[str, NormKind] = {"GroupNorm": "group", "LayerNorm": "layer"}
-    model: nn.Module = make_cnn(norms.get(method, "batch"), seed=seed, device=device)
+    model = make_network(arch, norms.get(method, "batch"), seed=seed, device=device)
     steps_k, backward_fn = k, None
     if method == "full batch":
         steps_k = 1
@@ -232,6 +253,7 @@ def train_methods(
     seed: int = 0,
     methods: Sequence[str] = METHODS,
     schedule: str = "constant",
+    arch: str = "cnn",
 ) -> list[MethodRun]:
     """:func:`train_method` for each of ``methods`` (in the order of :data:`METHODS`), on the same batches.
 
@@ -247,10 +269,10 @@ def train_methods(
             continue
         if m == "plain accumulation" and "momentum-corrected" in methods:  # one run, two momenta
             shadow: list[MethodRun] = []
-            runs[m] = train_method(split, m, k, batch_size, epochs, seed, schedule, shadow=shadow)[0]
+            runs[m] = train_method(split, m, k, batch_size, epochs, seed, schedule, shadow=shadow, arch=arch)[0]
             runs["momentum-corrected"] = shadow[0]
         else:
-            runs[m] = train_method(split, m, k, batch_size, epochs, seed, schedule)[0]
+            runs[m] = train_method(split, m, k, batch_size, epochs, seed, schedule, arch=arch)[0]
     return [runs[m] for m in METHODS if m in methods]
 
 
@@ -269,14 +291,19 @@ def study_jobs(
     k_small: int = 4,
     batch_size: int = 64,
     epochs: int = 8,
+    archs: Sequence[str] = ("cnn",),
 ) -> list[dict]:
-    """The :func:`train_methods` jobs of :func:`seed_study`."""
+    """The :func:`train_methods` jobs of :func:`seed_study`, network by network."""
+    unknown = set(archs) - set(ARCHS)
+    if unknown:
+        raise ValueError(f"unknown network(s) {sorted(unknown)}; choose from {list(ARCHS)}.")
     jobs = []
-    for schedule in schedules:
-        for seed in seeds:
-            common = dict(batch_size=batch_size, epochs=epochs, seed=seed, schedule=schedule)
-            jobs.append(dict(k=k, methods=("full batch", "plain accumulation", "momentum-corrected"), **common))
-            jobs.append(dict(k=k_small, methods=("plain accumulation",), **common))
+    for arch in archs:
+        for schedule in schedules:
+            for seed in seeds:
+                common = dict(batch_size=batch_size, epochs=epochs, seed=seed, schedule=schedule, arch=arch)
+                jobs.append(dict(k=k, methods=("full batch", "plain accumulation", "momentum-corrected"), **common))
+                jobs.append(dict(k=k_small, methods=("plain accumulation",), **common))
     return jobs
 
 
@@ -289,19 +316,23 @@ def seed_study(
     batch_size: int = 64,
     epochs: int = 8,
     workers: int = 1,
+    archs: Sequence[str] = ("cnn",),
 ) -> list[MethodRun]:
-    """The runs behind chapter 2's comparative claims, for every seed and learning-rate schedule: the full
-    batch, plain accumulation at ``k_small`` and at ``k``, and momentum-corrected accumulation at ``k``
-    (each with its PreciseBN accuracy); ``workers`` as in :func:`train_many`."""
-    parts = train_many(split, study_jobs(seeds, schedules, k, k_small, batch_size, epochs), workers)
+    """The runs behind chapter 2's comparative claims, for every network, seed and learning-rate schedule: the
+    full batch, plain accumulation at ``k_small`` and at ``k``, and momentum-corrected accumulation at ``k`` (each
+    with its PreciseBN accuracy); ``workers`` as in :func:`train_many`."""
+    parts = train_many(split, study_jobs(seeds, schedules, k, k_small, batch_size, epochs, archs), workers)
     return [run for part in parts for run in part]
 
 
-def study_table(runs: Sequence[MethodRun]) -> dict[tuple[str, int, str, int], MethodRun]:
-    """Index runs by (method, K, schedule, seed); refuses duplicates."""
-    table: dict[tuple[str, int, str, int], MethodRun] = {}
+StudyKey = tuple[str, str, int, str, int]
+
+
+def study_table(runs: Sequence[MethodRun]) -> dict[StudyKey, MethodRun]:
+    """Index runs by (network, method, K, schedule, seed); refuses duplicates."""
+    table: dict[StudyKey, MethodRun] = {}
     for r in runs:
-        key = (r.method, r.k, r.schedule, r.seed)
+        key = (r.arch, r.method, r.k, r.schedule, r.seed)
         if key in table:
             raise ValueError(f"two runs for {key}; pass each run once.")
         table[key] = r
@@ -309,25 +340,27 @@ def study_table(runs: Sequence[MethodRun]) -> dict[tuple[str, int, str, int], Me
 
 
 def format_study(runs: Sequence[MethodRun]) -> Table:
-    """Validation accuracy per seed and schedule: each column as "running stats → after PreciseBN"."""
+    """Validation accuracy per network, schedule and seed: each column as "running stats → after PreciseBN"
+    (a run the study lacks is "—")."""
     table = study_table(runs)
-    columns = list(dict.fromkeys((m, k) for m, k, _, _ in table))
+    columns = list(dict.fromkeys((m, k) for _, m, k, _, _ in table))
     heads = {("full batch", 1): "full batch"}
     names = [
         heads.get(c, c[0].replace("accumulation", "accum.").replace("momentum-", "mom.-") + f" K={c[1]}")
         for c in columns
     ]
+
+    def cell(key: StudyKey) -> str:
+        r = table.get(key)
+        return "—" if r is None else f"{100 * r.val_acc:.1f} → {100 * r.val_acc_precise:.1f}%"
+
     rows = [
-        [schedule, seed]
-        + [
-            f"{100 * table[m, k, schedule, seed].val_acc:.1f} → "
-            f"{100 * table[m, k, schedule, seed].val_acc_precise:.1f}%"
-            for m, k in columns
-        ]
-        for schedule in dict.fromkeys(s for _, _, s, _ in table)
-        for seed in dict.fromkeys(s for _, _, _, s in table)
+        [ARCHS.get(arch, arch), schedule, seed] + [cell((arch, m, k, schedule, seed)) for m, k in columns]
+        for arch in dict.fromkeys(key[0] for key in table)
+        for schedule in dict.fromkeys(key[3] for key in table)
+        for seed in dict.fromkeys(key[4] for key in table)
     ]
-    return Table(["schedule", "seed", *names], rows)
+    return Table(["network", "schedule", "seed", *names], rows)
 
 
 def format_methods(runs: list[MethodRun]) -> Table:

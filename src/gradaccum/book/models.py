@@ -104,6 +104,42 @@ def make_cnn(
     return model.to(device=device, dtype=dtype)
 
 
+class NormMLP(nn.Sequential):
+    """An MLP for the 8×8 digits with the normalization layer as a parameter, chapter 2's second network:
+
+    ``flatten → linear(64→h1) → norm → ReLU → linear(h1→h2) → norm → ReLU → linear(h2→10)``. Every
+    normalization is per feature (``BatchNorm1d`` when ``norm="batch"``), so a BatchNorm statistic comes from just
+    b numbers at both hidden layers. It takes the images as SmallCNN does, (N, 1, 8, 8).
+    """
+
+    def __init__(self, norm: NormKind = "batch", widths: tuple[int, int] = (64, 32), n_classes: int = 10):
+        h1, h2 = widths
+        super().__init__(
+            nn.Flatten(),
+            nn.Linear(64, h1, bias=False),
+            norm_layer(norm, h1, dims=1),
+            nn.ReLU(),
+            nn.Linear(h1, h2, bias=False),
+            norm_layer(norm, h2, dims=1),
+            nn.ReLU(),
+            nn.Linear(h2, n_classes),
+        )
+
+
+def make_norm_mlp(
+    norm: NormKind = "batch",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+    widths: tuple[int, int] = (64, 32),
+) -> NormMLP:
+    """A :class:`NormMLP` whose initial weights depend only on ``seed`` (not on the global RNG state)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = NormMLP(norm, widths)
+    return model.to(device=device, dtype=dtype)
+
+
 def batch_coupled_layers(model: nn.Module) -> list[str]:
     """Names of the submodules that couple the samples of a batch (BatchNorm of any dimension)."""
     return [name for name, m in model.named_modules() if isinstance(m, BATCH_COUPLED)]
