@@ -15,7 +15,7 @@ SITE_STAMP := $(VENV)/.site-installed
 # test file) are skipped quietly, as pip skips them.
 COMPILE = -$(PY) -m compileall -q -q -j 0 src $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-.PHONY: help install book test unit unit-all lint nbval nbval-loaded portability outputs budgets gpu-check binder-check student kernel nbgrader dist clean
+.PHONY: help install book test study unit unit-all lint nbval nbval-loaded portability outputs budgets gpu-check binder-check student kernel nbgrader dist clean
 
 # `make help` prints every target with the text after its `##`.
 help: ## this list
@@ -57,9 +57,14 @@ book: $(SITE_STAMP) ## build the site from the stored outputs into _build/html (
 # on the other worker (a two-process study, a DDP job) moved the measured saving out of the cost model's 2× band.
 test: $(STAMP) ## every test: lint + types, unit, commands, fresh install, site + browser, strict nbval
 	$(PY) -m pytest tests chapters --nbval --nbval-current-env --ignore=chapters/05_no_sync.ipynb \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n 2 --dist loadfile
+		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n 2 --dist loadfile -m "not study"
 	$(PY) -m pytest chapters/05_no_sync.ipynb --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+
+# The recorded training studies that chapters read (chapter 2's), trained again: minutes each, so not in `make test`;
+# .ci/run runs them after it, the two on two workers.
+study: $(STAMP) ## retrain the recorded studies the chapters read and check them against the record
+	$(PY) -m pytest tests -p no:cacheprovider -n 2 -m study
 
 # The package's tests only (core, checker, book layer): no notebook run, no site build, no shown command, no new
 # virtual environment, no lint. `make unit` also leaves out the tests marked slow (over 5 s each on the 2-core

@@ -343,6 +343,7 @@ def test_shadow_running_stats_match_batchnorm():
 
 
 @pytest.mark.slow
+@pytest.mark.study
 def test_chapter2_rules_hold_on_other_seeds(digits):
     """What chapter 2 states as rules — on both networks, constants make the weights before BatchNorm drift and cost
     accuracy; after PreciseBN the momentum correction is the plain run; the exact scheme trains as the full batch;
@@ -355,6 +356,7 @@ def test_chapter2_rules_hold_on_other_seeds(digits):
 
 
 @pytest.mark.slow
+@pytest.mark.study
 def test_the_recorded_study_reproduces(digits):
     """The chapter reads a recorded run of its study (ch02_study.json). Trained again here, it gives the recorded
     numbers to the bit on the kernel path it was recorded with; on any path, every claim the chapter makes of it

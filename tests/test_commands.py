@@ -266,6 +266,8 @@ MAKE_TARGETS = {
     "nbval": "the strict-nbval half of `make test`",
     "nbval-loaded": "strict nbval (part of `make test`) three times over with both cores kept busy: a stress run "
     "of existing tests, not a behaviour of its own",
+    "study": "runs the tests marked study (chapter 2's recorded study trained again, and its rules on seeds 3-5); "
+    ".ci/run runs it after `make test`",
     "portability": "strict nbval (part of `make test`) again under two other CPU kernel paths; .ci/run runs it "
     "after `make test`, and the kernel paths it chooses are environment variables read at process start",
     "outputs": "scripts/execute_notebooks.py over every chapter: the script runs here (execute-notebooks); every "
