@@ -163,9 +163,31 @@ SCHEMATICS: dict[str, Schematic] = {
     "07_frameworks": Schematic(
         "Every framework gets the core right; check what is around it",
         (
-            Lane("the core, every framework", "right", _window(4, last="+sync S")),
-            Lane("Accelerate on p processes", "wrong", _window(4, last="+sync S !scheduler~×~p")),
-            Lane("a last window of k′ < K micro-batches", "wrong", _window(2, last="+sync S !weight~k′/K")),
+            Lane(
+                "the core, every framework: loss ÷ K, one sync over p processes, one step",
+                "right",
+                _window(4, after_forward=".÷K", last="+sync~over~p S +sched.step"),
+            ),
+            Lane(
+                "Accelerate on p processes: p scheduler steps per step",
+                "wrong",
+                _window(4, after_forward=".÷K", last="+sync~over~p S !sched.step~×~p"),
+            ),
+            Lane(
+                "last window of k′ = 2 < K (Accelerate, Lightning): weight k′/K",
+                "wrong",
+                _window(2, after_forward="!÷K", last="+sync S"),
+            ),
+            Lane(
+                "last window ÷ k′ (Trainer, timm-style): weight 1",
+                "right",
+                _window(2, after_forward="+÷k′", last="+sync S"),
+            ),
+            Lane(
+                "Trainer, forward(**kwargs) returning a mean: K× the gradient",
+                "wrong",
+                _window(4, after_forward="!no~÷K", last="+sync S"),
+            ),
         ),
     ),
     "08_beyond_batchnorm": Schematic(
