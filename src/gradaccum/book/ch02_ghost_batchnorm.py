@@ -240,7 +240,7 @@ def plot_method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor
     """The widget's picture: statistics error and gradient cosine of each method for one (K, b, v)."""
 
     rows = method_effects(k, b, v, x, y)
-    names = [r.method.replace(", 1 update/step", f" (v={v})") for r in rows]
+    names = [SHOWN.get(r.method, r.method).replace(", 1 update/step", f" (v={v})") for r in rows]
     fig, (ax1, ax2) = figure(2, 9.6, 3.6)
     ax1.barh(names, [0 if np.isnan(r.stat_error) else r.stat_error for r in rows], color=PALETTE["vermillion"])
     for i, r in enumerate(rows):
