@@ -96,18 +96,22 @@ SCHEMATICS: dict[str, Schematic] = {
     "02_ghost_batchnorm": Schematic(
         "Full-batch statistics inside an accumulated step",
         (
-            Lane("plain accumulation (Ghost BN, v = b)", "", _window(4, after_forward=".stats~of~b", last="S")),
+            Lane(
+                "plain accumulation (= Ghost BN over each micro-batch)",
+                "",
+                _window(4, after_forward=".stats~of~b,~running~update", last="S"),
+            ),
             Lane(
                 "full-batch statistics as constants",
                 "wrong",
-                "P:statistics~pass " + _window(4, after_forward="!held~constant", last="S"),
+                "P:~statistics~pass~ " + _window(4, after_forward="!backward~skips~the~stats", last="S"),
             ),
             Lane(
-                "exact scheme",
+                "exact scheme: L + 1 sweeps over all K micro-batches",
                 "right",
-                "P:statistics~pass,~layer~by~layer P:L~sweeps~through~the~statistics " + _window(4, last="S"),
+                "P:~~statistics~pass,~layer~by~layer~~ P:~~~L~correction~sweeps~(F+B)~~~ "
+                + _window(4, after_forward="+backward~adds~correction", last="S"),
             ),
-            Lane("PreciseBN, after training", "", "P:recompute~running~statistics~once"),
         ),
     ),
     "03_clip_ordering": Schematic(
