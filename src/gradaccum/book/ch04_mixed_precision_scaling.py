@@ -35,8 +35,9 @@ from gradaccum.precision import (
 def loss_grid(
     values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int], dtype: torch.dtype = torch.float16
 ) -> dict[str, np.ndarray]:
-    """Fractions below the normal range (underflow + subnormal; the key says "lost") and overflowed over S = 2^s (rows) × K (columns), for gradients
-    computed with K = 1 (with K micro-batches of the same size, every gradient is divided by K)."""
+    """Fractions below the normal range (underflow + subnormal; the key "lost") and overflowed over S = 2^s (rows)
+    × K (columns), for gradients computed with K = 1 (with K micro-batches of the same size, every gradient is
+    divided by K). Subnormals are kept, with fewer significant bits."""
     lost = np.zeros((len(log2_scales), len(ks)))
     over = np.zeros_like(lost)
     for i, s in enumerate(log2_scales):
