@@ -122,12 +122,18 @@ SCHEMATICS: dict[str, Schematic] = {
         ),
     ),
     "04_mixed_precision_scaling": Schematic(
-        "One loss scale S per window; unscale_, clip, step and update once",
+        "One loss scale S per window: each backward adds (S/K)·g to .grad; unscale_, clip, step and update once",
         (
             Lane(
-                "update per micro-batch", "wrong", _window(4, between="!unscale_,~update", last="!unscale_,~update S")
+                "unscale_ and update per micro-batch: .grad ÷ S again each time",
+                "wrong",
+                _window(4, between="!unscale_,~update", last="!unscale_,~update S"),
             ),
-            Lane("the recipe", "right", _window(4, last="+unscale_ .clip S +update")),
+            Lane(
+                "the recipe: .grad sums (S/K)·g; one ÷ S; an inf skips the step",
+                "right",
+                _window(4, last="+unscale_ .clip S +update .zero_grad"),
+            ),
         ),
     ),
     "05_no_sync": Schematic(
