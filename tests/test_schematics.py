@@ -46,10 +46,14 @@ def test_drawn_at_a_fixed_size_with_every_label():
     fig = schematics.draw("04_mixed_precision_scaling")
     texts = {t.get_text() for t in fig.axes[0].texts}
     assert {"F1", "B4", "step", "unscale_", "update", "clip"} <= texts
+    plt.close(fig)
     for stem in schematics.SCHEMATICS:
-        sizes = {tuple(schematics.draw(stem).get_size_inches()) for _ in range(2)}
+        sizes = set()
+        for _ in range(2):
+            fig = schematics.draw(stem)
+            sizes.add(tuple(fig.get_size_inches()))
+            plt.close(fig)
         assert len(sizes) == 1 and next(iter(sizes))[0] == schematics.WIDTH, (stem, sizes)
-    plt.close("all")
 
 
 def _shown_px_per_point(fig) -> float:
