@@ -372,15 +372,25 @@ def _event_labels(events: list[tuple[float, str, str]]) -> list[tuple[float, str
         cx = min(max(x, _MARGIN + half), WIDTH - _MARGIN - half)
         spans.append((cx, (cx - half - _LABEL_GAP / 2, cx + half + _LABEL_GAP / 2)))
     levels: list[list[tuple[float, float]]] = []
-    row_of: dict[str, int] = {}
+    row_of: dict[int, int] = {}
     for label in dict.fromkeys(label for _, label, _ in events):
-        mine = [span for (_, span), (_, other, _) in zip(spans, events, strict=True) if other == label]
-        row = next((i for i, lv in enumerate(levels) if not _collide(mine, lv)), len(levels))
-        if row == len(levels):
-            levels.append([])
-        levels[row] += mine
-        row_of[label] = row
-    return [(cx, label, row_of[label]) for (cx, _), (_, label, _) in zip(spans, events, strict=True)]
+        mine = [i for i, (_, other, _) in enumerate(events) if other == label]
+        own = [spans[i][1] for i in mine]
+        # Occurrences too close to share a level (a wide label over short boxes) are placed one by one.
+        groups = [mine] if not _self_collide(own) else [[i] for i in mine]
+        for group in groups:
+            span = [spans[i][1] for i in group]
+            row = next((r for r, lv in enumerate(levels) if not _collide(span, lv)), len(levels))
+            if row == len(levels):
+                levels.append([])
+            levels[row] += span
+            row_of.update(dict.fromkeys(group, row))
+    return [(cx, label, row_of[i]) for i, ((cx, _), (_, label, _)) in enumerate(zip(spans, events, strict=True))]
+
+
+def _self_collide(spans: list[tuple[float, float]]) -> bool:
+    """Whether any two of ``spans`` overlap."""
+    return any(_collide([a], spans[i + 1 :]) for i, a in enumerate(spans))
 
 
 def _collide(spans: list[tuple[float, float]], placed: list[tuple[float, float]]) -> bool:
