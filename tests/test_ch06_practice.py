@@ -223,3 +223,17 @@ def test_the_same_seed_draws_the_same_masks_in_one_process():
     b = ranks.dropout_draws(ranks.SEEDINGS[0], 1, 2, 2, (4, 8), 0.5)  # the rank plays no part
     assert a.shape == (2, 4, 8) and a.dtype == torch.bool and torch.equal(a, b)
     assert not torch.equal(a[0], a[1])  # fresh masks per micro-batch
+
+
+def test_the_helper_processes_module_loads_no_figures_and_no_scikit_learn():
+    """The fork server preloads gradaccum.book.ch06_ranks and the partial-window study's processes run its
+    partial_step_run: importing it must not pull in matplotlib or scikit-learn (seconds in every worker)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gradaccum.book.ch06_ranks; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'matplotlib')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -6,7 +6,7 @@ The book layer over :mod:`gradaccum.windows` (the torch-only tools the chapter d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,15 +15,15 @@ from torch import nn
 
 from gradaccum._tensors import relative_error
 from gradaccum._validate import require_k
+from gradaccum.book.ch06_ranks import STUDY_LR as STUDY_LR
+from gradaccum.book.ch06_ranks import partial_step_run as partial_step_run
 from gradaccum.book.data import Vocab, encode_batch, spread_lines
-from gradaccum.book.models import make_cnn, make_lm
+from gradaccum.book.ddp_workers import start_fork_server
 from gradaccum.book.parallel import run_jobs
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.windows import (
     OptimizerName,
     dropout_gradient,
-    partial_step_ratio,
-    token_loss,
     token_mean_gradient,
     window_backward,
     window_gradient,
@@ -65,39 +65,6 @@ def compare_dropout(
     return DropoutComparison(same, rel(full[0], acc[0]), rel(mean_full, acc.mean(0)), noise, draws)
 
 
-#: learning rates of :func:`partial_step_study`'s two set-ups, per optimizer
-STUDY_LR = {
-    "CNN, digits": {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3, "adam_beta1_0": 1e-3},
-    "char LM": {"sgd": 0.5, "momentum": 0.1, "adam": 1e-2, "adam_beta1_0": 1e-2},
-}
-
-
-def partial_step_run(
-    setup: str,
-    optimizer: OptimizerName,
-    warm: int,
-    seed: int,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    vocab: Vocab,
-    k: int = 8,
-    present: int = 3,
-) -> float:
-    """One value of :func:`partial_step_study`: :func:`partial_step_ratio` for the set-up named ``setup``
-    (``"CNN, digits"``: ``x``, ``y`` are images and labels; ``"char LM"``: encoded lines and their targets)."""
-    if setup not in STUDY_LR:
-        raise ValueError(f"setup must be one of {list(STUDY_LR)}, got {setup!r}.")
-    model: nn.Module
-    loss_fn: Callable[..., torch.Tensor]
-    if setup == "CNN, digits":
-        model, loss_fn, b = make_cnn("group", seed=seed), nn.CrossEntropyLoss(), 8
-    else:
-        model, loss_fn, b = make_lm(vocab, seed=seed), token_loss, 2
-    return partial_step_ratio(
-        model, loss_fn, x, y, b, k, present, optimizer, STUDY_LR[setup][optimizer], warm, seed=seed
-    )
-
-
 def partial_step_study(
     x_digits: torch.Tensor,
     y_digits: torch.Tensor,
@@ -110,12 +77,13 @@ def partial_step_study(
     optimizers: Sequence[OptimizerName] = ("sgd", "momentum", "adam"),
     workers: int = 1,
 ) -> dict[tuple[str, str, int], list[float]]:
-    """:func:`partial_step_ratio` for two set-ups — the book's GroupNorm ``SmallCNN`` on the digits (micro-batches
-    of 8 images) and the character LM on the corpus (micro-batches of 2 lines, token-mean loss) — with plain SGD,
-    SGD with momentum 0.9 and Adam (learning rates :data:`STUDY_LR`), after each number of ``warm`` windows, one
-    value per seed (the seed sets the model's initial weights and the batches); ``optimizers`` picks a subset.
-    With ``workers > 1`` the runs go to that many spawned processes (:func:`gradaccum.book.parallel.run_jobs`:
-    every run seeds itself, the same results to the bit).
+    """:func:`gradaccum.windows.partial_step_ratio` (:func:`partial_step_run`) for two set-ups — the book's GroupNorm
+    ``SmallCNN`` on the digits (micro-batches of 8 images) and the character LM on the corpus (micro-batches of 2
+    lines, token-mean loss) — with plain SGD, SGD with momentum 0.9 and Adam (learning rates :data:`STUDY_LR`),
+    after each number of ``warm`` windows, one value per seed (the seed sets the model's initial weights and the
+    batches); ``optimizers`` picks a subset. With ``workers > 1`` the runs go to that many processes forked from the
+    fork server (the one :func:`start_helpers` started, if it did; :func:`gradaccum.book.parallel.run_jobs`: every
+    run seeds itself, the same results to the bit).
     Returns ``{(set-up, optimizer, warm windows): [ratio per seed]}``."""
 
     lm_x, lm_y = encode_batch(lines, vocab)
@@ -136,8 +104,23 @@ def partial_step_study(
         for name, opt, w in keys
         for sd in seeds
     ]
-    ratios = iter(run_jobs(partial_step_run, jobs, workers))
+    ratios = iter(run_jobs(partial_step_run, jobs, workers, start_method="forkserver"))
     return {key: [next(ratios) for _ in seeds] for key in keys}
+
+
+#: What the helper processes need besides torch: the module they run (:mod:`gradaccum.book.ch06_ranks`),
+#: ``torch._dynamo`` (every process imports it at its first ``Optimizer.step()``, about 2 s) and what the ranks seed
+#: with (Transformers' ``set_seed``, Accelerate).
+HELPER_MODULES = ("gradaccum.book.ch06_ranks", "torch._dynamo", "transformers.trainer_utils", "accelerate")
+
+
+def start_helpers() -> bool:
+    """Start the fork server that the chapter's helper processes (the two processes of :func:`partial_step_study`,
+    the two ranks of :func:`gradaccum.book.ch06_practice.rank_demo`) fork from, and return at once: it imports
+    torch and :data:`HELPER_MODULES` in the background, on a core the notebook leaves idle, and every helper then
+    starts in milliseconds instead of seconds. ``False`` where the platform has no fork server (Windows): the
+    helpers are spawned, each importing what it needs."""
+    return start_fork_server(HELPER_MODULES)
 
 
 def train_lm(

@@ -1,7 +1,9 @@
-"""What every rank of chapter 6's two-process demo runs (task ``"ch6"`` of :mod:`gradaccum.book.ddp_tasks`): the
-exact token normalization that needs no count before the window, under DDP, and the dropout masks each rank draws
-when every rank is seeded alike (the Transformers Trainer's ``set_seed``) or with its rank added (Accelerate's
-``set_seed(..., device_specific=True)``).
+"""What chapter 6's helper processes run: every rank of the two-process demo, and every run of the partial-window
+study. The ranks (task ``"ch6"`` of :mod:`gradaccum.book.ddp_tasks`) compute the exact token normalization that
+needs no count before the window, under DDP, and draw the dropout masks each rank gets when every rank is seeded
+alike (the Transformers Trainer's ``set_seed``) or with its rank added (Accelerate's
+``set_seed(..., device_specific=True)``). The study's runs (:func:`partial_step_run`) are handed to two processes
+by :func:`gradaccum.book.ch06_loss_normalization_and_friends.partial_step_study`.
 
 Workers import this module, so it holds nothing they do not need: torch and the core at the top, Transformers and
 Accelerate inside the function that seeds with them (no figures, no scikit-learn).
@@ -11,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,8 +22,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradaccum.accumulate import flat_grad, split_batch
-from gradaccum.book.models import TinyLM
-from gradaccum.windows import count_tokens, scale_grads, token_loss
+from gradaccum.book.models import TinyLM, make_cnn, make_lm
+from gradaccum.windows import OptimizerName, count_tokens, partial_step_ratio, scale_grads, token_loss
+
+if TYPE_CHECKING:
+    from gradaccum.book.data import Vocab  # imports scikit-learn: not in the workers
 
 #: the seed every rank passes (the Trainer's default ``TrainingArguments.seed``)
 SEED = 42
@@ -109,3 +115,39 @@ def rank_task(
         "init_before_ddp": before,
         "init_after_ddp": after,
     }
+
+
+#: learning rates of the partial-window study's two set-ups, per optimizer
+STUDY_LR = {
+    "CNN, digits": {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3, "adam_beta1_0": 1e-3},
+    "char LM": {"sgd": 0.5, "momentum": 0.1, "adam": 1e-2, "adam_beta1_0": 1e-2},
+}
+
+
+def partial_step_run(
+    setup: str,
+    optimizer: OptimizerName,
+    warm: int,
+    seed: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    vocab: Vocab,
+    k: int = 8,
+    present: int = 3,
+) -> float:
+    """One value of :func:`gradaccum.book.ch06_loss_normalization_and_friends.partial_step_study`:
+    :func:`gradaccum.windows.partial_step_ratio` (‖step divided by K‖ / ‖step divided by k'‖) for the set-up named
+    ``setup`` (``"CNN, digits"``: the GroupNorm ``SmallCNN``, micro-batches of 8 images ``x`` with labels ``y``;
+    ``"char LM"``: the ``TinyLM``, micro-batches of 2 encoded lines ``x`` with targets ``y``, token-mean loss),
+    learning rate :data:`STUDY_LR`, initial weights and batches drawn from ``seed``."""
+    if setup not in STUDY_LR:
+        raise ValueError(f"setup must be one of {list(STUDY_LR)}, got {setup!r}.")
+    model: nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    if setup == "CNN, digits":
+        model, loss_fn, b = make_cnn("group", seed=seed), nn.CrossEntropyLoss(), 8
+    else:
+        model, loss_fn, b = make_lm(vocab, seed=seed), token_loss, 2
+    return partial_step_ratio(
+        model, loss_fn, x, y, b, k, present, optimizer, STUDY_LR[setup][optimizer], warm, seed=seed
+    )

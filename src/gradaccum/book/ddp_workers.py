@@ -5,10 +5,11 @@ reports what failed.
 Processes are started with ``torch.multiprocessing`` on the loopback interface with a free port, the gloo
 backend on CPU (NCCL when every rank has a GPU), a process-group timeout, and a deadline after which every worker
 is killed: a crashed or hung worker surfaces as :class:`WorkerFailed` and leaves no process behind. Workers are
-forked from a fork server that imported this module (and torch) once, at the first launch, so later launches
-do not import torch again (a launch of chapter 5's first task took about 3.3 s instead of 6–7.5 s on a 2-core
-CPU; ``spawn`` where the platform has no fork server). Every worker imports this module, so it holds nothing the
-workers do not need (no figures, no matplotlib).
+forked from a fork server that imported this module (and torch) once, at the first launch or earlier, in the
+background (:func:`start_fork_server`), so later launches do not import torch again (a launch of chapter 5's
+first task took about 3.3 s instead of 6–7.5 s on a 2-core CPU; ``spawn`` where the platform has no fork
+server). Every worker imports this module, so it holds nothing the workers do not need (no figures, no
+matplotlib).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -72,6 +74,28 @@ def start_method() -> str:
         return "spawn"
     multiprocessing.set_forkserver_preload([__name__])  # used when the fork server starts: the first launch
     return "forkserver"
+
+
+def start_fork_server(preload: Sequence[str] = ()) -> bool:
+    """Start the fork server now and return at once: it imports this module (torch with it) and the modules named
+    in ``preload`` in the background, while the caller goes on. Later launches, and the pools of
+    :func:`gradaccum.book.parallel.run_jobs` with ``start_method="forkserver"``, fork their workers from it with
+    all of that imported, in milliseconds. A server already running is kept as it is. The server starts with
+    ``TORCH_CPP_LOG_LEVEL=ERROR`` unless the caller set a level, as :func:`launch` starts it. Returns ``False``
+    (and starts nothing) where the platform has no fork server: the workers are spawned then."""
+    if start_method() != "forkserver":
+        return False
+    multiprocessing.set_forkserver_preload([__name__, *preload])
+    had = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    try:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    finally:
+        if had is None:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
+    return True
 
 
 def launch(task: str, world_size: int = 2, timeout: float = 60.0, **kwargs: Any) -> list[Any]:

@@ -178,14 +178,14 @@ SCHEMATICS: dict[str, Schematic] = {
                 _window(4, after_forward="!÷~own~tokens~and~K", between="!sched.step", last="S !sched.step"),
             ),
             Lane(
-                "seed re-set before each micro-batch: the same masks every step",
+                "seed re-set before each micro-batch: micro-batch k draws the same masks in every window",
                 "wrong",
                 " ".join(f"!re-seed F{i} B{i}" for i in range(1, 5)) + " S",
             ),
             Lane(
-                "sum ÷ tokens in the window, fresh masks",
+                "count N, the window's tokens on all ranks; sum ÷ N; fresh masks; one step of each",
                 "right",
-                _window(4, after_forward="+÷~N~(window)", last="S +sched.step"),
+                "+count~N " + _window(4, after_forward="+÷~N", between=".no~step", last="S +sched.step"),
             ),
         ),
     ),
