@@ -40,7 +40,45 @@ return {
     tooWide: tooWide.slice(0, 5),
     links: [...document.querySelectorAll('a[href]')].map(a => a.href),
     ids: [...document.querySelectorAll('[id]')].map(e => e.id),
+    schematics: [...document.querySelectorAll('figure[id$="-schematic"] img')]
+        .map(i => i.getBoundingClientRect().width),
 };
+"""
+
+#: At desktop widths (≥ 1200 px, where the page's contents panel shares the right-hand column with the margin notes):
+#: the margin notes that lie, even in part, under the contents panel, below the sticky header row. Each note is
+#: checked with the page at its top, and scrolled to just inside the window's bottom third (where the theme unfolds
+#: the panel) and to near its top (where it folds it); three frames after each scroll, for the theme's observer.
+NOTES_UNDER_CONTENTS = """
+const done = arguments[arguments.length - 1];
+const panel = document.querySelector('.bd-sidebar-secondary');
+if (!panel || innerWidth < 1200) { done([]); return; }
+const frames = n => new Promise(r => { const f = k => k ? requestAnimationFrame(() => f(k - 1)) : r(); f(n); });
+const header = () => {
+  const h = document.querySelector('.bd-header-article');
+  return h ? h.getBoundingClientRect().bottom : 0;
+};
+const covered = [];
+const look = (where) => {
+  const s = panel.getBoundingClientRect(), top = Math.max(s.top, header());
+  document.querySelectorAll('.margin').forEach((note, i) => {
+    const r = note.getBoundingClientRect();
+    if (Math.min(r.right, s.right) > Math.max(r.left, s.left) + 1
+        && Math.min(r.bottom, s.bottom, innerHeight) > Math.max(r.top, top) + 1)
+      covered.push(`note ${i + 1} (${note.innerText.slice(0, 30)}) ${where}`);
+  });
+};
+(async () => {
+  window.scrollTo(0, 0); await frames(3); look('at the top of the page');
+  for (const note of document.querySelectorAll('.margin')) {
+    for (const at of [0.7, 0.12]) {
+      window.scrollBy(0, note.getBoundingClientRect().top - at * innerHeight);
+      await frames(3); look(`with a note at ${at} of the window's height`);
+    }
+  }
+  window.scrollTo(0, 0);
+  done([...new Set(covered)]);
+})();
 """
 
 
@@ -58,6 +96,8 @@ class PageReport:
     links: list[str] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
     explorers: list[dict] = field(default_factory=list)
+    schematic_widths: list[float] = field(default_factory=list)  # CSS px, each chapter-opening schematic's image
+    notes_under_contents: list[str] = field(default_factory=list)  # margin notes under the contents panel
     settled: bool = False
 
 
@@ -170,6 +210,8 @@ def inspect_page(driver, url: str, path: str, screenshot: Path | None = None) ->
     report.cut_output = data["cutOutput"]
     report.links = data["links"]
     report.ids = data["ids"]
+    report.schematic_widths = data["schematics"]
+    report.notes_under_contents = driver.execute_async_script(NOTES_UNDER_CONTENTS)
     report.explorers = move_every_control(driver)
     if screenshot is not None:
         screenshot.parent.mkdir(parents=True, exist_ok=True)

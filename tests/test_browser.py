@@ -16,6 +16,8 @@ import pytest
 from browser import PageReport, browser, chromium_available, inspect_page, pages, serve
 from layout import CHAPTERS, ROOT
 
+from gradaccum.book.schematics import COLUMN_PX
+
 pytestmark = [pytest.mark.site, pytest.mark.browser]
 
 WIDTHS = {"desktop": (1280, 900), "narrow": (320, 640)}
@@ -87,6 +89,25 @@ def test_nothing_is_wider_than_the_screen(reports):
     width, out, _ = reports
     wide = {p: (r.overflow_px, r.too_wide[:3]) for p, r in out.items() if r.overflow_px > 0}
     assert not wide, f"{width}: the page scrolls sideways: {wide}"
+
+
+def test_margin_notes_never_lie_under_the_contents_panel(reports):
+    """At desktop widths the page's contents and the margin notes share the right-hand column; the contents panel
+    never covers a note (chapter 4's first note lay under it at 1280×900; _ext/static/book.css)."""
+    width, out, _ = reports
+    covered = {p: r.notes_under_contents[:3] for p, r in out.items() if r.notes_under_contents}
+    assert not covered, f"{width}: margin notes under the contents panel: {covered}"
+
+
+def test_each_chapter_opens_with_its_schematic_across_the_column(reports):
+    """The schematics' font sizes are chosen for the width the page shows them at (schematics.COLUMN_PX at the
+    desktop width; tests/test_schematics.py checks 11 px and up there): a narrower column would shrink them."""
+    width, out, _ = reports
+    for stem in CHAPTERS:
+        shown = out[f"chapters/{stem}.html"].schematic_widths
+        assert len(shown) == 1, (width, stem, shown)
+        if width.endswith("desktop"):
+            assert shown[0] >= COLUMN_PX - 1, (width, stem, shown)
 
 
 def test_printed_output_wraps_inside_the_column(reports):

@@ -3,7 +3,9 @@
 Main text = the lesson: the markdown before a chapter's "## Exercises" heading, outside folded blocks ({dropdown},
 {margin}, {sidebar}, admonitions with ``:class: dropdown``, exercises and solutions), outside code fences and display
 math, and outside the two reference sections every chapter ends its main line with ("## In your framework": pointers
-to the frameworks' own code and docs; "## Checklist": one line per thing to verify).
+to the frameworks' own code and docs; "## Checklist": one line per thing to verify) where they stand in the cell that
+opens the exercises. Earlier, in a cell of their own, they are lesson text and count (as the reader's-book hook counts
+them).
 """
 
 import re
@@ -13,6 +15,8 @@ from layout import CHAPTERS, ROOT, load, source, tags
 
 FOLDED = {"dropdown", "margin", "sidebar", "toggle", "exercise", "solution"}
 OPEN = re.compile(r"^(`{3,}|:{3,})\s*\{([\w-]+)\}")
+#: The reference sections that close the main line, in the cell that opens the exercises.
+REFERENCE = re.compile(r"^## (?:In your framework|Checklist)\b.*?(?=^## |\Z)", flags=re.S | re.M)
 HIDDEN = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
 #: What a student does not need to read in the main line: test names, corrections-page entries, review rounds.
 INTERNALS = re.compile(r"\btest_[a-z0-9_]+|\bentr(?:y|ies) \d+|errata entr|\breview round")
@@ -25,9 +29,10 @@ def main_text(stem: str) -> str:
             continue
         text = source(cell)
         head = re.search(r"^##\s+Exercises", text, flags=re.M)
-        out.append(text[: head.start()] if head else text)
         if head:
+            out.append(REFERENCE.sub(" ", text[: head.start()]))
             break
+        out.append(text)
     kept, stack = [], []
     for line in "\n".join(out).splitlines():
         stripped = line.strip()
@@ -45,7 +50,6 @@ def main_text(stem: str) -> str:
         if not any(f for _, f in stack):
             kept.append(line)
     text = "\n".join(kept)
-    text = re.sub(r"^## (?:In your framework|Checklist)\b.*?(?=^## |\Z)", " ", text, flags=re.S | re.M)
     text = re.sub(r"```.*?```", " ", text, flags=re.S)
     return re.sub(r"\$\$.*?\$\$", " MATH ", text, flags=re.S)
 

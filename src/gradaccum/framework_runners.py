@@ -372,8 +372,9 @@ def _run_nanogpt(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Opti
 def _run_timm(model: nn.Module, loss_fn: LossFn, micro: list, k: int, o: Options) -> Run:
     """In the style of timm's ``train.py``: backward under ``no_sync()`` except on update steps, the loss divided
     by the number of micro-batches the window really holds (the last window of an epoch may hold fewer), clip
-    once, the scheduler stepped once per update; at each update it logs what timm's log line shows first, the
-    last micro-batch's loss times the micro-batches divided by (its mean loss)."""
+    once, the scheduler stepped once per update. At each update it logs what timm's log line shows first: the
+    last micro-batch's mean loss (the loss it backpropagated, divided by the window's micro-batches, multiplied
+    back)."""
     clip, precision, sum_loss, lr, warmup = o.clip, o.precision, o.sum_loss, o.lr, o.warmup
     net, comm = _ddp(model)
     opt = RecordingSGD(model.parameters(), lr)

@@ -278,7 +278,7 @@ def scaled_window_grads(
             loss = loss_fn(work(xb), yb)
             if divide == "loss":
                 loss = loss / k
-        (loss * scale).backward()  # what scaler.scale(loss) does: multiply by S in fp32
+        (loss * scale).backward()  # scaler.scale(loss): times S, in fp32
     return flat_grad(work).detach()
 
 

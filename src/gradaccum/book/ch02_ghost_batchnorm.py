@@ -43,6 +43,7 @@ from gradaccum.book.ch02_study import study_claims as study_claims
 from gradaccum.book.ch02_study import study_plan as study_plan
 from gradaccum.book.ch02_training import ARCHS as ARCHS
 from gradaccum.book.ch02_training import METHODS as METHODS
+from gradaccum.book.ch02_training import SHOWN
 from gradaccum.book.ch02_training import MethodRun as MethodRun
 from gradaccum.book.ch02_training import ShadowRunningStats as ShadowRunningStats
 from gradaccum.book.ch02_training import format_methods as format_methods
@@ -142,8 +143,12 @@ def plot_methods(runs: Sequence[MethodRun]):
         ax.set_ylim(0, 118)
         ax.set_yticks(range(0, 101, 20))
         ax.legend(loc="upper center", ncol=2, frameon=False)
-    # n: the samples a BatchNorm normalizes over; GroupNorm and LayerNorm have none
-    ticks = [f"{r.method}\n(K={r.k}, " + ("no BatchNorm)" if r.method in no_bn else f"BN over n={r.b})") for r in mine]
+    # how many samples each BatchNorm normalizes over; GroupNorm and LayerNorm have no batch statistics
+    ticks = [
+        f"{SHOWN.get(r.method, r.method)}\n(K={r.k}, "
+        + ("no BatchNorm)" if r.method in no_bn else f"BN over {r.b} samples)")
+        for r in mine
+    ]
     axes[-1].set_xticks(pos, ticks, rotation=25, ha="right", fontsize=8)
     return fig
 
@@ -225,7 +230,7 @@ def plot_method_cosine_grid(
             aspect="equal",
             xlabel="micro-batch size b",
             ylabel="K",
-            title=method,
+            title=SHOWN.get(method, method),
         )
     fig.colorbar(image, ax=axes, label="cosine to the full-batch gradient", shrink=0.9)
     return fig
@@ -235,7 +240,7 @@ def plot_method_effects(k: int, b: int, v: int, x: torch.Tensor, y: torch.Tensor
     """The widget's picture: statistics error and gradient cosine of each method for one (K, b, v)."""
 
     rows = method_effects(k, b, v, x, y)
-    names = [r.method.replace(", 1 update/step", f" (v={v})") for r in rows]
+    names = [SHOWN.get(r.method, r.method).replace(", 1 update/step", f" (v={v})") for r in rows]
     fig, (ax1, ax2) = figure(2, 9.6, 3.6)
     ax1.barh(names, [0 if np.isnan(r.stat_error) else r.stat_error for r in rows], color=PALETTE["vermillion"])
     for i, r in enumerate(rows):

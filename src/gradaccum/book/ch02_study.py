@@ -30,6 +30,7 @@ import torch
 from gradaccum.book.ch02_training import (
     ARCHS,
     METHODS,
+    SHOWN,
     MethodRun,
     StudyKey,
     format_methods,
@@ -266,7 +267,7 @@ def format_side_by_side(runs: Sequence[MethodRun], seed: int = SEEDS[0], schedul
     cells = {(r.arch, r.method): format_methods([r]).rows[0][3:] for r in picked}
     rows = []
     for method in dict.fromkeys(r.method for r in picked):
-        row: list[object] = [method]
+        row: list[object] = [SHOWN.get(method, method)]
         for arch in archs:
             row += cells.get((arch, method), ["—"] * 3)
         rows.append(row)

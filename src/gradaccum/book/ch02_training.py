@@ -363,13 +363,23 @@ def format_study(runs: Sequence[MethodRun]) -> Table:
     return Table(["network", "schedule", "seed", *names], rows)
 
 
+#: How a table or figure names a method whose short name could mislead: "full-batch stats" are used as constants.
+SHOWN = {"full-batch stats": "full-batch stats as constants"}
+
+
+def _span(lo: float, hi: float) -> str:
+    """A growth range to one decimal, "1.4–1.7×"; one value, "1.8×", when both ends round alike."""
+    a, b = f"{lo:.1f}", f"{hi:.1f}"
+    return f"{a}×" if a == b else f"{a}–{b}×"
+
+
 def format_methods(runs: list[MethodRun]) -> Table:
     """The side-by-side table: validation accuracy per method with its running statistics and after
     PreciseBN, and the growth of the weights that feed BatchNorm layers."""
     rows = []
     for r in runs:
         precise = "—" if r.val_acc_precise != r.val_acc_precise else f"{100 * r.val_acc_precise:.1f}%"
-        growth = "—" if not r.weight_growth else f"{min(r.weight_growth):.1f}–{max(r.weight_growth):.1f}×"
+        growth = "—" if not r.weight_growth else _span(min(r.weight_growth), max(r.weight_growth))
         group = f"{r.b}" if r.weight_growth else "—"  # GroupNorm/LayerNorm: per-sample statistics
         rows.append([r.method, r.k, group, f"{100 * r.val_acc:.1f}%", precise, growth])
     return Table(["method", "K", "BN n", "val acc", "after PreciseBN", "pre-BN weight growth"], rows)

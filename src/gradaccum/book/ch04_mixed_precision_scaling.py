@@ -35,8 +35,9 @@ from gradaccum.precision import (
 def loss_grid(
     values: torch.Tensor, log2_scales: Sequence[int], ks: Sequence[int], dtype: torch.dtype = torch.float16
 ) -> dict[str, np.ndarray]:
-    """Fractions lost (underflow + subnormal) and overflowed over S = 2^s (rows) × K (columns), for gradients
-    computed with K = 1 (with K micro-batches of the same size, every gradient is divided by K)."""
+    """Fractions below the normal range (underflow + subnormal; the key "lost") and overflowed over S = 2^s (rows)
+    × K (columns), for gradients computed with K = 1 (with K micro-batches of the same size, every gradient is
+    divided by K). Subnormals are kept, with fewer significant bits."""
     lost = np.zeros((len(log2_scales), len(ks)))
     over = np.zeros_like(lost)
     for i, s in enumerate(log2_scales):
@@ -106,7 +107,7 @@ def edge_prediction_gaps(
 
 def plot_formats(values_by_k: dict[int, torch.Tensor]):
     """Left: the normal and subnormal ranges of fp16, bf16 and fp32 on a log2 axis. Right: histograms of
-    log2|activation gradient| for several K (micro-batch size fixed) against fp16's range."""
+    log2|layer-output gradient| for several K (micro-batch size fixed) against fp16's range."""
 
     fig, (ax1, ax2) = figure(2, 11.0, 3.6)
     for i, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32)):
@@ -138,16 +139,17 @@ def plot_formats(values_by_k: dict[int, torch.Tensor]):
         alpha=0.2,
         label="fp16: subnormal",
     )
-    decorate(ax2, "log2 |activation gradient| (loss / K, no scale)", "density", "Real gradients vs fp16")
-    ax2.legend(frameon=False, fontsize=7)
+    decorate(ax2, "log2 |layer-output gradient| (loss / K, no scale)", "density", "Real gradients vs fp16")
+    ax2.legend(frameon=False, fontsize=9)
     return fig
 
 
 def plot_loss_grid(grid: dict[str, np.ndarray], log2_scales: Sequence[int], ks: Sequence[int]):
-    """Heat maps of the fraction lost (underflow + subnormal) and overflowed over S and K."""
+    """Heat maps of the fraction below the normal range (zero or subnormal, with fewer significant bits) and
+    overflowed over S and K."""
 
     fig, axes = figure(2, 9.6, 3.8)
-    for ax, (key, title) in zip(axes, (("lost", "lost to underflow or subnormals"), ("overflow", "overflowed"))):
+    for ax, (key, title) in zip(axes, (("lost", "below normal (zero or subnormal)"), ("overflow", "overflowed"))):
         image = heatmap(
             ax,
             grid[key],
