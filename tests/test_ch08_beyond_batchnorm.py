@@ -30,6 +30,33 @@ def test_views_are_deterministic_and_augment(split):
     assert torch.equal(a, b) and not torch.equal(a, c) and a.shape == (8, 64)
 
 
+def test_views_shift_each_digit_by_at_most_one_pixel_and_drop_about_a_quarter():
+    x = torch.arange(1, 65, dtype=torch.float64).repeat(300, 1)  # every pixel of every digit tells where it was
+    v = ch8.views(x, torch.Generator().manual_seed(0)).reshape(300, 8, 8)
+    shifts = [
+        [torch.roll(x[i].reshape(8, 8), (dy, dx), (0, 1)) for dy in (-1, 0, 1) for dx in (-1, 0, 1)] for i in range(300)
+    ]
+    kept = v != 0
+    matches = [[bool((r[kept[i]] == v[i][kept[i]]).all()) for r in rolled] for i, rolled in enumerate(shifts)]
+    assert all(any(m) for m in matches)  # each view is one wrapped shift of its digit, some pixels zeroed
+    assert len({m.index(True) for m in matches}) == 9  # every shift occurs
+    assert 0.2 < 1 - kept.double().mean() < 0.3
+
+
+def test_studies_worker_modules_import_no_figures_and_no_scikit_learn(tmp_path):
+    """The studies' worker processes import ch08_contrastive and ch08_scaling, for their runs: seconds less each
+    without matplotlib and scikit-learn."""
+    import subprocess
+    import sys
+
+    from layout import shadow_packages
+
+    env = shadow_packages(tmp_path, ("matplotlib", "sklearn"), "a study's worker must not import ")
+    code = "from gradaccum.book import ch08_contrastive, ch08_scaling"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_accumulation_error_and_grad_cache(split):
     plain, cache = ch8.accumulation_error(split.x_train, 4, 4)
     assert plain > 0.1 and cache < 1e-12
@@ -235,8 +262,14 @@ def test_exercise_solution_numbers():
 @pytest.mark.slow
 def test_studies_in_two_processes_are_the_sequential_ones(split):
     """The chapter's studies run in two spawned processes: the same results, to the bit, as one after the other."""
+    from gradaccum.book import parallel
+
     data = (split.x_train[:256], split.y_train[:256], split.x_val, split.y_val)
     kwargs = dict(settings=((4, 8),), seeds=(0, 1))
+    parallel.shutdown()
+    started = ch8.start_workers()  # the processes start (in the background) before the first study
+    started.join(120)
+    assert not started.is_alive()
     assert ch8.contrastive_study(*data, **kwargs) == ch8.contrastive_study(*data, **kwargs, workers=2)
     kwargs = dict(seeds=(0,), schedules=("cosine",), epochs=1, optimizers=("SGD",))
     one = ch8.scaling_study(*data, **kwargs)

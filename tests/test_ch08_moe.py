@@ -175,14 +175,75 @@ def test_the_noise_scale_matches_per_sample_gradients_from_autograd():
 
 @pytest.mark.slow
 def test_contrastive_gradients_across_two_gloo_ranks():
-    from gradaccum.book.ch08_ddp import contrastive_ddp
+    from gradaccum.book.ch08_ddp import GRAD_CACHES, contrastive_ddp
 
     g = torch.Generator().manual_seed(3)
-    a, b = torch.rand(12, 64, generator=g, dtype=torch.float64), torch.rand(12, 64, generator=g, dtype=torch.float64)
+    a, b = torch.rand(16, 64, generator=g, dtype=torch.float64), torch.rand(16, 64, generator=g, dtype=torch.float64)
     out = contrastive_ddp(a, b)
     assert out["own pairs only"]["error"] > 0.01
-    half = out["all_gather, no gradient"]
-    assert abs(half["error"] - 0.5) + abs(half["norm ratio"] - 0.5) < 1e-12
-    assert out["all_gather with gradient"]["error"] < 1e-12 and out["with gradient, own rows"]["error"] < 1e-12
+    for half in (out["all_gather, no gradient"], out[GRAD_CACHES[0]]):  # exactly half the gradient
+        assert abs(half["error"] - 0.5) + abs(half["norm ratio"] - 0.5) < 1e-12
+    exact = ("all_gather with gradient", "with gradient, own rows", GRAD_CACHES[1])
+    assert all(out[how]["error"] < 1e-12 for how in exact)
     with pytest.raises(ValueError, match="pairs"):
-        contrastive_ddp(a[:3], b[:3])
+        contrastive_ddp(a[:12], b[:12])
+
+
+def _coupled_loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A loss written for the test: each row's term reads every row of the batch (a softmax and a batch mean)."""
+    return torch.logsumexp(a @ b.T, dim=1).mean() - (a * b).sum(1).mean() + a.mean(0).pow(2).sum()
+
+
+def _encoder_for_test() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def _grad_cache_rank(rank: int, world: int, folder: str, xa: torch.Tensor, xb: torch.Tensor) -> None:
+    """One gloo rank: its share of the pairs through GradCache (K = 3) on a DDP encoder, without and with the
+    factor p; saves the loss and the two synced gradients."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradaccum.book.ch08_ddp import grad_cache_ddp_backward
+
+    torch.set_num_threads(1)
+    store = f"file://{folder}/store"
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    model, rows = DDP(_encoder_for_test()), slice(rank * len(xa) // world, (rank + 1) * len(xa) // world)
+    grads = []
+    for scale in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss = grad_cache_ddp_backward(model, (xa[rows], xb[rows]), 3, _coupled_loss, scale)
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    torch.save((loss, grads), f"{folder}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_grad_cache_across_ddp_ranks_gives_the_global_batch_gradient_once_scaled_by_p(tmp_path):
+    """GradCache on 2 gloo ranks (K = 3 micro-batches of 2 each): DDP's averaged gradient is the gradient of the
+    loss over all 12 samples with the cached gradients scaled by p = 2, and exactly half of it without."""
+    g = torch.Generator().manual_seed(0)
+    xa, xb = (torch.randn(12, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    torch.multiprocessing.spawn(_grad_cache_rank, args=(2, str(tmp_path), xa, xb), nprocs=2)
+    reference = _encoder_for_test()
+    full = _coupled_loss(reference(xa), reference(xb))
+    full.backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    for rank in (0, 1):
+        loss, (unscaled, scaled) = torch.load(tmp_path / f"rank{rank}.pt")
+        assert abs(loss - float(full.detach())) < 1e-12
+        assert float((scaled - expected).norm()) < 1e-12 * float(expected.norm())
+        assert float((unscaled - expected / 2).norm()) < 1e-12 * float(expected.norm())
+
+
+def test_grad_cache_across_ranks_refuses_a_model_outside_ddp():
+    from gradaccum.book.ch08_ddp import grad_cache_ddp_backward
+
+    x = torch.randn(6, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        grad_cache_ddp_backward(_encoder_for_test(), (x, x), 3, _coupled_loss)

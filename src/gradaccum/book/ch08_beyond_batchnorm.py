@@ -1,9 +1,10 @@
 """Chapter 8, "Beyond BatchNorm": contrastive training on the digits, the costs of GradCache, the load-balancing
 loss of a small router, checkpointing with BatchNorm, and the figures.
 
-The book layer over :mod:`gradaccum.coupled` (the torch-only tools the chapter derives). Here: contrastive
-learning and GradCache; the router's load-balancing loss is in :mod:`gradaccum.book.ch08_routing`, checkpointing
-with BatchNorm in :mod:`gradaccum.book.ch08_checkpointing`, the batch-size scaling study in
+The book layer over :mod:`gradaccum.coupled` (the torch-only tools the chapter derives). Here: GradCache's
+errors and costs, the contrastive study and the figures; the contrastive training runs are in
+:mod:`gradaccum.book.ch08_contrastive`, the router's load-balancing loss in :mod:`gradaccum.book.ch08_routing`,
+checkpointing with BatchNorm in :mod:`gradaccum.book.ch08_checkpointing`, the batch-size scaling study's runs in
 :mod:`gradaccum.book.ch08_scaling`, all re-exported here. The fine print's measurements have modules of their own,
 which the chapter imports directly: mixture-of-experts routing on the gradient (:mod:`gradaccum.book.ch08_moe`),
 the EMA, weight-decay and batch-size rules (:mod:`gradaccum.book.ch08_rules`), and contrastive losses across gloo
@@ -12,19 +13,19 @@ ranks (:mod:`gradaccum.book.ch08_ddp`).
 
 from __future__ import annotations
 
-import math
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from gradaccum import coupled
 from gradaccum._tensors import relative_error
 from gradaccum._validate import require_count, require_k
 from gradaccum.accumulate import flat_grad
+from gradaccum.book import ch08_contrastive
 from gradaccum.book.ch08_checkpointing import CHECKPOINT_METHODS as CHECKPOINT_METHODS
 from gradaccum.book.ch08_checkpointing import Checkpointed as Checkpointed
 from gradaccum.book.ch08_checkpointing import CheckpointRun as CheckpointRun
@@ -32,6 +33,13 @@ from gradaccum.book.ch08_checkpointing import bn_block as bn_block
 from gradaccum.book.ch08_checkpointing import checkpoint_window as checkpoint_window
 from gradaccum.book.ch08_checkpointing import measured_momentum as measured_momentum
 from gradaccum.book.ch08_checkpointing import plot_checkpoint_momentum as plot_checkpoint_momentum
+from gradaccum.book.ch08_contrastive import TAU as TAU
+from gradaccum.book.ch08_contrastive import contrastive_run as contrastive_run
+from gradaccum.book.ch08_contrastive import encoder as encoder
+from gradaccum.book.ch08_contrastive import few_label_accuracy as few_label_accuracy
+from gradaccum.book.ch08_contrastive import loss as loss
+from gradaccum.book.ch08_contrastive import train_contrastive as train_contrastive
+from gradaccum.book.ch08_contrastive import views as views
 from gradaccum.book.ch08_routing import aux_covariance as aux_covariance
 from gradaccum.book.ch08_routing import aux_losses as aux_losses
 from gradaccum.book.ch08_routing import plot_aux as plot_aux
@@ -43,8 +51,6 @@ from gradaccum.book.ch08_scaling import Recipe as Recipe
 from gradaccum.book.ch08_scaling import accuracy as accuracy
 from gradaccum.book.ch08_scaling import max_parameter_difference as max_parameter_difference
 from gradaccum.book.ch08_scaling import optimizer_for as optimizer_for
-from gradaccum.book.ch08_scaling import plot_scaling as plot_scaling
-from gradaccum.book.ch08_scaling import plot_scaling_grid as plot_scaling_grid
 from gradaccum.book.ch08_scaling import scaling_run as scaling_run
 from gradaccum.book.ch08_scaling import scaling_study as scaling_study
 from gradaccum.book.ch08_scaling import train_classifier as train_classifier
@@ -53,33 +59,24 @@ from gradaccum.book.parallel import run_jobs
 from gradaccum.book.plotting import PALETTE, decorate, figure, heatmap
 from gradaccum.timing import interleaved_medians
 
-#: Temperature of the chapter's InfoNCE loss.
-TAU = 0.2
 
+def start_workers(workers: int = 2) -> threading.Thread:
+    """Start the studies' ``workers`` processes now and return at once: a thread hands each of them a job that
+    imports the modules of :func:`contrastive_run` and :func:`scaling_run`
+    (:func:`gradaccum.book.ch08_contrastive.preload`), so they import torch and those modules while the next cells
+    run, and the first study (``workers=2``) finds them ready. The thread is returned (join it to wait); an error
+    in it is left to the study that needs the processes, which raises it."""
+    modules = (contrastive_run.__module__, scaling_run.__module__)
 
-def views(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """One augmented view of each digit: shifted by up to one pixel in each direction and with a random quarter of
-    its pixels set to 0 (the randomness comes from ``g`` only)."""
-    n = len(x)
-    img = x.reshape(n, 8, 8)
-    dy, dx = torch.randint(-1, 2, (n,), generator=g), torch.randint(-1, 2, (n,), generator=g)
-    shifted = torch.stack([torch.roll(img[i], (int(dy[i]), int(dx[i])), (0, 1)) for i in range(n)])
-    keep = (torch.rand(n, 64, generator=g, dtype=x.dtype) > 0.25).to(x.dtype)
-    return shifted.reshape(n, -1) * keep
+    def run() -> None:
+        try:
+            run_jobs(ch08_contrastive.preload, [dict(modules=modules)] * workers, workers)
+        except Exception:  # noqa: BLE001, S110 - the study's own call reports it, in its cell
+            pass
 
-
-def encoder(seed: int = 0, hidden: int = 64) -> nn.Sequential:
-    """Linear(64, hidden) → ReLU → Linear(hidden, 16), float64; the weights depend only on ``seed`` (drawn in
-    float32 and then cast, whatever torch's default dtype)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        f32 = torch.float32
-        return nn.Sequential(nn.Linear(64, hidden, dtype=f32), nn.ReLU(), nn.Linear(hidden, 16, dtype=f32)).double()
-
-
-def loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The chapter's InfoNCE (temperature :data:`TAU`)."""
-    return coupled.info_nce(a, b, TAU)
+    thread = threading.Thread(target=run, name="ch8-start-workers", daemon=True)
+    thread.start()
+    return thread
 
 
 def accumulation_error(x: torch.Tensor, k: int, b: int, seed: int = 0) -> tuple[float, float]:
@@ -186,98 +183,6 @@ def step_costs(x: torch.Tensor, k: int, b: int, hidden: int = 2048, repeat: int 
     return Costs(seconds, {name: peak_saved_bytes(fn, held) for name, fn in fns.items()})
 
 
-def few_label_accuracy(
-    enc: nn.Module,
-    x_train: torch.Tensor,
-    y_train: torch.Tensor,
-    x_val: torch.Tensor,
-    y_val: torch.Tensor,
-    per_class: int = 3,
-) -> float:
-    """Validation accuracy of nearest class centroid (cosine) in the embedding, the centroids from the first
-    ``per_class`` training digits of each class: how well the embedding separates the classes with few labels."""
-    labelled = torch.cat([torch.nonzero(y_train == c)[:per_class, 0] for c in range(10)])
-    with torch.no_grad():
-        a = F.normalize(enc(flat_digits(x_train[labelled])), dim=1)
-        v = F.normalize(enc(flat_digits(x_val)), dim=1)
-    centroids = F.normalize(torch.stack([a[y_train[labelled] == c].mean(0) for c in range(10)]), dim=1)
-    return float(((v @ centroids.T).argmax(1) == y_val).double().mean())
-
-
-def train_contrastive(
-    method: str,
-    x: torch.Tensor,
-    k: int,
-    b: int,
-    seed: int,
-    schedule: str,
-    epochs: int = 4,
-    lr: float = 0.05,
-    one_pass: bool = True,
-) -> nn.Module:
-    """Contrastive training of :func:`encoder` on the training digits: SGD with momentum 0.9, batches of
-    ``k · b`` digits (two views each), ``"full"`` batch, ``"plain"`` accumulation of ``k`` micro-batches or
-    ``"gradcache"``, learning rate constant or cosine-decayed to 0. With ``one_pass`` (the default), plain
-    accumulation is computed in one pass as :func:`gradaccum.coupled.micro_batch_info_nce`, the same gradient as
-    :func:`gradaccum.coupled.plain_accumulation_backward` to rounding (a test trains both ways)."""
-    if method not in ("full", "plain", "gradcache"):
-        raise ValueError(f"method must be 'full', 'plain' or 'gradcache', got {method!r}.")
-    if schedule not in ("constant", "cosine"):
-        raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}.")
-    require_k(k)
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-        raise ValueError(f"the micro-batch size b must be an int >= 1, got {b!r}.")
-    enc = encoder(seed)
-    opt = torch.optim.SGD(enc.parameters(), lr=lr, momentum=0.9)
-    g = torch.Generator().manual_seed(seed)
-    xs, n = flat_digits(x), k * b
-    per_epoch = len(xs) // n
-    if per_epoch == 0:
-        raise ValueError(
-            f"a batch of K · b = {n} digits is more than the {len(xs)} given: no step would run; "
-            "give more digits or a smaller K or b."
-        )
-    total, step = epochs * per_epoch, 0
-    for _ in range(epochs):
-        order = torch.randperm(len(xs), generator=g)
-        for i in range(per_epoch):
-            batch = xs[order[i * n : (i + 1) * n]]
-            xa, xb = views(batch, g), views(batch, g)
-            factor = (1 + math.cos(math.pi * step / total)) / 2 if schedule == "cosine" else 1.0
-            for group in opt.param_groups:
-                group["lr"] = lr * factor
-            opt.zero_grad()
-            if method == "full":
-                loss(enc(xa), enc(xb)).backward()
-            elif method == "plain" and one_pass:  # the same gradient as accumulating, to rounding
-                coupled.micro_batch_info_nce(enc(xa), enc(xb), k, TAU).backward()
-            elif method == "plain":
-                coupled.plain_accumulation_backward([enc, enc], [xa, xb], k, loss)
-            else:
-                coupled.grad_cache_backward([enc, enc], [xa, xb], k, loss)
-            opt.step()
-            step += 1
-    return enc
-
-
-def contrastive_run(
-    x_train: torch.Tensor,
-    y_train: torch.Tensor,
-    x_val: torch.Tensor,
-    y_val: torch.Tensor,
-    k: int,
-    b: int,
-    seed: int,
-    schedule: str,
-) -> dict[str, float]:
-    """Few-label accuracy after training with the full batch (= GradCache) and with plain accumulation, for one
-    (K, b), seed and schedule."""
-    return {
-        m: few_label_accuracy(train_contrastive(m, x_train, k, b, seed, schedule), x_train, y_train, x_val, y_val)
-        for m in ("full", "plain")
-    }
-
-
 def contrastive_study(
     x_train: torch.Tensor,
     y_train: torch.Tensor,
@@ -348,4 +253,53 @@ def plot_error_widget(x: torch.Tensor, k: int, b: int):
     ax.bar_label(bars, labels=[f"{plain:.2f}", "0 (exact)" if cache < 1e-12 else f"{cache:.0e}"], padding=2)
     ax.margins(y=0.15)  # room above the tallest bar for its label, below the title
     decorate(ax, "", "relative gradient error", f"K = {k}, b = {b}: {b - 1} vs {k * b - 1} negatives per sample")
+    return fig
+
+
+def _scaling_panel(
+    ax,
+    study: dict[tuple[str, str, int, str], float],
+    optimizer: str,
+    schedule: str,
+    fontsize: int = 7,
+    ylim: tuple[float, float] | None = None,
+) -> None:
+    if optimizer not in SCALING_RUNS:
+        raise ValueError(f"optimizer must be one of {list(SCALING_RUNS)}, got {optimizer!r}.")
+    recipes = SCALING_RUNS[optimizer]
+    seeds = sorted({key[2] for key in study if key[0] == optimizer and key[3] == schedule})
+    if not seeds:
+        raise ValueError(f"the study has no {optimizer} run with the {schedule!r} schedule.")
+    for i, r in enumerate(recipes):
+        accs = [study[optimizer, r.label, s, schedule] for s in seeds]
+        ax.plot([i - 0.25, i + 0.25], [sum(accs) / len(accs)] * 2, "-", color=PALETTE["blue"], linewidth=2.5)
+        ax.plot([i] * len(accs), accs, "o", color=PALETTE["black"], fillstyle="none")
+    ax.set_xticks(range(len(recipes)), [r.label.replace(", ", ",\n", 1) for r in recipes], fontsize=fontsize)
+    ax.set_xlim(-0.6, len(recipes) - 0.4)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    decorate(
+        ax,
+        "",
+        "validation accuracy",
+        f"{optimizer}, {schedule} rate: line = mean, circles = seeds {seeds[0]}–{seeds[-1]}",
+        legend=False,
+    )
+
+
+def plot_scaling(study: dict[tuple[str, str, int, str], float], optimizer: str, schedule: str):
+    """The widget's picture: validation accuracy of each recipe of :data:`SCALING_RUNS` for one optimizer and
+    schedule, one circle per seed, the mean as a bar."""
+    fig, (ax,) = figure(1, 6.4, 3.4)
+    _scaling_panel(ax, study, optimizer, schedule, ylim=(min(study.values()) - 0.01, 1.0))
+    return fig
+
+
+def plot_scaling_grid(study: dict[tuple[str, str, int, str], float]):
+    """The static figure: :func:`plot_scaling` for every optimizer and schedule, side by side."""
+    fig, axes = plt.subplots(2, 2, figsize=(9.6, 6.0), layout="constrained")
+    low = min(study.values())
+    for row, optimizer in zip(axes, SCALING_RUNS):
+        for ax, schedule in zip(row, ("constant", "cosine")):
+            _scaling_panel(ax, study, optimizer, schedule, fontsize=6, ylim=(low - 0.01, 1.0))
     return fig

@@ -1,6 +1,9 @@
 """Chapter 8, "when K changes": how SGD and Adam runs with the same samples per step compare as K and the
 micro-batch trade places, with the learning-rate and momentum rules that keep them together. Re-exported by
-:mod:`gradaccum.book.ch08_beyond_batchnorm`.
+:mod:`gradaccum.book.ch08_beyond_batchnorm`, which also draws the study's figures.
+
+The study's worker processes (:func:`gradaccum.book.parallel.run_jobs`) import this module to run
+:func:`scaling_run`, so it imports torch, the core and the digits CNN only: no figures.
 """
 
 from __future__ import annotations
@@ -9,14 +12,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import matplotlib.pyplot as plt
 import torch
 from torch import nn
 
 from gradaccum._validate import require_k
 from gradaccum.book.models import make_cnn
 from gradaccum.book.parallel import run_jobs
-from gradaccum.book.plotting import PALETTE, decorate, figure
 
 #: The optimizers of the scaling study, with their base learning rate at batches of 16.
 BASE_LR = {"SGD": 0.02, "Adam": 0.006}
@@ -205,52 +206,3 @@ def scaling_study(
     ]
     results = run_jobs(scaling_run, jobs, workers)
     return {(opt, r.label, seed, schedule): acc for (opt, r, seed, schedule), acc in zip(runs, results)}
-
-
-def _scaling_panel(
-    ax,
-    study: dict[tuple[str, str, int, str], float],
-    optimizer: str,
-    schedule: str,
-    fontsize: int = 7,
-    ylim: tuple[float, float] | None = None,
-) -> None:
-    if optimizer not in SCALING_RUNS:
-        raise ValueError(f"optimizer must be one of {list(SCALING_RUNS)}, got {optimizer!r}.")
-    recipes = SCALING_RUNS[optimizer]
-    seeds = sorted({key[2] for key in study if key[0] == optimizer and key[3] == schedule})
-    if not seeds:
-        raise ValueError(f"the study has no {optimizer} run with the {schedule!r} schedule.")
-    for i, r in enumerate(recipes):
-        accs = [study[optimizer, r.label, s, schedule] for s in seeds]
-        ax.plot([i - 0.25, i + 0.25], [sum(accs) / len(accs)] * 2, "-", color=PALETTE["blue"], linewidth=2.5)
-        ax.plot([i] * len(accs), accs, "o", color=PALETTE["black"], fillstyle="none")
-    ax.set_xticks(range(len(recipes)), [r.label.replace(", ", ",\n", 1) for r in recipes], fontsize=fontsize)
-    ax.set_xlim(-0.6, len(recipes) - 0.4)
-    if ylim is not None:
-        ax.set_ylim(*ylim)
-    decorate(
-        ax,
-        "",
-        "validation accuracy",
-        f"{optimizer}, {schedule} rate: line = mean, circles = seeds {seeds[0]}–{seeds[-1]}",
-        legend=False,
-    )
-
-
-def plot_scaling(study: dict[tuple[str, str, int, str], float], optimizer: str, schedule: str):
-    """The widget's picture: validation accuracy of each recipe of :data:`SCALING_RUNS` for one optimizer and
-    schedule, one circle per seed, the mean as a bar."""
-    fig, (ax,) = figure(1, 6.4, 3.4)
-    _scaling_panel(ax, study, optimizer, schedule, ylim=(min(study.values()) - 0.01, 1.0))
-    return fig
-
-
-def plot_scaling_grid(study: dict[tuple[str, str, int, str], float]):
-    """The static figure: :func:`plot_scaling` for every optimizer and schedule, side by side."""
-    fig, axes = plt.subplots(2, 2, figsize=(9.6, 6.0), layout="constrained")
-    low = min(study.values())
-    for row, optimizer in zip(axes, SCALING_RUNS):
-        for ax, schedule in zip(row, ("constant", "cosine")):
-            _scaling_panel(ax, study, optimizer, schedule, fontsize=6, ylim=(low - 0.01, 1.0))
-    return fig

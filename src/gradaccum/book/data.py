@@ -12,8 +12,6 @@ from importlib import resources
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from gradaccum.windows import IGNORE
 
@@ -52,6 +50,10 @@ def load_digits_split(
         raise ValueError(f"val_size must be between 10 and 1787 images, got {val_size}; the default is 576.")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point type such as torch.float64, got {dtype}.")
+    # scikit-learn only here: a study's worker processes import this module for flat_digits, not sklearn (1-2 s)
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
     x_tr, x_va, y_tr, y_va = train_test_split(
         digits.images / 16.0, digits.target, test_size=val_size, random_state=seed, stratify=digits.target

@@ -220,19 +220,29 @@ SCHEMATICS: dict[str, Schematic] = {
         ),
     ),
     "08_beyond_batchnorm": Schematic(
-        "Couplings over the window; state updated once per micro-batch",
+        "Couplings over the window (all K·b samples); BatchNorm frozen in the rerun",
         (
-            Lane("in-batch negatives, plain", "wrong", _window(4, after_forward="!negatives~of~b", last="S")),
-            Lane("GradCache", "right", "P:embed~all~K·b~(no~grad) +loss~over~K·b " + _window(4, last="S")),
+            Lane("in-batch negatives, per micro-batch", "wrong", _window(4, after_forward="!b−1~negatives", last="S")),
+            Lane(
+                "GradCache",
+                "right",
+                "P:embed~all~K·b~(no~grad) +loss~over~K·b,~its~G " + _window(4, after_forward=".gets~G_k", last="S"),
+            ),
+            Lane("load balancing, per micro-batch", "wrong", _window(4, after_forward="!counts~of~b", last="S")),
+            Lane(
+                "load balancing, window's counts",
+                "right",
+                "P:route~all~K·b~(no~grad) +count~the~window " + _window(4, after_forward=".window's~f", last="S"),
+            ),
             Lane(
                 "checkpointed BatchNorm, plain",
                 "wrong",
-                _window(4, after_forward=".update", between="!rerun~updates~again", last="!rerun~updates~again S"),
+                " ".join(f"F{k} .update !its~rerun~updates~again B{k}" for k in range(1, 5)) + " S",
             ),
             Lane(
-                "checkpointed BatchNorm, frozen on rerun",
+                "checkpointed BatchNorm, frozen in the rerun",
                 "right",
-                _window(4, after_forward=".update", between="+rerun~frozen", last="+rerun~frozen S"),
+                " ".join(f"F{k} .update +its~rerun~frozen B{k}" for k in range(1, 5)) + " S",
             ),
         ),
     ),
