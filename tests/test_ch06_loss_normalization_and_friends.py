@@ -476,3 +476,30 @@ def test_counts_are_graded_exactly_and_weighted_probability_targets_divide_by_sa
             0.1,
             seed=-1,
         )
+
+
+def loaded(names: tuple[str, ...]) -> list[str]:
+    """The modules of ``names`` that the process running this job has not imported."""
+    import sys
+
+    return [name for name in names if name not in sys.modules]
+
+
+@pytest.mark.slow
+def test_the_helpers_fork_from_a_server_that_imported_what_they_need():
+    """The fork server ignores a preload it cannot import; every name in HELPER_MODULES must be a module, and the
+    study's processes must find them imported (the seconds the chapter saves)."""
+    from multiprocessing import forkserver
+
+    from gradaccum.book import parallel
+
+    parallel.shutdown()
+    forkserver._forkserver._stop()  # a server another test started keeps what it preloaded
+    try:
+        if not ch6.start_helpers():
+            pytest.skip("this platform has no fork server")
+        missing = parallel.run_jobs(loaded, [dict(names=ch6.HELPER_MODULES)] * 2, 2, start_method="forkserver")
+        assert missing == [[], []]
+    finally:
+        parallel.shutdown()
+        forkserver._forkserver._stop()
