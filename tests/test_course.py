@@ -244,13 +244,18 @@ def test_instructor_page_lists_every_exercise_and_its_checker():
 
 def _visible_text(nb) -> str:
     """What a student reads in a chapter besides its exercise cells: the text and the stored outputs (figures as
-    data URIs left out; code is left out too, where numbers such as format widths are not statements)."""
+    data URIs left out; code is left out too, where numbers such as format widths are not statements). The outputs
+    of measurement cells (tagged ``nbval-ignore-output``: timings that differ on every run) are left out as well: a
+    wall-clock reading that happens to equal an answer (chapter 5's 122 ms) states nothing, and would make this check
+    fail at random."""
     parts = []
     for cell in nb["cells"]:
         if course.is_exercise_cell(cell):
             continue
         if cell["cell_type"] == "markdown":
             parts.append(course._source(cell))
+        if "nbval-ignore-output" in cell.get("metadata", {}).get("tags", []):
+            continue
         for out in cell.get("outputs", []):
             data = out.get("data", {})
             for key in ("text/plain", "text/html", "text/markdown"):
