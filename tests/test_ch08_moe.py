@@ -175,8 +175,9 @@ def test_the_noise_scale_matches_per_sample_gradients_from_autograd():
 
 @pytest.mark.slow
 def test_contrastive_gradients_across_two_gloo_ranks():
-    from gradaccum.book.ch08_ddp import GRAD_CACHES, contrastive_ddp
+    from gradaccum.book.ch08_ddp import GRAD_CACHES, contrastive_ddp, start_fork_server
 
+    start_fork_server()  # as the chapter does: started early, in the background; the launch forks from it
     g = torch.Generator().manual_seed(3)
     a, b = torch.rand(16, 64, generator=g, dtype=torch.float64), torch.rand(16, 64, generator=g, dtype=torch.float64)
     out = contrastive_ddp(a, b)

@@ -40,6 +40,7 @@ from gradaccum.book.ch08_contrastive import few_label_accuracy as few_label_accu
 from gradaccum.book.ch08_contrastive import loss as loss
 from gradaccum.book.ch08_contrastive import train_contrastive as train_contrastive
 from gradaccum.book.ch08_contrastive import views as views
+from gradaccum.book.ch08_ddp import start_fork_server
 from gradaccum.book.ch08_routing import aux_covariance as aux_covariance
 from gradaccum.book.ch08_routing import aux_losses as aux_losses
 from gradaccum.book.ch08_routing import plot_aux as plot_aux
@@ -61,11 +62,13 @@ from gradaccum.timing import interleaved_medians
 
 
 def start_workers(workers: int = 2) -> threading.Thread:
-    """Start the studies' ``workers`` processes now and return at once: a thread hands each of them a job that
-    imports the modules of :func:`contrastive_run` and :func:`scaling_run`
-    (:func:`gradaccum.book.ch08_contrastive.preload`), so they import torch and those modules while the next cells
-    run, and the first study (``workers=2``) finds them ready. The thread is returned (join it to wait); an error
-    in it is left to the study that needs the processes, which raises it."""
+    """Start the chapter's worker processes now and return at once, so they import torch while the next cells run:
+    the fork server of the DDP cell (:func:`gradaccum.book.ch08_ddp.start_fork_server`), and the studies'
+    ``workers`` processes, to which a thread hands a job that imports the modules of :func:`contrastive_run` and
+    :func:`scaling_run` (:func:`gradaccum.book.ch08_contrastive.preload`): the first study (``workers=2``) finds
+    them ready. The thread is returned (join it to wait); an error in it is left to the study that needs the
+    processes, which raises it."""
+    start_fork_server()
     modules = (contrastive_run.__module__, scaling_run.__module__)
 
     def run() -> None:
