@@ -26,8 +26,6 @@ Every worker imports this module: it holds nothing the workers do not need (no f
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -178,25 +176,12 @@ def contrastive_task(rank: int, world_size: int, views_a: torch.Tensor, views_b:
 
 def start_fork_server() -> bool:
     """Start the fork server that :func:`gradaccum.book.ddp_workers.launch` forks its workers from, now, and return
-    at once: it imports torch, :mod:`gradaccum.book.ddp_workers` and ``torch._dynamo`` (which DDP's constructor
-    imports: a second or two in every worker otherwise) in the background, while the caller goes on. It starts
-    with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless the caller set a level, as ``launch`` starts it. A server already
-    running is kept as it is; returns ``False`` (and starts nothing) where the platform has no fork server."""
-    from multiprocessing import forkserver
-
+    at once, with ``torch._dynamo`` preloaded too (DDP's constructor imports it: a second or two in every worker
+    otherwise); see :func:`gradaccum.book.ddp_workers.start_fork_server`. Returns ``False`` (and starts nothing)
+    where the platform has no fork server."""
     from gradaccum.book import ddp_workers  # here: ddp_workers imports this module's task
 
-    if ddp_workers.start_method() != "forkserver":
-        return False
-    multiprocessing.set_forkserver_preload([ddp_workers.__name__, "torch._dynamo"])
-    had = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    try:
-        forkserver.ensure_running()
-    finally:
-        if had is None:
-            del os.environ["TORCH_CPP_LOG_LEVEL"]
-    return True
+    return ddp_workers.start_fork_server(["torch._dynamo"])
 
 
 def contrastive_ddp(a: torch.Tensor, b: torch.Tensor, ranks: int = 2) -> dict[str, dict[str, float]]:
